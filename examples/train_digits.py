@@ -1,0 +1,144 @@
+"""Small DDP training example: an MLP on scikit-learn's bundled digits dataset.
+
+Needs no download. Launch it with any torchrun-compatible launcher, e.g.::
+
+    fsm-agent run --standalone --nproc-per-node 2 examples/train_digits.py
+    torchrun --standalone --nproc-per-node 2 examples/train_digits.py
+
+The script reads RANK, LOCAL_RANK, WORLD_SIZE and TORCHELASTIC_RESTART_COUNT
+from the environment and uses NCCL on GPUs or gloo on CPUs. At the end of each
+epoch rank 0 saves a checkpoint (model, optimizer, epoch) atomically. After a
+restart every rank resumes from the epoch after the last checkpoint.
+
+For testing restarts, ``--crash-rank R --crash-epoch E`` makes rank R fail at the
+start of epoch E on the first attempt only. It raises RuntimeError, or calls
+sys.exit(C) if you pass ``--crash-exit-code C``. Add ``--crash-always`` to make it
+fail on every attempt. Epochs are numbered from 1.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from sklearn.preprocessing import StandardScaler
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--batch-size", type=int, default=32, help="per-process batch size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", default=os.path.join("runs", "digits_ckpt.pt"))
+    p.add_argument("--result-file", default=None, help="rank 0 writes a JSON summary here")
+    p.add_argument("--crash-rank", type=int, default=None)
+    p.add_argument("--crash-epoch", type=int, default=None)
+    p.add_argument("--crash-exit-code", type=int, default=None)
+    p.add_argument("--crash-always", action="store_true", help="crash on every attempt")
+    return p.parse_args(argv)
+
+
+def load_data(seed):
+    x, y = load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, random_state=seed, stratify=y)
+    scaler = StandardScaler().fit(x_tr)
+    as_t = lambda a, dt: torch.tensor(a, dtype=dt)  # noqa: E731
+    return (TensorDataset(as_t(scaler.transform(x_tr), torch.float32), as_t(y_tr, torch.long)),
+            as_t(scaler.transform(x_te), torch.float32), as_t(y_te, torch.long))
+
+
+def save_atomic(obj, path):
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+@record
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+
+    if torch.cuda.is_available():
+        backend, device = "nccl", torch.device(f"cuda:{local_rank}")
+        torch.cuda.set_device(device)
+    else:
+        backend, device = "gloo", torch.device("cpu")
+    dist.init_process_group(backend, init_method="env://")
+
+    train_ds, x_test, y_test = load_data(args.seed)
+    sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler)
+
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    start_epoch, resumed_from = 1, None
+    if os.path.exists(args.checkpoint):
+        ckpt = torch.load(args.checkpoint, map_location=device)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        resumed_from = ckpt["epoch"]
+        start_epoch = resumed_from + 1
+        print(f"[rank {rank}] resumed from epoch {resumed_from}", flush=True)
+    ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    loss_fn = nn.CrossEntropyLoss()
+
+    for epoch in range(start_epoch, args.epochs + 1):
+        if (rank == args.crash_rank and epoch == args.crash_epoch
+                and (args.crash_always or restart_count == 0)):
+            print(f"[rank {rank}] injecting crash at epoch {epoch} (restart {restart_count})", flush=True)
+            if args.crash_exit_code is not None:
+                sys.exit(args.crash_exit_code)
+            raise RuntimeError(f"injected crash on rank {rank} at epoch {epoch}")
+
+        ddp.train()
+        sampler.set_epoch(epoch)
+        stats = torch.zeros(2, device=device)  # summed loss, number of samples
+        for xb, yb in loader:
+            xb, yb = xb.to(device), yb.to(device)
+            opt.zero_grad()
+            loss = loss_fn(ddp(xb), yb)
+            loss.backward()
+            opt.step()
+            stats += torch.tensor([loss.item() * len(yb), len(yb)], device=device)
+        dist.all_reduce(stats)
+
+        if rank == 0:
+            print(f"epoch {epoch}/{args.epochs} loss {(stats[0] / stats[1]).item():.4f}", flush=True)
+            os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
+            save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch},
+                        args.checkpoint)
+        dist.barrier()
+
+    model.eval()
+    with torch.no_grad():
+        acc = (model(x_test.to(device)).argmax(1) == y_test.to(device)).float().mean().item()
+    if rank == 0:
+        print(f"final test accuracy: {acc:.3f}", flush=True)
+        if args.result_file:
+            result = {"test_accuracy": acc, "epochs": args.epochs, "world_size": world,
+                      "resumed_from": resumed_from, "restart_count": restart_count}
+            os.makedirs(os.path.dirname(os.path.abspath(args.result_file)), exist_ok=True)
+            tmp = f"{args.result_file}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(result, f)
+            os.replace(tmp, args.result_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""fsm-agent: an elastic agent for PyTorch distributed training, driven by a statechart with plugins.
+
+Public API: ``launch_agent``/``elastic_launch`` (torch's launcher API), ``LaunchConfig``, the data
+model (``WorkerSpec``, ``Worker``, ``WorkerGroup``, ``WorkerState``, ``RunResult``) and ``hookimpl``.
+"""
+
+from fsm_agent.config import LaunchConfig
+from fsm_agent.plugins import hookimpl
+from fsm_agent.states.worker_state import WorkerState
+from fsm_agent.worker import RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec
+
+
+def __getattr__(name):  # the launcher pulls in the agent; keep `import fsm_agent` light
+    if name in ("launch_agent", "elastic_launch", "WorkerGroupFailedError"):
+        from fsm_agent import launch
+
+        return getattr(launch, name)
+    raise AttributeError(name)
+
+
+__all__ = ["LaunchConfig", "WorkerSpec", "Worker", "WorkerGroup", "WorkerState", "WorkerFailure",
+           "RunResult", "hookimpl", "launch_agent", "elastic_launch", "WorkerGroupFailedError"]

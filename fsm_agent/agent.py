@@ -1,0 +1,475 @@
+"""ElasticAgent: the model of the worker-group statechart, and its run loop.
+
+The table in ``fsm_agent.states.table`` decides every state change; this class supplies the
+steps the table names (``_rendezvous``, ``_start_workers``, ``_stop_workers``, ...), the guards
+(``has_restarts_left``), and a run loop that only turns observations (worker exits, signals,
+membership, errors) into triggers. Hooks fire from the steps and from ``_after_state_change``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import socket
+import threading
+import time
+import traceback
+from typing import Any
+
+import attrs
+import pluggy
+
+from fsm_agent import errorfile
+from fsm_agent.env import worker_env
+from fsm_agent.logs import LogsLayout, WorkerLogs
+from fsm_agent.ranks import assign_ranks
+from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine
+from fsm_agent.worker import RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec
+
+log = logging.getLogger(__name__)
+S = WorkerState
+EXIT_BARRIER_PREFIX = "torchelastic/agent/terminal_state"  # torch's key: torchrun peers share it
+
+
+class SignalStop(BaseException):
+    """Raised by the signal handler to interrupt a blocking rendezvous or exit barrier."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"received signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@attrs.frozen
+class TransitionRecord:
+    """One state change of the worker group.
+
+    Attributes:
+        source / dest: WorkerState names.
+        trigger: the table trigger that fired.
+        ts: wall-clock time of the change, seconds since the epoch.
+        restart_count: restarts used, after the change.
+        duration_s: seconds spent in ``source``.
+        error: the agent error that caused the change, if any.
+    """
+
+    source: str
+    dest: str
+    trigger: str
+    ts: float
+    restart_count: int
+    duration_s: float
+    error: str | None = None
+
+
+def _rendezvous_errors() -> tuple[type, type]:
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousGracefulExitError
+
+    return RendezvousError, RendezvousGracefulExitError
+
+
+class ElasticAgent:
+    """One node's agent: rendezvous, start, watch, restart and stop a worker group.
+
+    Mirrors torch's ``LocalElasticAgent`` (``run() -> RunResult``, ``get_worker_group()``), with
+    the control flow moved into the statechart.
+
+    Args:
+        spec: the WorkerSpec.
+        plugin_manager: from ``fsm_agent.plugins.manager.get_plugin_manager``.
+        rdzv_handler: a torch-style RendezvousHandler (from the backend registry).
+        launcher: a launcher instance (from the backend registry).
+        logs: the LogsLayout for this run.
+        events_path: where the built-in recorder writes events (None: ``events.jsonl`` in the log dir).
+        signals_to_handle: signal names that stop the workers and the agent (``--signals-to-handle``).
+    """
+
+    def __init__(self, spec: WorkerSpec, plugin_manager: pluggy.PluginManager, rdzv_handler: Any,
+                 launcher: Any, logs: LogsLayout, events_path: str | None = None,
+                 signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT", config: Any = None):
+        self.spec = spec
+        self.plugin_manager = plugin_manager
+        self.config = config
+        self.hostname = socket.getfqdn()
+        self._rdzv_handler = rdzv_handler
+        self._launcher = launcher
+        self._logs = logs
+        self.events_path = events_path or (
+            os.path.join(logs.run_log_dir, "events.jsonl") if logs.run_log_dir else None)
+        self._signals = [getattr(signal, n.strip()) for n in signals_to_handle.split(",") if n.strip()]
+        self._worker_group = WorkerGroup(spec)
+        self.restart_count = 0
+        self.transitions: list[TransitionRecord] = []
+        self._failures: dict[int, WorkerFailure] = {}
+        self._return_values: dict[int, Any] = {}
+        self._reported_exits: set[int] = set()
+        self._worker_logs: dict[int, WorkerLogs] = {}
+        self._worker_store = None
+        self._error: str | None = None
+        self._signal: int | None = None
+        self._interruptible = False
+        self._state_since = time.monotonic()
+        self._next_tick = 0.0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.machine = build_machine(self)
+        plugin_manager.hook.fsm_agent_configure(config=config, agent=self)
+
+    # -- public API (torch names) --------------------------------------------------------------
+    def get_worker_group(self, role: str = "default") -> WorkerGroup:
+        return self._worker_group
+
+    @property
+    def run_id(self) -> str:
+        return self._rdzv_handler.get_run_id()
+
+    @property
+    def remaining_restarts(self) -> int:
+        return self.spec.max_restarts - self.restart_count
+
+    def run(self) -> RunResult:
+        """Drive the statechart from INIT to a terminal state and return the RunResult.
+
+        Never raises for worker failures, rendezvous failures, plugin errors or signals: each of
+        those ends in a terminal state whose RunResult says why.
+        """
+        previous = self._install_signal_handlers()
+        try:
+            while self.state not in (S.SUCCEEDED, S.FAILED, S.UNKNOWN):
+                self._step()
+        finally:
+            self._restore_signal_handlers(previous)
+            self._release()
+        result = RunResult(state=self.state, return_values=dict(self._return_values),
+                           failures=dict(self._failures), error=self._error, signal=self._signal,
+                           restart_count=self.restart_count)
+        self._record_final_metrics(result)
+        self._broadcast("fsm_agent_record_event", event=self._event("run_end", state=result.state.value,
+                                                                    exit_code=result.exit_code, error=result.error))
+        self._broadcast("fsm_agent_unconfigure", result=result)
+        return result
+
+    # -- the run loop: observations in, triggers out --------------------------------------------
+    def _step(self) -> None:
+        if self._signal is not None:
+            self._fire("stop_requested")
+            return
+        auto = AUTO_TRIGGERS.get(self.state)
+        if auto is not None:
+            self._fire(auto)
+            return
+        fact = self._wait_for_fact()
+        if fact is not None:
+            self._fire(fact)
+
+    def _fire(self, trigger: str) -> None:
+        """Fire a trigger; turn whatever it raises into the table's error trigger."""
+        rendezvous_error, graceful_exit = _rendezvous_errors()
+        try:
+            self.trigger(trigger)
+        except SignalStop:
+            pass  # self._signal is set: the next step fires stop_requested
+        except graceful_exit:
+            self._fire("rendezvous_not_needed")
+        except rendezvous_error as exc:
+            self._error = self._describe_rendezvous_error(exc)
+            self._fire_error("rendezvous_failed")
+        except Exception as exc:
+            self._error = f"{trigger} failed in state {self.state.value}: {type(exc).__name__}: {exc}"
+            log.error("%s\n%s", self._error, traceback.format_exc())
+            self._fire_error("agent_errored")
+
+    def _fire_error(self, trigger: str) -> None:
+        try:
+            self.trigger(trigger)
+        except BaseException as exc:  # the error path itself failed: land in UNKNOWN, keep both errors
+            self._error = f"{self._error}; then {trigger} failed: {type(exc).__name__}: {exc}"
+            self._launcher.close()
+            source = self.state
+            self.machine.set_state(S.UNKNOWN, model=self)
+            self._on_state_changed(source.value, S.UNKNOWN.value, trigger)
+
+    def _wait_for_fact(self) -> str | None:
+        """Block until something happens to the running workers; return the trigger it means."""
+        now = time.monotonic()
+        timeout = max(0.0, self._next_tick - now)
+        ready, _, _ = select.select([self._wake_r, *self._launcher.wait_fds()], [], [], timeout)
+        if self._wake_r in ready:
+            try:
+                while os.read(self._wake_r, 512):
+                    pass
+            except BlockingIOError:
+                pass
+        if self._signal is not None:
+            return "stop_requested"
+        exits = self._launcher.poll()
+        for local_rank in sorted(set(exits) - self._reported_exits):
+            self._reported_exits.add(local_rank)
+            self._on_worker_exit(local_rank, exits[local_rank])
+        failed = {r: code for r, code in exits.items() if code != 0}
+        if failed:
+            self._collect_failures(failed)
+            return "workers_failed"
+        if len(exits) == self.spec.local_world_size:
+            by_global = {w.local_rank: w.global_rank for w in self._worker_group.workers}
+            self._return_values = {by_global[r]: v for r, v in self._launcher.return_values().items()}
+            return "workers_succeeded"
+        if time.monotonic() >= self._next_tick:
+            self._next_tick = time.monotonic() + self.spec.monitor_interval
+            if self.state == S.HEALTHY and self._rdzv_handler.num_nodes_waiting() > 0:
+                log.info("[%s] %s node(s) waiting to join: restarting the group (not counted)",
+                         self.spec.role, self._rdzv_handler.num_nodes_waiting())
+                return "membership_changed"
+        return None
+
+    # -- guards ---------------------------------------------------------------------------------
+    def has_restarts_left(self, event=None) -> bool:
+        return self.restart_count < self.spec.max_restarts
+
+    # -- steps named in the table ---------------------------------------------------------------
+    def _rendezvous(self, event=None) -> None:
+        """Join the next rendezvous round, assign ranks, and set up this attempt's worker store."""
+        started = time.monotonic()
+        group = self._worker_group
+        self._interruptible = True
+        try:
+            if self._signal is not None:
+                raise SignalStop(self._signal)
+            info = self._rdzv_handler.next_rendezvous()
+            base_global, world, base_role, role_world = assign_ranks(
+                info.store, info.rank, info.world_size, self.spec.role, self.spec.local_world_size)
+        finally:
+            self._interruptible = False
+        group.store, group.group_rank, group.group_world_size = info.store, info.rank, info.world_size
+        group.workers = [Worker(local_rank=r, global_rank=base_global + r, role_rank=base_role + r,
+                                world_size=world, role_world_size=role_world)
+                         for r in range(self.spec.local_world_size)]
+        group.master_addr = self.spec.master_addr or info.bootstrap_store_info.master_addr
+        group.master_port = self.spec.master_port or info.bootstrap_store_info.master_port
+        self._host_worker_store()
+        log.info("[%s] rendezvous complete: restart_count=%s group_rank=%s group_world_size=%s "
+                 "master=%s:%s global_ranks=%s", self.spec.role, self.restart_count, group.group_rank,
+                 group.group_world_size, group.master_addr, group.master_port,
+                 [w.global_rank for w in group.workers])
+        self._broadcast("fsm_agent_rendezvous_completed", worker_group=group,
+                        duration_s=time.monotonic() - started)
+
+    def _host_worker_store(self) -> None:
+        """Group rank 0 hosts a new, empty TCPStore for this attempt's workers (see rendezvous_c10d)."""
+        self._close_worker_store()
+        group = self._worker_group
+        if group.group_rank == 0 and self._agent_hosts_worker_store:
+            from torch.distributed import TCPStore
+
+            self._worker_store = TCPStore(host_name=group.master_addr, port=group.master_port,
+                                          is_master=True, multi_tenant=True, wait_for_workers=False)
+
+    @property
+    def _agent_hosts_worker_store(self) -> bool:
+        return bool(getattr(self._rdzv_handler, "agent_hosts_worker_store", False))
+
+    @property
+    def _use_agent_store(self) -> bool:
+        if self._agent_hosts_worker_store:
+            return True
+        return bool(getattr(self._rdzv_handler, "use_agent_store", False))
+
+    def _close_worker_store(self) -> None:
+        self._worker_store = None  # dropping the last reference shuts the server down
+
+    def _start_workers(self, event=None) -> None:
+        """Spawn ``local_world_size`` workers with torchrun's environment."""
+        group, spec = self._worker_group, self.spec
+        self._worker_logs = self._logs.reify(self.restart_count, spec.local_world_size, spec.role,
+                                             {w.local_rank: w.global_rank for w in group.workers})
+        envs = {}
+        for worker in group.workers:
+            extra = self.plugin_manager.hook.fsm_agent_worker_env(worker=worker, worker_group=group)
+            envs[worker.local_rank] = worker_env(
+                worker, group, restart_count=self.restart_count, run_id=self.run_id,
+                error_file=self._worker_logs[worker.local_rank].error_file,
+                use_agent_store=self._use_agent_store, extra=extra)
+        self._failures, self._reported_exits, self._return_values = {}, set(), {}
+        pids = self._launcher.start(spec, envs, self._worker_logs, self._logs.filtered_paths(self.restart_count))
+        for worker in group.workers:
+            worker.id = pids[worker.local_rank]
+        self._next_tick = time.monotonic() + spec.monitor_interval
+        self._broadcast("fsm_agent_workers_started", worker_group=group, pids=dict(pids))
+
+    def _stop_workers(self, event=None) -> None:
+        """Stop every live worker (SIGTERM, then SIGKILL after shutdown_timeout s each)."""
+        self._launcher.stop(signal.SIGTERM, self.spec.shutdown_timeout)
+        self._close_worker_store()
+
+    def _count_restart(self, event=None) -> None:
+        self.restart_count += 1
+
+    def _dump_worker_stacks(self, event=None) -> None:
+        """Record where hung workers are stuck (placeholder for hang detection: nothing to dump yet)."""
+
+    def _exit_barrier(self, event=None) -> None:
+        """Wait (up to exit_barrier_timeout s) until every agent is done, as torch's ``_exit_barrier``."""
+        from torch.distributed.elastic.utils.store import barrier
+
+        group = self._worker_group
+        if not group.group_world_size or group.group_world_size <= 1:
+            return
+        self._interruptible = True
+        try:
+            if self._signal is not None:
+                raise SignalStop(self._signal)
+            barrier(store=group.store, world_size=group.group_world_size, key_prefix=EXIT_BARRIER_PREFIX,
+                    barrier_timeout=self.spec.exit_barrier_timeout)
+        except SignalStop:
+            raise
+        except Exception as exc:  # torch swallows barrier errors too: the local result stands
+            log.warning("exit barrier did not complete within %ss: %s", self.spec.exit_barrier_timeout, exc)
+        finally:
+            self._interruptible = False
+
+    # -- observations -----------------------------------------------------------------------------
+    def _on_worker_exit(self, local_rank: int, exitcode: int) -> None:
+        worker = self._worker_group.workers[local_rank]
+        self._broadcast("fsm_agent_worker_exited", worker=worker, worker_group=self._worker_group, exitcode=exitcode)
+        self._broadcast("fsm_agent_record_event", event=self._event(
+            "worker_exit", local_rank=local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank,
+            pid=worker.id, exit_code=exitcode))
+
+    def _collect_failures(self, failed: dict[int, int]) -> None:
+        times = self._launcher.exit_times()
+        for local_rank, code in failed.items():
+            worker = self._worker_group.workers[local_rank]
+            wlogs = self._worker_logs.get(local_rank)
+            error_file = wlogs.error_file if wlogs else ""
+            parsed = errorfile.read_error_file(error_file)
+            if parsed is not None:
+                message, trace, error_ts = parsed
+            else:
+                message = (f"Signal {-code} ({signal.Signals(-code).name}) received by PID {worker.id}"
+                           if code < 0 else f"exited with code {code}")
+                trace, error_ts = errorfile.tail(wlogs.stderr if wlogs else None), None
+            self._failures[worker.global_rank] = WorkerFailure(
+                local_rank=local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank,
+                pid=worker.id, exitcode=code, timestamp=times.get(local_rank, time.time()),
+                error_file=error_file if parsed is not None else "<N/A>", message=message, traceback=trace,
+                hostname=self.hostname, failure_class="signal" if code < 0 else "exit_code",
+                error_timestamp=error_ts)
+
+    # -- hooks after every transition ------------------------------------------------------------
+    def _after_state_change(self, event) -> None:
+        self._on_state_changed(event.transition.source, event.transition.dest, event.event.name)
+
+    def _on_state_changed(self, source: str, dest: str, trigger: str) -> None:
+        now = time.monotonic()
+        record = TransitionRecord(source=str(source), dest=str(dest), trigger=trigger, ts=time.time(),
+                                  restart_count=self.restart_count, duration_s=now - self._state_since,
+                                  error=self._error if dest in ("FAILED", "UNKNOWN") else None)
+        self._state_since = now
+        self._worker_group.state = WorkerState(dest)
+        self.transitions.append(record)
+        role = self.spec.role
+        self._broadcast("fsm_agent_state_changed", transition=record)
+        self._broadcast("fsm_agent_record_event", event=self._event(
+            "transition", source=record.source, dest=record.dest, trigger=trigger,
+            duration_s=round(record.duration_s, 6), error=record.error))
+        self._put_metric("torchelastic", f"workers.{role}.remaining_restarts", self.remaining_restarts)
+        self._put_metric("torchelastic", f"workers.{role}.{dest.lower()}", 1)
+        self._put_metric("fsm_agent", f"state.{source}.duration_s", record.duration_s)
+
+    def _record_final_metrics(self, result: RunResult) -> None:
+        """torch's ``_record_metrics`` names: run_total, flakiness, run_{success,failed}_{with,no}_retries."""
+        role, spec = self.spec.role, self.spec
+        failed, restarted = result.is_failed(), self.restart_count > 0
+        flakiness = 100.0 if failed else 100.0 - 100.0 * (self.remaining_restarts + 1) / (spec.max_restarts + 1)
+        values = {
+            "run_total": 1, "flakiness": flakiness,
+            "run_success_with_retries": int(not failed and restarted),
+            "run_success_no_retries": int(not failed and not restarted),
+            "run_failed_with_retries": int(failed and restarted),
+            "run_failed_no_retries": int(failed and not restarted),
+        }
+        for name, value in values.items():
+            self._put_metric("torchelastic", f"workers.{role}.{name}", value)
+
+    def _put_metric(self, group: str, name: str, value: float) -> None:
+        self._broadcast("fsm_agent_put_metric", metric_group=group, metric_name=name, metric_value=value)
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        group = self._worker_group
+        try:
+            run_id = self.run_id
+        except Exception:
+            run_id = self.spec.rendezvous.run_id
+        return {
+            "ts": time.time(), "kind": kind, "node": self.hostname, "pid": os.getpid(), "role": self.spec.role,
+            "run_id": run_id, "restart_count": self.restart_count, "max_restarts": self.spec.max_restarts,
+            "state": self.state.value if hasattr(self, "state") else None,
+            "group_rank": group.group_rank, "group_world_size": group.group_world_size,
+            "local_world_size": self.spec.local_world_size, "rdzv_backend": self.spec.rendezvous.backend,
+            "master_addr": group.master_addr, "master_port": group.master_port,
+            "entrypoint": self.spec.get_entrypoint_name(),
+            "workers": [{"local_rank": w.local_rank, "global_rank": w.global_rank, "role_rank": w.role_rank,
+                         "world_size": w.world_size, "role_world_size": w.role_world_size, "pid": w.id}
+                        for w in group.workers],
+            **fields,
+        }
+
+    def _broadcast(self, hook_name: str, **kwargs: Any) -> None:
+        """Call every implementation of a listener hook; one failing listener does not stop the rest.
+
+        pluggy aborts a hook call at the first exception, so listeners are called one by one.
+        """
+        for impl in reversed(getattr(self.plugin_manager.hook, hook_name).get_hookimpls()):
+            try:
+                impl.function(**{name: kwargs[name] for name in impl.argnames})
+            except SignalStop:
+                raise
+            except Exception:
+                log.exception("plugin %r failed in %s; continuing", impl.plugin_name, hook_name)
+
+    # -- signals and cleanup ---------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame) -> None:
+        if self._signal is None:
+            self._signal = signum
+            log.warning("received %s: stopping the workers", signal.Signals(signum).name)
+            if self._interruptible:
+                raise SignalStop(signum)
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        previous: dict[int, Any] = {}
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("agent not in the main thread: signals are not handled")
+            return previous
+        for sig in self._signals:
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # started under nohup: keep ignoring SIGHUP
+            previous[sig] = signal.signal(sig, self._on_signal)
+        previous[-1] = signal.set_wakeup_fd(self._wake_w)
+        return previous
+
+    def _restore_signal_handlers(self, previous: dict[int, Any]) -> None:
+        wakeup = previous.pop(-1, None)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if wakeup is not None:
+            signal.set_wakeup_fd(wakeup)
+
+    def _release(self) -> None:
+        self._launcher.close()
+        self._close_worker_store()
+        if self._signal is None:
+            try:
+                self._rdzv_handler.shutdown()  # closes the rendezvous, as torch does
+            except Exception as exc:
+                log.warning("rendezvous shutdown failed: %s", exc)
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+
+    def _describe_rendezvous_error(self, exc: BaseException) -> str:
+        rdzv = self.spec.rendezvous
+        hosting = rdzv.config.get("is_host", "inferred from the endpoint")
+        return (f"rendezvous failed: backend={rdzv.backend} endpoint={rdzv.endpoint or '(default)'} "
+                f"run_id={rdzv.run_id} join_timeout={rdzv.config.get('join_timeout', '600')}s "
+                f"is_host={hosting}: {type(exc).__name__}: {exc}")

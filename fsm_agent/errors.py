@@ -1,0 +1,39 @@
+"""The one exception module: every error fsm-agent raises on purpose derives from FsmAgentError.
+
+``cli.py`` is the only place that turns these into exit codes; it prints ``str(exc)``
+on one line, so every message names the input, the value and the fix.
+"""
+
+from __future__ import annotations
+
+
+class FsmAgentError(Exception):
+    """Base class of all fsm-agent errors. ``exit_code`` is what the CLI exits with."""
+
+    exit_code: int = 1
+
+
+class ConfigError(FsmAgentError):
+    """Bad user input: a flag, an environment variable or a config file value.
+
+    The message names the input and the fix, e.g.
+    ``--nnodes '3:2': MIN must be <= MAX (use e.g. --nnodes 2:3)``.
+    """
+
+    exit_code = 2
+
+
+class PluginError(FsmAgentError):
+    """A plugin failed to load, registered a conflicting backend or broke the hook contract."""
+
+    exit_code = 2
+
+
+class StateError(FsmAgentError):
+    """A transition could not complete: the state, the trigger and the cause are in the message."""
+
+
+class RendezvousFailed(FsmAgentError):
+    """The rendezvous could not complete: names the backend, endpoint, timeout and whether we hosted the store."""
+
+    exit_code = 1

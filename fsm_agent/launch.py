@@ -1,0 +1,144 @@
+"""The Python API: ``launch_agent(config, entrypoint, args)`` and ``elastic_launch(config, fn)(*args)``.
+
+Mirrors ``torch.distributed.launcher.api``: build the WorkerSpec, the plugins and the agent from
+a LaunchConfig, run it, print the summary and hand back the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Callable
+
+from fsm_agent.agent import ElasticAgent
+from fsm_agent.config import LaunchConfig
+from fsm_agent.errorfile import format_summary, propagate_to_parent
+from fsm_agent.errors import ConfigError, FsmAgentError
+from fsm_agent.logs import LogsLayout, parse_std
+from fsm_agent.plugins.manager import build_registry, get_plugin_manager
+from fsm_agent.worker import RendezvousSpec, RunResult, WorkerFailure, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+def _configure_logging() -> None:
+    level = os.environ.get("LOGLEVEL", "WARNING").upper()
+    logging.basicConfig(level=level, format="[fsm-agent %(levelname).1s %(asctime)s] %(message)s",
+                        stream=sys.stderr)
+
+
+def build_spec(config: LaunchConfig, entrypoint: str | Callable, args: tuple) -> WorkerSpec:
+    rdzv = RendezvousSpec(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+                          min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+                          config=dict(config.rdzv_configs), local_addr=config.local_addr,
+                          node_rank=config.node_rank)
+    return WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
+                      args=tuple(args), rendezvous=rdzv, max_restarts=config.max_restarts,
+                      monitor_interval=config.monitor_interval, shutdown_timeout=config.shutdown_timeout,
+                      exit_barrier_timeout=config.exit_barrier_timeout, start_method=config.start_method,
+                      virtual_local_rank=config.virtual_local_rank, numa_binding=config.numa_binding)
+
+
+def rendezvous_parameters(config: LaunchConfig):
+    """torch ``RendezvousParameters`` for the configured backend (as ``launch_agent`` builds them)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    configs = dict(config.rdzv_configs)
+    if config.rdzv_backend == "static":
+        configs.setdefault("rank", config.node_rank)
+    return RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint,
+                                run_id=config.run_id, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+                                local_addr=config.local_addr, **configs)
+
+
+def _logs_layout(config: LaunchConfig) -> LogsLayout:
+    filters = frozenset(config.local_ranks_filter) if config.local_ranks_filter else None
+    return LogsLayout(log_dir=config.log_dir, run_id=config.run_id,
+                      redirects=parse_std(config.redirects, "-r/--redirects"),
+                      tee=parse_std(config.tee, "-t/--tee"), local_ranks_filter=filters,
+                      prefix_template=config.log_line_prefix_template,
+                      duplicate_stdout_filters=tuple(config.duplicate_stdout_filters),
+                      duplicate_stderr_filters=tuple(config.duplicate_stderr_filters))
+
+
+def create_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple) -> ElasticAgent:
+    """Build (but do not run) the agent for ``config``.
+
+    Raises:
+        ConfigError: unknown backend name, bad log flags.
+        PluginError: a plugin failed to load.
+    """
+    pm = get_plugin_manager(disabled=config.disabled_plugins)
+    registry = build_registry(pm)
+    rdzv_creator = registry.get("rendezvous", config.rdzv_backend)
+    launcher_factory = registry.get("launcher", config.launcher)
+    spec = build_spec(config, entrypoint, args)
+    if config.logs_specs:
+        raise ConfigError(f"--logs-specs {config.logs_specs!r}: torchrun.logs_specs plugins are not supported yet; "
+                          "drop the flag to use the built-in log layout")
+    logs = _logs_layout(config)
+    try:
+        handler = rdzv_creator(rendezvous_parameters(config))
+    except FsmAgentError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"--rdzv-backend {config.rdzv_backend} at {config.rdzv_endpoint or '(default endpoint)'}: "
+                          f"{type(exc).__name__}: {exc}") from None
+    agent = ElasticAgent(spec, pm, handler, launcher_factory(None), logs, events_path=config.events_file,
+                         signals_to_handle=config.signals_to_handle, config=config)
+    return agent
+
+
+def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple = ()) -> RunResult:
+    """Run one agent to the end; print the summary on failure. Mirrors torch's ``launch_agent``.
+
+    Returns:
+        The RunResult (``result.exit_code`` is what the CLI exits with).
+
+    Raises:
+        ConfigError / PluginError: before any worker started (bad backend name, plugin import error).
+    """
+    _configure_logging()
+    agent = create_agent(config, entrypoint, args)
+    if agent._logs.run_log_dir:
+        log.info("logs in %s, events in %s", agent._logs.run_log_dir, agent.events_path)
+    result = agent.run()
+    name = agent.spec.get_entrypoint_name()
+    if result.is_failed():
+        print(format_summary(name, result), file=sys.stderr, flush=True)
+        propagate_to_parent(result, name)
+    return result
+
+
+class WorkerGroupFailedError(FsmAgentError):
+    """Raised by ``elastic_launch`` when the job failed; torch raises ``ChildFailedError`` here.
+
+    Attributes:
+        result: the RunResult; ``failures`` maps global rank to WorkerFailure.
+    """
+
+    def __init__(self, name: str, result: RunResult):
+        super().__init__(format_summary(name, result))
+        self.result = result
+        self.failures: dict[int, WorkerFailure] = result.failures
+
+
+class elastic_launch:
+    """``elastic_launch(config, entrypoint)(*args)`` -> ``{global_rank: return value}`` of this node.
+
+    Mirrors ``torch.distributed.launcher.api.elastic_launch``.
+
+    Raises:
+        WorkerGroupFailedError: the workers failed (torch: ChildFailedError).
+    """
+
+    def __init__(self, config: LaunchConfig, entrypoint: str | Callable):
+        self._config, self._entrypoint = config, entrypoint
+
+    def __call__(self, *args: Any) -> dict[int, Any]:
+        result = launch_agent(self._config, self._entrypoint, args)
+        if result.is_failed():
+            name = self._entrypoint if isinstance(self._entrypoint, str) else self._entrypoint.__qualname__
+            raise WorkerGroupFailedError(name, result)
+        return result.return_values

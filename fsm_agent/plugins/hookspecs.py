@@ -1,0 +1,217 @@
+"""Every fsm-agent hook, grouped by plugin kind in lifecycle order.
+
+Each docstring has Args, Returns and "Called from" (the transition or step that fires it);
+``tests/plugins/test_hookspecs.py`` checks this, and ``docs/statechart.md`` quotes "Called from".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fsm_agent.plugins import hookspec
+
+if TYPE_CHECKING:
+    from fsm_agent.agent import ElasticAgent, TransitionRecord
+    from fsm_agent.config import LaunchConfig
+    from fsm_agent.plugins.registry import BackendRegistry
+    from fsm_agent.worker import RunResult, Worker, WorkerGroup
+
+# --------------------------------------------------------------------------------------------
+# setup: called once while the agent is built, before the machine leaves INIT
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def fsm_agent_register_backends(registry: "BackendRegistry") -> None:
+    """Contribute named rendezvous backends and launchers (the selectable kinds).
+
+    Args:
+        registry: call ``registry.add_rendezvous(name, creator)`` where ``creator`` takes a torch
+            ``RendezvousParameters`` and returns a torch ``RendezvousHandler`` (the signature of
+            torch's ``rendezvous_handler_registry.register``), and/or
+            ``registry.add_launcher(name, factory)`` where ``factory(agent)`` returns a launcher
+            (see ``fsm_agent.plugins.launcher_subprocess.SubprocessLauncher`` for the interface).
+
+    Returns:
+        Nothing. Registering a name twice raises ``PluginError`` naming both plugins.
+
+    Called from:
+        Agent construction, before the statechart leaves INIT (once per process).
+    """
+
+
+@hookspec
+def fsm_agent_configure(config: "LaunchConfig", agent: "ElasticAgent") -> None:
+    """Let a plugin read the configuration and keep a reference to the agent.
+
+    Args:
+        config: the validated LaunchConfig.
+        agent: the agent being built (its worker group is in INIT).
+
+    Returns:
+        Nothing.
+
+    Called from:
+        Agent construction, after backends are registered and before ``start`` (INIT -> HEALTHY).
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# rendezvous kind
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def fsm_agent_rendezvous_completed(worker_group: "WorkerGroup", duration_s: float) -> None:
+    """Observe a completed rendezvous round and the ranks it assigned.
+
+    Args:
+        worker_group: group with ``group_rank``, ``group_world_size``, ``master_addr``,
+            ``master_port`` and each worker's ``global_rank``/``role_rank`` set.
+        duration_s: seconds spent in the rendezvous and rank assignment.
+
+    Returns:
+        Nothing.
+
+    Called from:
+        Transitions ``start`` (INIT -> HEALTHY) and ``restart`` (STOPPED -> HEALTHY), step
+        ``_rendezvous``, before any worker is spawned.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# launcher kind
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def fsm_agent_worker_env(worker: "Worker", worker_group: "WorkerGroup") -> dict[str, str] | None:
+    """Contribute extra environment variables for one worker process.
+
+    Args:
+        worker: the worker about to be spawned (ranks assigned).
+        worker_group: the group being started.
+
+    Returns:
+        A mapping merged over the inherited environment, or None. The torchrun-standard
+        variables (RANK, LOCAL_RANK, TORCHELASTIC_*, ...) cannot be overridden: trying
+        raises ``PluginError``.
+
+    Called from:
+        Transitions ``start`` and ``restart``, step ``_start_workers``, once per worker,
+        before the process is spawned.
+    """
+
+
+@hookspec
+def fsm_agent_workers_started(worker_group: "WorkerGroup", pids: dict[int, int]) -> None:
+    """Observe that every worker of the group has been spawned.
+
+    Args:
+        worker_group: the group that was started.
+        pids: ``{local_rank: pid}``.
+
+    Returns:
+        Nothing.
+
+    Called from:
+        Transitions ``start`` and ``restart``, step ``_start_workers``, after the spawn.
+    """
+
+
+@hookspec
+def fsm_agent_worker_exited(worker: "Worker", worker_group: "WorkerGroup", exitcode: int) -> None:
+    """Observe one worker's exit as soon as the launcher sees it (event-driven, not polled).
+
+    Args:
+        worker: the worker that exited.
+        worker_group: its group.
+        exitcode: the exit code, or -N if signal N killed it.
+
+    Returns:
+        Nothing.
+
+    Called from:
+        The run loop while the group is HEALTHY or UNHEALTHY, before ``workers_succeeded`` or
+        ``workers_failed`` is fired.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# metrics kind
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def fsm_agent_put_metric(metric_group: str, metric_name: str, metric_value: float) -> None:
+    """Receive one metric; mirrors ``torch.distributed.elastic.metrics.put_metric``.
+
+    Args:
+        metric_group: ``"torchelastic"`` for torch's names, ``"fsm_agent"`` for fsm-agent's own.
+        metric_name: torch's dotted names, e.g. ``workers.default.remaining_restarts``;
+            fsm-agent adds ``state.<STATE>.duration_s``.
+        metric_value: the value.
+
+    Returns:
+        Nothing. Exceptions are logged and do not stop other listeners or the agent.
+
+    Called from:
+        After every transition (``after_state_change``) and once at the end of ``run``.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# event-recording kind
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def fsm_agent_record_event(event: dict[str, Any]) -> None:
+    """Receive one event record (schema in docs/events.md); mirrors torch's ``events.record``.
+
+    Args:
+        event: a JSON-serialisable dict with at least ``ts`` (seconds since the epoch),
+            ``kind`` (``transition`` | ``worker_exit`` | ``run_end``), ``node``, ``role``, ``run_id``
+            and ``restart_count``; transitions add ``source``, ``dest``, ``trigger``.
+
+    Returns:
+        Nothing. Exceptions are logged and do not stop other listeners or the agent.
+
+    Called from:
+        After every transition, after every worker exit, and at the end of ``run``.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# lifecycle (any kind)
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def fsm_agent_state_changed(transition: "TransitionRecord") -> None:
+    """Observe every state change of the worker group.
+
+    Args:
+        transition: the TransitionRecord (source, dest, trigger, timestamps, restart_count, error).
+
+    Returns:
+        Nothing. Exceptions are logged and do not stop other listeners or the agent.
+
+    Called from:
+        Every transition of the table, after the state has changed (``after_state_change``).
+    """
+
+
+@hookspec
+def fsm_agent_unconfigure(result: "RunResult") -> None:
+    """Flush and release plugin resources; the last hook of a run.
+
+    Args:
+        result: the final RunResult.
+
+    Returns:
+        Nothing.
+
+    Called from:
+        The end of ``ElasticAgent.run``, after a terminal state was entered (always runs).
+    """

@@ -1,0 +1,339 @@
+"""Built-in launcher ``subprocess``: workers as child processes, exits seen through pidfds.
+
+Programs (``python -u script``, ``python -m mod``, ``--no-python`` binaries) run with
+``subprocess.Popen``; Python callables (``--run-path``, ``elastic_launch(fn)``) with
+``multiprocessing`` and return their values through a file. Each worker leads its own process
+group (so grandchildren are signalled with it) and gets SIGKILL if the agent dies
+(``PR_SET_PDEATHSIG``). Exits are noticed when the worker's pidfd/sentinel becomes readable:
+no sleep-polling.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import attrs
+
+from fsm_agent.env import substitute_local_rank
+from fsm_agent.logs import WorkerLogs
+from fsm_agent.plugins import hookimpl
+
+log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+
+@hookimpl
+def fsm_agent_register_backends(registry):
+    registry.add_launcher("subprocess", SubprocessLauncher)
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux only)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def _child_preexec() -> None:
+    # Runs in the forked child before exec: new session (own process group) + death signal.
+    os.setsid()
+    set_parent_death_signal()
+
+
+@attrs.define
+class _Handle:
+    local_rank: int
+    pid: int
+    wait_fd: int
+    popen: subprocess.Popen | None = None
+    process: Any = None
+    result_path: str | None = None
+    readers: list = attrs.Factory(list)
+    exitcode: int | None = None
+    exited_at: float | None = None
+    owns_fd: bool = False
+
+    def poll(self) -> int | None:
+        if self.exitcode is None:
+            code = self.popen.poll() if self.popen is not None else self.process.exitcode
+            if code is not None:
+                self.exitcode, self.exited_at = code, time.time()
+        return self.exitcode
+
+
+class SubprocessLauncher:
+    """Starts, watches and stops one attempt's workers on this node.
+
+    The launcher interface the agent relies on (a third-party launcher implements the same):
+
+    - ``start(spec, envs, logs, filtered) -> {local_rank: pid}``
+    - ``wait_fds() -> {fd: local_rank}``: fds that become readable when that worker exits
+    - ``poll() -> {local_rank: exitcode}`` of the workers that have exited (never blocks)
+    - ``stop(sig, timeout)``: signal every live worker's process group, SIGKILL after ``timeout`` seconds
+    - ``return_values() -> {local_rank: value}`` for callable entrypoints
+    - ``pids() -> {local_rank: pid}``
+    """
+
+    def __init__(self, agent: Any = None) -> None:
+        self._handles: dict[int, _Handle] = {}
+        self._filtered: list = []
+
+    # -- start ----------------------------------------------------------------------------------
+    def start(self, spec, envs: dict[int, dict[str, str]], logs: dict[int, WorkerLogs],
+              filtered: tuple[str | None, str | None] = (None, None)) -> dict[int, int]:
+        self._handles = {}
+        self._filtered = [_FilteredSink(path, filters) if path else None for path, filters in
+                          zip(filtered, (getattr(spec, "duplicate_stdout_filters", ()),
+                                         getattr(spec, "duplicate_stderr_filters", ())))]
+        for local_rank in sorted(envs):
+            if callable(spec.entrypoint):
+                handle = self._start_callable(spec, local_rank, envs[local_rank], logs[local_rank])
+            else:
+                handle = self._start_program(spec, local_rank, envs[local_rank], logs[local_rank])
+            self._handles[local_rank] = handle
+        return self.pids()
+
+    def _start_program(self, spec, local_rank: int, env: dict[str, str], wlogs: WorkerLogs) -> _Handle:
+        args = [spec.entrypoint, *map(str, substitute_local_rank(tuple(spec.args), local_rank))]
+        args = _numa_wrap(args, spec.numa_binding, local_rank)
+        streams = [self._stream_target(path, tee) for path, tee in
+                   ((wlogs.stdout, wlogs.tee_stdout), (wlogs.stderr, wlogs.tee_stderr))]
+        popen = subprocess.Popen(args, env=env, stdout=streams[0][0], stderr=streams[1][0],
+                                 stdin=subprocess.DEVNULL, preexec_fn=_child_preexec, close_fds=True)
+        for target in streams:
+            if target[1] is not None:
+                target[1].close()
+        handle = _Handle(local_rank=local_rank, pid=popen.pid, wait_fd=os.pidfd_open(popen.pid),
+                         popen=popen, owns_fd=True)
+        for index, (pipe, path, tee, console) in enumerate(
+                ((popen.stdout, wlogs.stdout, wlogs.tee_stdout, sys.stdout),
+                 (popen.stderr, wlogs.stderr, wlogs.tee_stderr, sys.stderr))):
+            if pipe is not None:
+                handle.readers.append(_TeeReader(pipe, path, console, wlogs.prefix, self._filtered[index]))
+        return handle
+
+    @staticmethod
+    def _stream_target(path: str | None, tee: bool):
+        """(Popen stdout/stderr argument, file to close after spawn)."""
+        if tee:
+            return subprocess.PIPE, None
+        if path:
+            f = open(path, "ab")
+            return f, f
+        return None, None
+
+    def _start_callable(self, spec, local_rank: int, env: dict[str, str], wlogs: WorkerLogs) -> _Handle:
+        ctx = multiprocessing.get_context(spec.start_method)
+        result_dir = os.path.dirname(wlogs.error_file) if wlogs.error_file else None
+        result_path = os.path.join(result_dir, "return_value.pkl") if result_dir else None
+        if result_path is None:
+            import tempfile
+            fd, result_path = tempfile.mkstemp(prefix="fsm_agent_ret_")
+            os.close(fd)
+        process = ctx.Process(
+            target=_callable_worker,
+            args=(spec.entrypoint, tuple(spec.args), env, wlogs.stdout, wlogs.stderr, result_path),
+            name=f"{spec.role}{local_rank}", daemon=False)
+        process.start()
+        handle = _Handle(local_rank=local_rank, pid=process.pid, wait_fd=process.sentinel,
+                         process=process, result_path=result_path)
+        for path, tee, console in ((wlogs.stdout, wlogs.tee_stdout, sys.stdout),
+                                   (wlogs.stderr, wlogs.tee_stderr, sys.stderr)):
+            if tee and path:
+                handle.readers.append(_FileTailer(path, console, wlogs.prefix, handle))
+        return handle
+
+    # -- watch ----------------------------------------------------------------------------------
+    def wait_fds(self) -> dict[int, int]:
+        return {h.wait_fd: r for r, h in self._handles.items() if h.exitcode is None}
+
+    def poll(self) -> dict[int, int]:
+        return {r: code for r, h in self._handles.items() if (code := h.poll()) is not None}
+
+    def exit_times(self) -> dict[int, float]:
+        return {r: h.exited_at for r, h in self._handles.items() if h.exited_at is not None}
+
+    def pids(self) -> dict[int, int]:
+        return {r: h.pid for r, h in self._handles.items()}
+
+    def return_values(self) -> dict[int, Any]:
+        values = {}
+        for r, h in self._handles.items():
+            if h.result_path and h.exitcode == 0 and os.path.getsize(h.result_path) > 0:
+                with open(h.result_path, "rb") as f:
+                    values[r] = pickle.load(f)
+        return values
+
+    # -- stop -----------------------------------------------------------------------------------
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+        """Stop every live worker: ``sig`` to each process group, SIGKILL after ``timeout`` s.
+
+        All workers are signalled at once, so each one gets the full grace period.
+        """
+        live = [h for h in self._handles.values() if h.poll() is None]
+        for h in live:
+            _killpg(h.pid, sig)
+        deadline = time.monotonic() + timeout
+        while live and (remaining := deadline - time.monotonic()) > 0:
+            select.select([h.wait_fd for h in live], [], [], remaining)
+            live = [h for h in live if h.poll() is None]
+        for h in live:
+            log.warning("worker local_rank=%s pid=%s ignored signal %s for %.1fs; sending SIGKILL",
+                        h.local_rank, h.pid, sig, timeout)
+            _killpg(h.pid, signal.SIGKILL)
+        for h in live:
+            (h.popen.wait() if h.popen is not None else h.process.join())
+            h.poll()
+        self.close()
+
+    def close(self) -> None:
+        """Sweep what is left of each worker's process group and release fds and reader threads."""
+        for h in self._handles.values():
+            if h.poll() is not None:
+                _killpg(h.pid, signal.SIGKILL)  # leftover grandchildren in the worker's group
+            for reader in h.readers:
+                reader.join(2.0)
+            h.readers.clear()
+            if h.owns_fd:
+                try:
+                    os.close(h.wait_fd)
+                except OSError:
+                    pass
+                h.owns_fd = False
+        for sink in self._filtered:
+            if sink is not None:
+                sink.close()
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _numa_wrap(args: list[str], binding: str | None, local_rank: int) -> list[str]:
+    """Wrap a program with numactl for ``--numa-binding`` (GPU index = local rank, as torch)."""
+    if not binding:
+        return args
+    try:
+        from torch.numa.binding import AffinityMode, NumaOptions, _maybe_wrap_command_args_with_numa_binding
+
+        return list(_maybe_wrap_command_args_with_numa_binding(
+            tuple(args), gpu_index=local_rank, numa_options=NumaOptions(affinity_mode=AffinityMode(binding))))
+    except Exception as exc:  # no GPU / no numactl: run unbound, as torch does on failure
+        log.warning("--numa-binding %s not applied to local_rank %s: %s", binding, local_rank, exc)
+        return args
+
+
+class _FilteredSink:
+    """``filtered_stdout.log``: a copy of every tee'd line containing one of the filter strings."""
+
+    def __init__(self, path: str, filters: tuple[str, ...]):
+        self._file = open(path, "ab")
+        self._filters = [f.encode() for f in filters]
+        self._lock = threading.Lock()
+
+    def offer(self, line: bytes) -> None:
+        if any(f in line for f in self._filters):
+            with self._lock:
+                self._file.write(line)
+                self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class _TeeReader(threading.Thread):
+    """Copies a worker's pipe to its log file and, line-whole with a prefix, to the console."""
+
+    def __init__(self, pipe, path, console, prefix: str, filtered: _FilteredSink | None):
+        super().__init__(daemon=True, name=f"tee{prefix}")
+        self._pipe, self._path, self._console = pipe, path, console
+        self._prefix, self._filtered = prefix.encode(), filtered
+        self.start()
+
+    def run(self) -> None:
+        out = open(self._path, "ab") if self._path else None
+        console = getattr(self._console, "buffer", None)
+        try:
+            for line in iter(self._pipe.readline, b""):  # whole lines: no interleaved halves
+                if out is not None:
+                    out.write(line)
+                    out.flush()
+                if console is not None:
+                    console.write(self._prefix + line if line.endswith(b"\n") else self._prefix + line + b"\n")
+                    console.flush()
+                if self._filtered is not None:
+                    self._filtered.offer(line)
+        finally:
+            if out is not None:
+                out.close()
+            self._pipe.close()
+
+
+class _FileTailer(threading.Thread):
+    """Tee for callable workers (their fds are redirected inside the child): follow the file."""
+
+    def __init__(self, path: str, console, prefix: str, handle: _Handle):
+        super().__init__(daemon=True, name=f"tail{prefix}")
+        self._path, self._console, self._prefix, self._handle = path, console, prefix.encode(), handle
+        self.start()
+
+    def run(self) -> None:
+        console = getattr(self._console, "buffer", None)
+        pending = b""
+        while not os.path.exists(self._path):
+            if self._handle.exitcode is not None:
+                return
+            time.sleep(0.05)
+        with open(self._path, "rb") as f:
+            while True:
+                chunk = f.read(65536)
+                if chunk:
+                    pending += chunk
+                    *lines, pending = pending.split(b"\n")
+                    for line in lines:
+                        console.write(self._prefix + line + b"\n")
+                    console.flush()
+                elif self._handle.exitcode is not None:
+                    if pending:
+                        console.write(self._prefix + pending + b"\n")
+                    return
+                else:
+                    time.sleep(0.05)
+
+
+def _callable_worker(fn: Callable, args: tuple, env: dict[str, str], stdout: str | None,
+                     stderr: str | None, result_path: str) -> None:
+    """Body of a callable worker process: environment, redirects, ``@record``, return value."""
+    os.setsid()
+    set_parent_death_signal()
+    os.environ.clear()
+    os.environ.update(env)
+    for path, fd in ((stdout, 1), (stderr, 2)):
+        if path:
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            sys.stdout.flush() if fd == 1 else sys.stderr.flush()
+            os.dup2(target, fd)
+            os.close(target)
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import record
+    except ImportError:  # torch missing: run without the error file
+        def record(f):
+            return f
+    value = record(fn)(*args)
+    with open(result_path, "wb") as f:
+        pickle.dump(value, f)
+    sys.stdout.flush()
+    sys.stderr.flush()

@@ -1,0 +1,143 @@
+"""get_plugin_manager(): hookspecs + built-in plugins + entry points, with disable-by-name.
+
+Built-ins are registered with the same ``pm.register`` call that entry-point plugins reach.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Iterable
+
+import pluggy
+
+from fsm_agent.errors import ConfigError, PluginError
+from fsm_agent.plugins import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
+from fsm_agent.plugins.registry import BackendRegistry
+
+log = logging.getLogger(__name__)
+
+#: name -> module of the plugins that ship with fsm-agent (registered before entry points).
+BUILTIN_PLUGINS: dict[str, str] = {
+    "rendezvous-c10d": "fsm_agent.plugins.rendezvous_c10d",
+    "rendezvous-static": "fsm_agent.plugins.rendezvous_static",
+    "rendezvous-torchrun-handlers": "fsm_agent.plugins.rendezvous_torchrun_handlers",
+    "launcher-subprocess": "fsm_agent.plugins.launcher_subprocess",
+    "metrics-logging": "fsm_agent.plugins.metrics_logging",
+    "events-jsonl": "fsm_agent.plugins.events_jsonl",
+}
+#: Built-ins that cannot be disabled: without them the agent cannot run at all.
+ESSENTIAL_PLUGINS = frozenset({"launcher-subprocess"})
+DISABLE_ENV = "FSM_AGENT_DISABLE_PLUGINS"
+
+
+def disabled_from_env() -> tuple[str, ...]:
+    return tuple(n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip())
+
+
+def get_plugin_manager(disabled: Iterable[str] = (), load_entry_points: bool = True) -> pluggy.PluginManager:
+    """A fresh PluginManager with every hookspec, the built-ins and the installed plugins.
+
+    Args:
+        disabled: plugin names to block (``--disable-plugin``); ``FSM_AGENT_DISABLE_PLUGINS`` adds more.
+        load_entry_points: also load the ``fsm_agent`` entry-point group (tests may turn it off).
+
+    Raises:
+        ConfigError: an essential plugin was asked to be disabled.
+        PluginError: a plugin failed to import or implements a hook that does not exist.
+    """
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    for name in (*disabled, *disabled_from_env()):
+        if name in ESSENTIAL_PLUGINS:
+            raise ConfigError(f"--disable-plugin {name}: {name!r} is essential and cannot be disabled")
+        pm.set_blocked(name)
+    for name, module_name in BUILTIN_PLUGINS.items():
+        if not pm.is_blocked(name):
+            pm.register(importlib.import_module(module_name), name)
+    if load_entry_points:
+        _load_entry_points(pm)
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"plugin {exc.plugin!r} is invalid: {exc}") from None
+    return pm
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if pm.is_blocked(ep.name) or pm.has_plugin(ep.name):
+            continue
+        dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # any import-time failure of a third-party plugin
+            raise PluginError(
+                f"plugin {ep.name!r} from {dist} failed to load: {type(exc).__name__}: {exc}; "
+                f"fix or uninstall it, or disable it with --disable-plugin {ep.name}"
+            ) from None
+        try:
+            pm.register(plugin, name=ep.name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"plugin {ep.name!r} from {dist} is invalid: {exc}") from None
+        pm._plugin_distinfo.append((plugin, ep.dist))  # what load_setuptools_entrypoints records
+
+
+def build_registry(pm: pluggy.PluginManager) -> BackendRegistry:
+    """Ask every plugin for its backends, one plugin at a time so duplicates name their owner."""
+    registry = BackendRegistry()
+    for impl in pm.hook.fsm_agent_register_backends.get_hookimpls():
+        registry.current_plugin = impl.plugin_name
+        impl.function(registry=registry)
+    return registry
+
+
+def plugin_rows(pm: pluggy.PluginManager) -> list[dict]:
+    """One row per registered plugin: name, hooks, distribution/version, built-in or not."""
+    dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
+    rows = []
+    for name, plugin in pm.list_name_plugin():
+        if plugin is None:
+            continue
+        dist = dists.get(id(plugin))
+        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
+        rows.append({
+            "name": name,
+            "hooks": hooks,
+            "builtin": name in BUILTIN_PLUGINS,
+            "distribution": dist.metadata["name"] if dist else "fsm-agent",
+            "version": dist.version if dist else _own_version(),
+        })
+    return rows
+
+
+def _own_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fsm-agent")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def cli_main(argv: list[str]) -> int:
+    """``fsm-agent plugins``: list every loaded plugin."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="fsm-agent plugins", description="List loaded plugins.")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--disable-plugin", action="append", default=[], metavar="NAME")
+    args = parser.parse_args(argv)
+    pm = get_plugin_manager(disabled=args.disable_plugin)
+    rows = plugin_rows(pm)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        origin = "built-in" if row["builtin"] else f"{row['distribution']} {row['version']}"
+        print(f"{row['name']:<32} {origin:<28} {', '.join(h.removeprefix('fsm_agent_') for h in row['hooks'])}")
+    return 0

@@ -1,0 +1,61 @@
+"""BackendRegistry: named rendezvous backends and launchers, filled by ``fsm_agent_register_backends``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+
+from fsm_agent.errors import ConfigError, PluginError
+
+KINDS = ("rendezvous", "launcher")
+_FLAG = {"rendezvous": "--rdzv-backend", "launcher": "--launcher"}
+
+
+@attrs.define
+class BackendRegistry:
+    """Factories by kind and name, with the plugin that registered each one.
+
+    ``current_plugin`` is set by the plugin manager around each plugin's registration call so
+    duplicate registrations can name both plugins.
+    """
+
+    _factories: dict[str, dict[str, Callable[..., Any]]] = attrs.Factory(lambda: {k: {} for k in KINDS})
+    _owners: dict[tuple[str, str], str] = attrs.Factory(dict)
+    current_plugin: str = "?"
+
+    def _add(self, kind: str, name: str, factory: Callable[..., Any]) -> None:
+        if not callable(factory):
+            raise PluginError(f"plugin {self.current_plugin!r} registered {kind} {name!r} with a non-callable factory")
+        if name in self._factories[kind] and self._factories[kind][name] is not factory:
+            raise PluginError(
+                f"{kind} backend {name!r} is registered twice: by plugin {self._owners[(kind, name)]!r} and by "
+                f"{self.current_plugin!r}; disable one with --disable-plugin NAME"
+            )
+        self._factories[kind][name] = factory
+        self._owners[(kind, name)] = self.current_plugin
+
+    def add_rendezvous(self, name: str, creator: Callable[..., Any]) -> None:
+        """Register ``creator(torch RendezvousParameters) -> torch RendezvousHandler`` under ``name``."""
+        self._add("rendezvous", name, creator)
+
+    def add_launcher(self, name: str, factory: Callable[..., Any]) -> None:
+        """Register ``factory(agent) -> launcher`` under ``name``."""
+        self._add("launcher", name, factory)
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self._factories[kind])
+
+    def owner(self, kind: str, name: str) -> str:
+        return self._owners[(kind, name)]
+
+    def get(self, kind: str, name: str) -> Callable[..., Any]:
+        """The factory for ``name``; an unknown name raises ConfigError listing the known ones."""
+        try:
+            return self._factories[kind][name]
+        except KeyError:
+            known = ", ".join(self.names(kind)) or "(none)"
+            raise ConfigError(
+                f"unknown {kind} backend {name!r}: known backends are {known}; "
+                f"fix {_FLAG[kind]} or install a plugin that provides it"
+            ) from None

@@ -1,0 +1,47 @@
+"""Built-in rendezvous ``static``: a fixed world of ``--nnodes`` agents at ``--master-addr/--master-port``.
+
+Built on torch's ``StaticTCPRendezvous`` (the TCPStore at master_addr:master_port, group rank =
+``--node-rank``). Unlike torch, each call returns a store prefixed with the round number and
+publishes a fresh MASTER_PORT, so each attempt's workers meet in an empty store.
+"""
+
+from __future__ import annotations
+
+from fsm_agent.plugins import hookimpl
+
+
+class StaticRendezvous:
+    """torch's StaticTCPRendezvous with one store prefix and one worker store per round."""
+
+    agent_hosts_worker_store = True
+
+    def __init__(self, handler, local_addr: str | None):
+        self._handler = handler
+        self._local_addr = local_addr
+        self._round = 0
+
+    def next_rendezvous(self):
+        from torch.distributed import PrefixStore
+        from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+        info = self._handler.next_rendezvous()
+        store = PrefixStore(f"round_{self._round}", info.store)
+        self._round += 1
+        addr = self._local_addr or info.bootstrap_store_info.master_addr
+        bootstrap = RendezvousStoreInfo.build(info.rank, store, local_addr=addr)
+        return RendezvousInfo(store, info.rank, info.world_size, bootstrap)
+
+    def __getattr__(self, name):
+        return getattr(self._handler, name)
+
+
+def create_static_handler(params):
+    """``RendezvousParameters -> RendezvousHandler`` for backend ``static``."""
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import create_rdzv_handler
+
+    return StaticRendezvous(create_rdzv_handler(params), params.local_addr)
+
+
+@hookimpl
+def fsm_agent_register_backends(registry):
+    registry.add_rendezvous("static", create_static_handler)

@@ -1,0 +1,47 @@
+"""Rank assignment, as torch's ``SimpleElasticAgent._assign_worker_ranks`` (same store keys).
+
+Using torch's keys lets an fsm-agent node and a torchrun node agree on ranks in one job.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+ROLE_INFO_PREFIX = "torchelastic/role_info/"
+ASSIGNED_RANKS_PREFIX = "torchelastic/assigned_ranks/"
+
+
+def compute_assignments(role_infos: list[tuple[str, int]]) -> list[tuple[int, int, int, int]]:
+    """Per agent (in group-rank order): (base_global_rank, global_world_size, base_role_rank, role_world_size).
+
+    Args:
+        role_infos: one ``(role, local_world_size)`` per agent, index == group_rank.
+    """
+    role_sizes: dict[str, int] = defaultdict(int)
+    for role, size in role_infos:
+        role_sizes[role] += size
+    global_size = sum(size for _, size in role_infos)
+    base, role_bases, result = 0, defaultdict(int), []
+    for role, size in role_infos:
+        result.append((base, global_size, role_bases[role], role_sizes[role]))
+        base += size
+        role_bases[role] += size
+    return result
+
+
+def assign_ranks(store, group_rank: int, group_world_size: int, role: str, local_world_size: int) -> tuple[int, int, int, int]:
+    """Exchange role info through the round's store; returns this agent's assignment tuple.
+
+    Every agent writes ``torchelastic/role_info/<group_rank>``; group rank 0 computes and writes
+    ``torchelastic/assigned_ranks/<i>``; every agent blocks on its own key (store timeout applies).
+    """
+    info = json.dumps({"role": role, "rank": group_rank, "local_world_size": local_world_size})
+    store.set(f"{ROLE_INFO_PREFIX}{group_rank}", info.encode())
+    if group_rank == 0:
+        raw = store.multi_get([f"{ROLE_INFO_PREFIX}{i}" for i in range(group_world_size)])
+        infos = [json.loads(bytes(b).decode()) for b in raw]
+        assignments = compute_assignments([(i["role"], i["local_world_size"]) for i in infos])
+        store.multi_set([f"{ASSIGNED_RANKS_PREFIX}{i}" for i in range(group_world_size)],
+                        [json.dumps(list(a)) for a in assignments])
+    return tuple(json.loads(bytes(store.get(f"{ASSIGNED_RANKS_PREFIX}{group_rank}")).decode()))

@@ -1,0 +1,46 @@
+"""build_machine(): the one place the transitions Machine options are fixed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transitions import Machine
+
+from fsm_agent.states.table import INITIAL, STATES, TERMINAL, TRANSITIONS
+
+MACHINE_OPTIONS: dict[str, Any] = dict(
+    auto_transitions=False,   # no to_<state>(): only the table moves the state
+    queued=True,              # a trigger fired from a callback runs after the current transition
+    send_event=True,          # every callback gets one EventData
+    ignore_invalid_triggers=False,
+)
+
+
+def machine_states() -> list[dict]:
+    return [{"name": s, "final": s in TERMINAL} for s in STATES]
+
+
+def build_machine(model: Any, transitions: list[dict] | None = None, **options: Any) -> Machine:
+    """Attach the statechart to ``model`` (an ElasticAgent or a test double).
+
+    Args:
+        model: object providing the callbacks and guards the table names, plus
+            ``_after_state_change(event)`` which dispatches the per-transition hooks.
+        transitions: the table to use; defaults to ``TRANSITIONS`` (tests pass broken tables).
+        options: overrides of MACHINE_OPTIONS (e.g. a GraphMachine's ``graph_engine``).
+
+    Returns:
+        The ``transitions.Machine``; ``model.state`` holds the current WorkerState.
+    """
+    opts = dict(MACHINE_OPTIONS)
+    if hasattr(model, "_after_state_change"):
+        opts["after_state_change"] = "_after_state_change"
+    opts.update(options)
+    machine_cls = opts.pop("machine_cls", Machine)
+    return machine_cls(
+        model=model,
+        states=machine_states(),
+        transitions=[dict(row) for row in (TRANSITIONS if transitions is None else transitions)],
+        initial=INITIAL,
+        **opts,
+    )

@@ -1,0 +1,239 @@
+"""The data model: WorkerSpec, Worker, WorkerGroup, WorkerFailure and RunResult (attrs).
+
+Names and fields mirror ``torch.distributed.elastic.agent.server.api`` so that
+torch.distributed.elastic users recognise them; times are in seconds.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any, Callable
+
+import attrs
+
+from fsm_agent.states.worker_state import WorkerState
+
+
+def _positive(instance, attribute, value):
+    if value <= 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+def _non_negative(instance, attribute, value):
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+@attrs.frozen
+class RendezvousSpec:
+    """How this agent finds its peers (torch's ``RendezvousParameters`` inputs).
+
+    Attributes:
+        backend: registered rendezvous backend name (``c10d``, ``static``, ...).
+        endpoint: ``host[:port]`` of the rendezvous store ("" lets the backend choose).
+        run_id: job id shared by every agent of one job.
+        min_nodes / max_nodes: elastic bounds on the number of agents (``--nnodes MIN:MAX``).
+        config: backend-specific string options (``--rdzv-conf k=v,...``), e.g. ``join_timeout`` in seconds.
+        local_addr: this node's address for identity and MASTER_ADDR (``--local-addr``); None uses the FQDN.
+        node_rank: static backend only (``--node-rank``).
+    """
+
+    backend: str = "c10d"
+    endpoint: str = ""
+    run_id: str = "none"
+    min_nodes: int = attrs.field(default=1, validator=_positive)
+    max_nodes: int = attrs.field(default=1, validator=_positive)
+    config: dict[str, str] = attrs.field(factory=dict)
+    local_addr: str | None = None
+    node_rank: int = 0
+
+    @max_nodes.validator
+    def _check_bounds(self, attribute, value):
+        if value < self.min_nodes:
+            raise ValueError(f"max_nodes ({value}) must be >= min_nodes ({self.min_nodes})")
+
+
+@attrs.frozen
+class WorkerSpec:
+    """What to run on this node and how often to retry; mirrors torch's ``WorkerSpec``.
+
+    Attributes:
+        role: worker role name (``--role``; ``ROLE_NAME`` and the ``[role0]:`` log prefix).
+        local_world_size: number of workers on this node (``--nproc-per-node``), > 0.
+        entrypoint: a program path (str; scripts are run as ``python -u script``) or a Python callable.
+        args: arguments for the entrypoint; ``${local_rank}`` in str args is substituted per worker.
+        rendezvous: the rendezvous parameters (see RendezvousSpec).
+        max_restarts: restarts of the worker group allowed after failures (membership changes are free).
+        monitor_interval: seconds between periodic checks (membership, metrics). Worker exits are
+            noticed at once, independent of this interval.
+        master_addr / master_port: override MASTER_ADDR/MASTER_PORT for workers (static backend).
+        shutdown_timeout: seconds each worker gets between the stop signal and SIGKILL, on restarts too.
+        exit_barrier_timeout: seconds to wait for the other agents after local success (torch: 300).
+        start_method: multiprocessing start method for callable entrypoints (spawn, fork, forkserver).
+        virtual_local_rank: every worker gets LOCAL_RANK=0 and its own CUDA_VISIBLE_DEVICES entry.
+        numa_binding: None or one of node, socket, exclusive, core-complex (binaries wrapped with numactl).
+    """
+
+    role: str
+    local_world_size: int = attrs.field(validator=_positive)
+    entrypoint: str | Callable[..., Any]
+    args: tuple = ()
+    rendezvous: RendezvousSpec = attrs.field(factory=RendezvousSpec)
+    max_restarts: int = attrs.field(default=0, validator=_non_negative)
+    monitor_interval: float = attrs.field(default=0.1, validator=_positive)
+    master_addr: str | None = None
+    master_port: int | None = None
+    shutdown_timeout: float = attrs.field(default=30.0, validator=_non_negative)
+    exit_barrier_timeout: float = attrs.field(default=300.0, validator=_non_negative)
+    start_method: str = "spawn"
+    virtual_local_rank: bool = False
+    numa_binding: str | None = None
+
+    @property
+    def local_addr(self) -> str | None:
+        return self.rendezvous.local_addr
+
+    def get_entrypoint_name(self) -> str:
+        """The entrypoint's name as torch reports it: the program path, or the function's name."""
+        if isinstance(self.entrypoint, str):
+            return self.entrypoint
+        return getattr(self.entrypoint, "__qualname__", repr(self.entrypoint))
+
+
+@attrs.define
+class Worker:
+    """One worker process; ranks are -1 until the rendezvous assigns them (torch's ``Worker``).
+
+    Attributes:
+        local_rank: index on this node, 0..local_world_size-1.
+        global_rank: rank among all workers of the job (``RANK``).
+        role_rank: rank among the workers of the same role (``ROLE_RANK``).
+        world_size: all workers of the job (``WORLD_SIZE``).
+        role_world_size: workers of this role (``ROLE_WORLD_SIZE``).
+        id: the launcher's handle for the running worker (its pid), None when not running.
+    """
+
+    local_rank: int
+    global_rank: int = -1
+    role_rank: int = -1
+    world_size: int = -1
+    role_world_size: int = -1
+    id: Any = None
+
+
+@attrs.define
+class WorkerGroup:
+    """This agent's workers and what the rendezvous decided for them (torch's ``WorkerGroup``).
+
+    Attributes:
+        spec: the WorkerSpec.
+        workers: the Worker objects, index == local_rank.
+        store: the rendezvous round's store (torch ``Store``), None before the first rendezvous.
+        group_rank: this agent's rank among the agents (``GROUP_RANK``).
+        group_world_size: number of agents in this round (``GROUP_WORLD_SIZE``).
+        state: the group's WorkerState (mirrors the statechart's current state).
+        master_addr / master_port: where the workers' store for this attempt listens.
+    """
+
+    spec: WorkerSpec
+    workers: list[Worker] = attrs.Factory(lambda self: [Worker(i) for i in range(self.spec.local_world_size)], takes_self=True)
+    store: Any = None
+    group_rank: int | None = None
+    group_world_size: int | None = None
+    state: WorkerState = WorkerState.INIT
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+def signal_name(exitcode: int) -> str:
+    """``-9`` -> ``"SIGKILL"``; a non-negative code gives ``"<N/A>"`` (as torch's ProcessFailure)."""
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return "<N/A>"
+
+
+@attrs.frozen
+class WorkerFailure:
+    """A worker that ended badly; mirrors torch's ``ProcessFailure`` and adds what torch lacks.
+
+    Attributes:
+        local_rank / global_rank / role_rank: the worker's ranks.
+        pid: its process id.
+        exitcode: the exit code, or -N when killed by signal N (torch's convention).
+        timestamp: when the agent observed the exit, seconds since the epoch (sub-second, unlike torch).
+        error_file: path of the worker's error.json ("<N/A>" when it wrote none).
+        message: the error message from error.json, else a description of the exit.
+        traceback: ``py_callstack`` from error.json, else the last lines of the worker's stderr log, else "".
+        hostname: the node the worker ran on.
+        failure_class: why it failed: ``exit_code``, ``signal``, ``hang`` ...
+    """
+
+    local_rank: int
+    global_rank: int
+    role_rank: int
+    pid: int
+    exitcode: int
+    timestamp: float
+    error_file: str = "<N/A>"
+    message: str = ""
+    traceback: str = ""
+    hostname: str = ""
+    failure_class: str = "exit_code"
+    error_timestamp: float | None = None
+
+    @property
+    def signal_name(self) -> str:
+        return signal_name(self.exitcode)
+
+    @property
+    def shell_exit_code(self) -> int:
+        """The code a shell would report: the exit code, or 128+N for a death by signal N."""
+        return 128 - self.exitcode if self.exitcode < 0 else self.exitcode
+
+
+@attrs.frozen
+class RunResult:
+    """The outcome of ``agent.run()``; mirrors torch's ``RunResult``.
+
+    Attributes:
+        state: the terminal WorkerState (SUCCEEDED, FAILED or UNKNOWN).
+        return_values: {global_rank: return value} for callable entrypoints of this node.
+        failures: {global_rank: WorkerFailure} of this node's failed workers (workers the agent
+            stopped itself are not failures).
+        error: the agent-level error message (rendezvous failure, plugin exception), if any.
+        signal: the signal number that stopped the agent, if one did.
+        restart_count: restarts used.
+    """
+
+    state: WorkerState
+    return_values: dict[int, Any] = attrs.field(factory=dict)
+    failures: dict[int, WorkerFailure] = attrs.field(factory=dict)
+    error: str | None = None
+    signal: int | None = None
+    restart_count: int = 0
+
+    def is_failed(self) -> bool:
+        """True unless the group SUCCEEDED (torch checks only FAILED and so misses UNHEALTHY)."""
+        return self.state != WorkerState.SUCCEEDED
+
+    @property
+    def root_cause(self) -> WorkerFailure | None:
+        """The first observed failure (smallest timestamp), as torch's ``get_first_failure``."""
+        if not self.failures:
+            return None
+        return min(self.failures.values(), key=lambda f: (f.error_timestamp or f.timestamp, f.timestamp, f.global_rank))
+
+    @property
+    def exit_code(self) -> int:
+        """0 on success; 128+N when a signal N stopped the agent; else the root-cause worker's code."""
+        if self.state == WorkerState.SUCCEEDED:
+            return 0
+        if self.signal is not None:
+            return 128 + self.signal
+        cause = self.root_cause
+        if cause is not None and cause.shell_exit_code != 0:
+            return cause.shell_exit_code
+        return 1
