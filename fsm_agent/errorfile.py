@@ -75,24 +75,27 @@ def format_summary(name: str, result: RunResult) -> str:
 
 
 def _entry(f: WorkerFailure) -> list[str]:
+    """One failure: rank, exit code, message and traceback first; where and when after."""
     when = time.strftime("%Y-%m-%d_%H:%M:%S", time.localtime(f.timestamp))
     code = f"{f.exitcode} ({f.signal_name})" if f.exitcode < 0 else str(f.exitcode)
     out = [
         f"[{f.global_rank}]:",
         f"  rank      : {f.global_rank} (local_rank: {f.local_rank}, role_rank: {f.role_rank})",
         f"  exitcode  : {code} (pid: {f.pid})",
+    ]
+    if f.message:
+        out.append(f"  message   : {f.message.splitlines()[0]}")
+    if f.traceback:
+        out.append("  traceback :")
+        out += ["    " + line for line in f.traceback.rstrip().splitlines()]
+    else:
+        out.append("  traceback : none recorded (decorate main with torch's @record, or redirect stderr with -r 2)")
+    out += [
         f"  host      : {f.hostname}",
         f"  time      : {when}",
         f"  class     : {f.failure_class}",
         f"  error_file: {f.error_file}",
     ]
-    if f.message:
-        out.append(f"  message   : {f.message.splitlines()[0] if f.message else ''}")
-    if f.traceback:
-        out.append("  traceback :")
-        out += ["    " + line for line in f.traceback.rstrip().splitlines()]
-    else:
-        out.append("  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")
     return out
 
 

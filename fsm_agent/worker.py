@@ -96,6 +96,14 @@ class WorkerSpec:
     def get_entrypoint_name(self) -> str:
         """The entrypoint's name as torch reports it: the program path, or the function's name."""
         if isinstance(self.entrypoint, str):
+            # `python -u script.py` reads better as the script, `python -u -m mod` as the module.
+            args = [a for a in self.args if isinstance(a, str)]
+            if args[:1] == ["-u"]:
+                args = args[1:]
+            if args[:1] == ["-m"] and len(args) > 1:
+                return args[1]
+            if args and args[0].endswith(".py"):
+                return args[0]
             return self.entrypoint
         return getattr(self.entrypoint, "__qualname__", repr(self.entrypoint))
 

@@ -1,0 +1,2 @@
+from fsm_agent.cli import main
+main()

@@ -1,0 +1,71 @@
+"""Rank assignment against torch's own ``SimpleElasticAgent._assign_worker_ranks``, same inputs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from torch.distributed import HashStore
+from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+from torch.distributed.elastic.agent.server.api import WorkerSpec as TorchWorkerSpec
+
+from fsm_agent.ranks import assign_ranks, compute_assignments
+
+CASES = {
+    "one role": [("trainer", 2), ("trainer", 2), ("trainer", 2)],
+    "several roles": [("trainer", 2), ("reader", 1), ("trainer", 3), ("reader", 2)],
+    "uneven local_world_size": [("default", 1), ("default", 4), ("default", 3)],
+    "single agent": [("default", 8)],
+}
+
+
+def _run_agents(fn, agents):
+    """Run fn(store, group_rank) for every agent concurrently (rank 0 blocks until all have written)."""
+    store, results, errors = HashStore(), {}, []
+
+    def body(rank):
+        try:
+            results[rank] = fn(store, rank)
+        except Exception as exc:  # surface in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(len(agents))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    return [results[r] for r in range(len(agents))]
+
+
+def _torch_ranks(agents):
+    class _Dummy:  # _assign_worker_ranks uses no agent state
+        pass
+
+    def fn(store, rank):
+        role, size = agents[rank]
+        spec = TorchWorkerSpec(role=role, local_world_size=size, rdzv_handler=None, entrypoint="x")
+        workers = SimpleElasticAgent._assign_worker_ranks(_Dummy(), store, rank, len(agents), spec)
+        return [(w.local_rank, w.global_rank, w.role_rank, w.world_size, w.role_world_size) for w in workers]
+
+    return _run_agents(fn, agents)
+
+
+def _our_ranks(agents):
+    def fn(store, rank):
+        role, size = agents[rank]
+        base, world, role_base, role_world = assign_ranks(store, rank, len(agents), role, size)
+        return [(lr, base + lr, role_base + lr, world, role_world) for lr in range(size)]
+
+    return _run_agents(fn, agents)
+
+
+@pytest.mark.parametrize("agents", list(CASES.values()), ids=list(CASES))
+def test_rank_assignment_matches_torch(agents):
+    assert _our_ranks(agents) == _torch_ranks(agents)
+
+
+def test_compute_assignments_several_roles():
+    # trainer agents get role ranks 0-1 and 2-4; reader agents 0 and 1-2; global ranks follow group rank.
+    assert compute_assignments([("trainer", 2), ("reader", 1), ("trainer", 3), ("reader", 2)]) == [
+        (0, 8, 0, 5), (2, 8, 0, 3), (3, 8, 2, 5), (6, 8, 1, 3)]
