@@ -15,7 +15,7 @@ from fsm_agent.agent import ElasticAgent
 from fsm_agent.config import LaunchConfig
 from fsm_agent.errorfile import format_summary, propagate_to_parent
 from fsm_agent.errors import ConfigError, FsmAgentError
-from fsm_agent.logs import LogsLayout, parse_std
+from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, load_logs_specs, parse_std
 from fsm_agent.plugins.manager import build_registry, get_plugin_manager
 from fsm_agent.worker import RendezvousSpec, RunResult, WorkerFailure, WorkerSpec
 
@@ -52,8 +52,11 @@ def rendezvous_parameters(config: LaunchConfig):
                                 local_addr=config.local_addr, **configs)
 
 
-def _logs_layout(config: LaunchConfig) -> LogsLayout:
+def _logs_layout(config: LaunchConfig) -> LogsLayout | TorchLogsSpecsLayout:
     filters = frozenset(config.local_ranks_filter) if config.local_ranks_filter else None
+    if config.logs_specs:
+        specs = load_logs_specs(config.logs_specs, config.log_dir, config.redirects, config.tee, filters)
+        return TorchLogsSpecsLayout(specs, config.run_id, config.log_line_prefix_template)
     return LogsLayout(log_dir=config.log_dir, run_id=config.run_id,
                       redirects=parse_std(config.redirects, "-r/--redirects"),
                       tee=parse_std(config.tee, "-t/--tee"), local_ranks_filter=filters,
@@ -74,9 +77,6 @@ def create_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple) 
     rdzv_creator = registry.get("rendezvous", config.rdzv_backend)
     launcher_factory = registry.get("launcher", config.launcher)
     spec = build_spec(config, entrypoint, args)
-    if config.logs_specs:
-        raise ConfigError(f"--logs-specs {config.logs_specs!r}: torchrun.logs_specs plugins are not supported yet; "
-                          "drop the flag to use the built-in log layout")
     logs = _logs_layout(config)
     try:
         handler = rdzv_creator(rendezvous_parameters(config))

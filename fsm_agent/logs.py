@@ -143,3 +143,59 @@ def _path(directory: str | None, name: str) -> str | None:
         # /dev/null layout: no files; a redirected stream is discarded.
         return os.devnull if name.endswith(".log") else None
     return os.path.join(directory, name)
+
+
+class TorchLogsSpecsLayout:
+    """Adapter for a torch ``LogsSpecs`` (``--logs-specs NAME`` from the ``torchrun.logs_specs`` group).
+
+    torch builds the class with ``(log_dir, redirects, tee, local_ranks_filter)`` and calls
+    ``reify(envs)`` on every start (``torch/distributed/run.py:_get_logs_specs_class``); the
+    returned ``LogsDest`` is turned into our WorkerLogs.
+    """
+
+    def __init__(self, specs, run_id: str, prefix_template: str | None = None):
+        self._specs, self._run_id, self._prefix_template = specs, run_id, prefix_template
+        self._last = None
+
+    @property
+    def run_log_dir(self) -> str | None:
+        return getattr(self._specs, "root_log_dir", None)
+
+    to_devnull = False
+
+    def reify(self, restart_count: int, local_world_size: int, role: str, global_ranks: dict[int, int]) -> dict[int, WorkerLogs]:
+        envs = {r: {"TORCHELASTIC_RUN_ID": self._run_id, "TORCHELASTIC_RESTART_COUNT": str(restart_count)}
+                for r in range(local_world_size)}
+        dest = self._last = self._specs.reify(envs)
+        naming = LogsLayout(log_dir=os.devnull, run_id=self._run_id, prefix_template=self._prefix_template)
+        return {r: WorkerLogs(
+            stdout=dest.stdouts.get(r) or None, stderr=dest.stderrs.get(r) or None,
+            tee_stdout=bool(dest.tee_stdouts.get(r)), tee_stderr=bool(dest.tee_stderrs.get(r)), show=True,
+            error_file=dest.error_files.get(r, ""), prefix=naming._prefix(role, r, global_ranks.get(r, r)))
+            for r in range(local_world_size)}
+
+    def filtered_paths(self, restart_count: int) -> tuple[str | None, str | None]:
+        dest = self._last
+        return (getattr(dest, "filtered_stdout", "") or None, getattr(dest, "filtered_stderr", "") or None)
+
+
+def load_logs_specs(name: str, log_dir: str | None, redirects: str, tee: str,
+                    local_ranks_filter: frozenset[int] | None):
+    """Instantiate the ``torchrun.logs_specs`` entry point ``name`` as torch's run.py does.
+
+    Raises:
+        ConfigError: no such entry point, or it is not a LogsSpecs subclass.
+    """
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep for ep in entry_points(group="torchrun.logs_specs")}
+    if name not in eps:
+        known = ", ".join(sorted(eps)) or "(none installed)"
+        raise ConfigError(f"--logs-specs {name!r}: no torchrun.logs_specs entry point of that name; known: {known}")
+    from torch.distributed.elastic.multiprocessing import LogsSpecs, Std
+
+    cls = eps[name].load()
+    if not (isinstance(cls, type) and issubclass(cls, LogsSpecs)):
+        raise ConfigError(f"--logs-specs {name!r}: {cls!r} is not a torch LogsSpecs subclass")
+    return cls(log_dir=log_dir, redirects=Std.from_str(redirects), tee=Std.from_str(tee),
+               local_ranks_filter=set(local_ranks_filter) if local_ranks_filter else None)

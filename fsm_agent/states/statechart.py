@@ -1,0 +1,317 @@
+"""Render the worker-group statechart from the one table: Mermaid, Markdown or JSON.
+
+``fsm-agent statechart [--format mermaid|markdown|json]`` (default markdown) prints it;
+``docs/statechart.md`` is this module's Markdown output, checked byte for byte by
+``tests/states/test_statechart_doc.py``. Regenerate it with::
+
+    fsm-agent statechart --format markdown > docs/statechart.md
+
+The Mermaid text comes from transitions' own renderer (``HierarchicalGraphMachine`` with
+``graph_engine="mermaid"``) on a machine built by ``build_machine`` from the table, made
+deterministic: a fresh machine in its initial state, without the ``Class``/``classDef`` styling
+lines (they encode the current state), with a ``title:`` front matter Mermaid understands.
+
+"Hooks fired" per row comes from ``HOOKS_BY_STEP`` (the hooks each step of the table fires)
+plus ``HOOKS_AFTER_EVERY_TRANSITION``; ``hook_map_problems`` cross-checks both against the
+hookspecs' "Called from:" sections, and the tests check them against the agent's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from fsm_agent.states.checks import TableRow, state_name, table_rows
+from fsm_agent.states.machine import build_machine
+from fsm_agent.states.table import AUTO_TRIGGERS, INITIAL, STATES, TERMINAL, TRANSITIONS
+
+FORMATS = ("mermaid", "markdown", "json")
+TITLE = "fsm-agent worker-group statechart"
+REGENERATE_COMMAND = "fsm-agent statechart --format markdown > docs/statechart.md"
+
+#: The hooks each step named in the table fires, in the order it fires them. Every step of the
+#: table must be listed, even one that fires none (``hook_map_problems`` checks this and the
+#: hookspecs' "Called from:" text; ``tests/states`` checks it against ``ElasticAgent``'s code).
+HOOKS_BY_STEP: dict[str, tuple[str, ...]] = {
+    "_rendezvous": ("fsm_agent_rendezvous_completed",),
+    "_start_workers": ("fsm_agent_worker_env", "fsm_agent_workers_started"),
+    "_stop_workers": (),
+    "_count_restart": (),
+    "_dump_worker_stacks": (),
+    "_exit_barrier": (),
+}
+
+#: Fired after every transition, once the state has changed, by ``ElasticAgent._after_state_change``.
+HOOKS_AFTER_EVERY_TRANSITION: tuple[str, ...] = (
+    "fsm_agent_state_changed",
+    "fsm_agent_record_event",
+    "fsm_agent_put_metric",
+)
+
+
+class _DiagramModel:
+    """A bare model for rendering: the machine needs no callbacks until a trigger fires."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Hookspec docstrings
+# ------------------------------------------------------------------------------------------------
+
+_SECTION = re.compile(r"^(Args|Returns|Raises|Called from):\s*$", re.MULTILINE)
+
+
+def docstring_sections(doc: str) -> dict[str, str]:
+    """Split a Google-style docstring into its ``Args:``/``Returns:``/``Called from:`` sections.
+
+    Returns:
+        ``{section title: its text, dedented and stripped}``; the summary is under ``""``.
+    """
+    doc = inspect.cleandoc(doc or "")
+    parts = _SECTION.split(doc)
+    sections = {"": parts[0].strip()}
+    for title, body in zip(parts[1::2], parts[2::2]):
+        sections[title] = inspect.cleandoc(body)
+    return sections
+
+
+def hookspecs() -> dict[str, Any]:
+    """Every hookspec function of ``fsm_agent.plugins.hookspecs``, in declaration order."""
+    from fsm_agent.plugins import PROJECT_NAME, hookspecs as module
+
+    marker = f"{PROJECT_NAME}_spec"
+    return {name: obj for name, obj in vars(module).items() if callable(obj) and hasattr(obj, marker)}
+
+
+def called_from() -> dict[str, str]:
+    """Each hook's "Called from:" text, on one line."""
+    return {name: " ".join(docstring_sections(func.__doc__).get("Called from", "").split())
+            for name, func in hookspecs().items()}
+
+
+def _backticked(text: str) -> set[str]:
+    return set(re.findall(r"``([A-Za-z_][\w.]*)``", text))
+
+
+def hook_map_problems(transitions: Sequence[dict] | None = None) -> list[str]:
+    """Cross-check ``HOOKS_BY_STEP`` and ``HOOKS_AFTER_EVERY_TRANSITION`` with the hookspecs.
+
+    - every step named in the table has an entry, and every entry is a step of the table;
+    - every hook listed is a hookspec;
+    - a hook whose "Called from:" names a step (````_rendezvous````) is listed for exactly
+      those steps, and the transitions it names are exactly the ones whose rows run the step;
+    - the hooks whose "Called from:" says "every transition" are the after-every-transition hooks.
+
+    Returns:
+        Human-readable problems; empty when the dicts and the docstrings agree.
+    """
+    rows = table_rows(TRANSITIONS if transitions is None else transitions)
+    docs = called_from()
+    problems = []
+    table_steps = {step for row in rows for step in (*row.before, *row.after)}
+    for step in sorted(table_steps - HOOKS_BY_STEP.keys()):
+        problems.append(f"step {step} is in the table but not in HOOKS_BY_STEP: add it (with the hooks it fires)")
+    for step in sorted(HOOKS_BY_STEP.keys() - table_steps):
+        problems.append(f"HOOKS_BY_STEP lists {step}, which no row of the table runs")
+    listed = {hook for hooks in HOOKS_BY_STEP.values() for hook in hooks} | set(HOOKS_AFTER_EVERY_TRANSITION)
+    for hook in sorted(listed - docs.keys()):
+        problems.append(f"{hook} is listed in statechart.py but is not a hookspec")
+    triggers = {row.trigger for row in rows}
+    for hook, text in docs.items():
+        mapped = {step for step, hooks in HOOKS_BY_STEP.items() if hook in hooks}
+        documented = {name for name in _backticked(text) if name in table_steps | HOOKS_BY_STEP.keys()}
+        if mapped != documented:
+            problems.append(f"{hook}: HOOKS_BY_STEP says it is fired by {sorted(mapped) or 'no step'}, "
+                            f"its 'Called from:' names {sorted(documented) or 'no step'}")
+        if documented:
+            named = _backticked(text) & triggers
+            running = {row.trigger for row in rows if documented & {*row.before, *row.after}}
+            if named != running:
+                problems.append(f"{hook}: 'Called from:' names transitions {sorted(named)}, but the rows "
+                                f"running {sorted(documented)} are {sorted(running)}")
+        every = bool(re.search(r"\bevery transition\b", text, re.IGNORECASE))
+        if every != (hook in HOOKS_AFTER_EVERY_TRANSITION):
+            problems.append(f"{hook}: 'Called from:' {'says' if every else 'does not say'} 'every transition', "
+                            f"but it is {'not ' if every else ''}in HOOKS_AFTER_EVERY_TRANSITION")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------
+# The per-row view shared by the Markdown table and the JSON export
+# ------------------------------------------------------------------------------------------------
+
+
+def hooks_fired(row: TableRow) -> list[str]:
+    """The hooks a row fires, in order: its ``before`` steps', its ``after`` steps', then the
+    after-every-transition hooks (transitions runs ``after`` callbacks before ``after_state_change``).
+
+    Raises:
+        ValueError: a step of the row is missing from ``HOOKS_BY_STEP``.
+    """
+    hooks: list[str] = []
+    for step in (*row.before, *row.after):
+        if step not in HOOKS_BY_STEP:
+            raise ValueError(f"step {step!r} ({row.describe()}) is not in HOOKS_BY_STEP: add it to "
+                             f"fsm_agent/states/statechart.py with the hooks it fires")
+        hooks.extend(HOOKS_BY_STEP[step])
+    return [*hooks, *HOOKS_AFTER_EVERY_TRANSITION]
+
+
+def _rows(transitions: Sequence[dict] | None) -> list[TableRow]:
+    return table_rows(TRANSITIONS if transitions is None else transitions)
+
+
+# ------------------------------------------------------------------------------------------------
+# Renderers
+# ------------------------------------------------------------------------------------------------
+
+
+def render_mermaid(transitions: Sequence[dict] | None = None) -> str:
+    """The statechart as deterministic Mermaid ``stateDiagram-v2`` text (ends with a newline)."""
+    from transitions.extensions import HierarchicalGraphMachine  # the flat one omits "final --> [*]"
+
+    model = _DiagramModel()
+    build_machine(model, transitions, machine_cls=HierarchicalGraphMachine, graph_engine="mermaid",
+                  show_conditions=True, show_auto_transitions=False)
+    lines = model.get_graph().draw(None).splitlines()
+    if lines and lines[0].strip() == "---":  # transitions writes a bare "---\n<title>\n---", which
+        end = next(i for i in range(1, len(lines)) if lines[i].strip() == "---")  # Mermaid ignores
+        lines = lines[end + 1:]
+    kept = [line.rstrip() for line in lines
+            if not line.lstrip().startswith(("Class ", "classDef "))]
+    return "\n".join(["---", f"title: {TITLE}", "---", *kept]).rstrip() + "\n"
+
+
+def _code(names: Sequence[str]) -> str:
+    return ", ".join(f"`{name}`" for name in names)
+
+
+def _cell(text: str) -> str:
+    """A Markdown table cell: reST double-backtick code becomes single-backtick code; ``|`` is escaped."""
+    return re.sub(r"``(.+?)``", r"`\1`", text or "—").replace("|", "\\|")
+
+
+def _and(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _steps(row: TableRow) -> str:
+    parts = []
+    if row.before:
+        parts.append(f"before: {_code(row.before)}")
+    if row.after:
+        parts.append(f"after: {_code(row.after)}")
+    return "; ".join(parts)
+
+
+def render_markdown(transitions: Sequence[dict] | None = None) -> str:
+    """``docs/statechart.md``: the diagram, one table line per table row, and every hook's caller."""
+    rows = _rows(transitions)
+    auto = _and([f"`{trigger}` in {state_name(state)}" for state, trigger in AUTO_TRIGGERS.items()])
+    lines = [
+        "# Worker-group statechart",
+        "",
+        "This file is generated from the transition table in `fsm_agent/states/table.py` by",
+        "`fsm_agent/states/statechart.py`; do not edit it by hand. Regenerate it with:",
+        "",
+        "```sh",
+        REGENERATE_COMMAND,
+        "```",
+        "",
+        "`tests/states/test_statechart_doc.py` fails when it is out of date.",
+        "",
+        "```mermaid",
+        render_mermaid(transitions).rstrip("\n"),
+        "```",
+        "",
+        f"The group starts in {state_name(INITIAL)}; {_and([state_name(s) for s in TERMINAL])} are "
+        f"terminal. The run loop fires {auto} by itself; every other trigger is a fact reported by "
+        f"the launcher, the rendezvous, a signal or an error.",
+        "",
+        "## Transitions",
+        "",
+        "One line per row of the table, in table order. A guard `x` means `conditions=\"x\"`, `!x` means "
+        "`unless=\"x\"`. Steps are `ElasticAgent` methods: `before` steps run before the state changes "
+        "(one that raises leaves the group in its source state), `after` steps once it has changed. "
+        "Hooks fired are the steps' hooks (`HOOKS_BY_STEP` in `fsm_agent/states/statechart.py`), then "
+        f"{_code(HOOKS_AFTER_EVERY_TRANSITION)}, fired after every transition by "
+        "`ElasticAgent._after_state_change`.",
+        "",
+        "| Source(s) | Trigger | Destination | Guard | Steps | Hooks fired |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        cells = [", ".join(row.sources), f"`{row.trigger}`", str(row.dest),
+                 _code([row.guard]) if row.guard else "", _steps(row), _code(hooks_fired(row))]
+        lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
+    lines += [
+        "",
+        "## Hooks",
+        "",
+        "Where each hook of `fsm_agent/plugins/hookspecs.py` is called from (its \"Called from:\" section).",
+        "",
+        "| Hook | Called from |",
+        "|---|---|",
+    ]
+    for hook, text in called_from().items():
+        lines.append(f"| `{hook}` | {_cell(text)} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_json(transitions: Sequence[dict] | None = None) -> str:
+    """The statechart as JSON: states, initial, terminal, and one object per table row."""
+    doc = {
+        "title": TITLE,
+        "states": [state_name(s) for s in STATES],
+        "initial": state_name(INITIAL),
+        "terminal": [state_name(s) for s in TERMINAL],
+        "auto_triggers": {state_name(s): trigger for s, trigger in AUTO_TRIGGERS.items()},
+        "transitions": [
+            {"trigger": row.trigger, "source": list(row.sources), "dest": row.dest,
+             "conditions": list(row.conditions), "unless": list(row.unless),
+             "before": list(row.before), "after": list(row.after), "hooks": hooks_fired(row)}
+            for row in _rows(transitions)
+        ],
+    }
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def render(fmt: str = "markdown", transitions: Sequence[dict] | None = None) -> str:
+    """Render the statechart.
+
+    Args:
+        fmt: ``"mermaid"``, ``"markdown"`` or ``"json"``.
+        transitions: the table to render; defaults to ``TRANSITIONS`` (tests pass modified copies).
+
+    Returns:
+        The text, ending with one newline; the same input always gives the same bytes.
+
+    Raises:
+        ValueError: unknown format, or a step missing from ``HOOKS_BY_STEP``.
+    """
+    renderers = {"mermaid": render_mermaid, "markdown": render_markdown, "json": render_json}
+    if fmt not in renderers:
+        raise ValueError(f"unknown statechart format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    return renderers[fmt](transitions)
+
+
+def cli_main(argv: Sequence[str] | None = None) -> int:
+    """``fsm-agent statechart [--format mermaid|markdown|json]``: print the statechart to stdout."""
+    parser = argparse.ArgumentParser(
+        prog="fsm-agent statechart",
+        description="Print the worker-group statechart, rendered from fsm_agent/states/table.py. "
+                    f"docs/statechart.md is its Markdown output: {REGENERATE_COMMAND}")
+    parser.add_argument("--format", choices=FORMATS, default="markdown",
+                        help="mermaid: stateDiagram-v2 text; markdown (default): the diagram and the "
+                             "transition table, as in docs/statechart.md; json: states and transitions")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    sys.stdout.write(render(args.format))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main())
