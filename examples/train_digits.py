@@ -13,7 +13,8 @@ restart every rank resumes from the epoch after the last checkpoint.
 For testing restarts, ``--crash-rank R --crash-epoch E`` makes rank R fail at the
 start of epoch E on the first attempt only. It raises RuntimeError, or calls
 sys.exit(C) if you pass ``--crash-exit-code C``. Add ``--crash-always`` to make it
-fail on every attempt. Epochs are numbered from 1.
+fail on every attempt. Epochs are numbered from 1. An existing checkpoint is
+always resumed, so delete it (or pass a new ``--checkpoint``) to start afresh.
 """
 
 import argparse

@@ -13,9 +13,11 @@ import os
 import select
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
+from datetime import timedelta
 from typing import Any
 
 import attrs
@@ -23,6 +25,7 @@ import pluggy
 
 from fsm_agent import errorfile
 from fsm_agent.env import worker_env
+from fsm_agent.errors import RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.logs import LogsLayout, WorkerLogs
 from fsm_agent.ranks import assign_ranks
 from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine
@@ -63,10 +66,23 @@ class TransitionRecord:
     error: str | None = None
 
 
-def _rendezvous_errors() -> tuple[type, type]:
-    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousGracefulExitError
+def _classify_rendezvous_error(exc: BaseException) -> str | None:
+    """``"not_needed"``, ``"failed"`` or None (not a rendezvous error).
 
-    return RendezvousError, RendezvousGracefulExitError
+    torch's error classes are only consulted when torch is already loaded, so a backend that
+    does not use torch never makes the agent import it.
+    """
+    if isinstance(exc, RendezvousNotNeeded):
+        return "not_needed"
+    if isinstance(exc, RendezvousFailed):
+        return "failed"
+    torch_api = sys.modules.get("torch.distributed.elastic.rendezvous.api")
+    if torch_api is not None:
+        if isinstance(exc, torch_api.RendezvousGracefulExitError):
+            return "not_needed"
+        if isinstance(exc, torch_api.RendezvousError):
+            return "failed"
+    return None
 
 
 class ElasticAgent:
@@ -160,26 +176,37 @@ class ElasticAgent:
         if auto is not None:
             self._fire(auto)
             return
-        fact = self._wait_for_fact()
+        try:
+            fact = self._wait_for_fact()
+        except Exception as exc:  # launcher poll / num_nodes_waiting failed: same paths as a failing step
+            if _classify_rendezvous_error(exc) == "failed":  # the rendezvous store went away mid-run
+                self._error = self._describe_rendezvous_error(exc)
+                self._fire_error("rendezvous_failed")
+                return
+            self._error = f"watching the workers failed in state {self.state.value}: {type(exc).__name__}: {exc}"
+            log.error("%s\n%s", self._error, traceback.format_exc())
+            self._fire_error("agent_errored")
+            return
         if fact is not None:
             self._fire(fact)
 
     def _fire(self, trigger: str) -> None:
         """Fire a trigger; turn whatever it raises into the table's error trigger."""
-        rendezvous_error, graceful_exit = _rendezvous_errors()
         try:
             self.trigger(trigger)
         except SignalStop:
             pass  # self._signal is set: the next step fires stop_requested
-        except graceful_exit:
-            self._fire("rendezvous_not_needed")
-        except rendezvous_error as exc:
-            self._error = self._describe_rendezvous_error(exc)
-            self._fire_error("rendezvous_failed")
         except Exception as exc:
-            self._error = f"{trigger} failed in state {self.state.value}: {type(exc).__name__}: {exc}"
-            log.error("%s\n%s", self._error, traceback.format_exc())
-            self._fire_error("agent_errored")
+            kind = _classify_rendezvous_error(exc)
+            if kind == "not_needed":
+                self._fire("rendezvous_not_needed")
+            elif kind == "failed":
+                self._error = self._describe_rendezvous_error(exc)
+                self._fire_error("rendezvous_failed")
+            else:
+                self._error = f"{trigger} failed in state {self.state.value}: {type(exc).__name__}: {exc}"
+                log.error("%s\n%s", self._error, traceback.format_exc())
+                self._fire_error("agent_errored")
 
     def _fire_error(self, trigger: str) -> None:
         try:
@@ -310,9 +337,12 @@ class ElasticAgent:
         """Record where hung workers are stuck (placeholder for hang detection: nothing to dump yet)."""
 
     def _exit_barrier(self, event=None) -> None:
-        """Wait (up to exit_barrier_timeout s) until every agent is done, as torch's ``_exit_barrier``."""
-        from torch.distributed.elastic.utils.store import barrier
+        """Wait (up to exit_barrier_timeout s) until every agent is done, as torch's ``_exit_barrier``.
 
+        Same keys as torch (``torchelastic/agent/terminal_state/num_members`` and ``.../last_member``),
+        so torchrun peers share it. A failed agent checks in too (``_check_in_at_exit_barrier``), so
+        its peers stop waiting at once instead of for the whole timeout (torch waits 300 s).
+        """
         group = self._worker_group
         if not group.group_world_size or group.group_world_size <= 1:
             return
@@ -320,14 +350,30 @@ class ElasticAgent:
         try:
             if self._signal is not None:
                 raise SignalStop(self._signal)
-            barrier(store=group.store, world_size=group.group_world_size, key_prefix=EXIT_BARRIER_PREFIX,
-                    barrier_timeout=self.spec.exit_barrier_timeout)
+            last_member_key = self._check_in_at_exit_barrier()
+            group.store.wait([last_member_key], timedelta(seconds=self.spec.exit_barrier_timeout))
         except SignalStop:
             raise
         except Exception as exc:  # torch swallows barrier errors too: the local result stands
             log.warning("exit barrier did not complete within %ss: %s", self.spec.exit_barrier_timeout, exc)
         finally:
             self._interruptible = False
+
+    def _release_exit_barrier(self, event=None) -> None:
+        """A failing agent checks in at the exit barrier so its peers stop waiting for it."""
+        group = self._worker_group
+        if group.store is None or not group.group_world_size or group.group_world_size <= 1:
+            return
+        try:
+            self._check_in_at_exit_barrier()
+        except Exception as exc:  # the store may be gone with the failure; peers then time out
+            log.warning("could not release the exit barrier: %s", exc)
+
+    def _check_in_at_exit_barrier(self) -> str:
+        store, world = self._worker_group.store, self._worker_group.group_world_size
+        if store.add(f"{EXIT_BARRIER_PREFIX}/num_members", 1) == world:
+            store.set(f"{EXIT_BARRIER_PREFIX}/last_member", "<val_ignored>")
+        return f"{EXIT_BARRIER_PREFIX}/last_member"
 
     # -- observations -----------------------------------------------------------------------------
     def _on_worker_exit(self, local_rank: int, exitcode: int) -> None:

@@ -34,6 +34,19 @@ class StateError(FsmAgentError):
 
 
 class RendezvousFailed(FsmAgentError):
-    """The rendezvous could not complete: names the backend, endpoint, timeout and whether we hosted the store."""
+    """The rendezvous could not complete (timeout, closed, store unreachable).
+
+    Backends that do not build on torch raise this (or a subclass); torch's
+    ``RendezvousError`` is treated the same way by the agent.
+    """
 
     exit_code = 1
+
+
+class RendezvousNotNeeded(FsmAgentError):
+    """This node is beyond ``max_nodes`` and the job no longer needs it: a clean exit.
+
+    Mirrors torch's ``RendezvousGracefulExitError``.
+    """
+
+    exit_code = 0

@@ -44,6 +44,7 @@ HOOKS_BY_STEP: dict[str, tuple[str, ...]] = {
     "_count_restart": (),
     "_dump_worker_stacks": (),
     "_exit_barrier": (),
+    "_release_exit_barrier": (),
 }
 
 #: Fired after every transition, once the state has changed, by ``ElasticAgent._after_state_change``.
@@ -178,8 +179,10 @@ def render_mermaid(transitions: Sequence[dict] | None = None) -> str:
     build_machine(model, transitions, machine_cls=HierarchicalGraphMachine, graph_engine="mermaid",
                   show_conditions=True, show_auto_transitions=False)
     lines = model.get_graph().draw(None).splitlines()
-    if lines and lines[0].strip() == "---":  # transitions writes a bare "---\n<title>\n---", which
-        end = next(i for i in range(1, len(lines)) if lines[i].strip() == "---")  # Mermaid ignores
+    # transitions writes its title as a bare "---\n<title>\n---" front matter, which Mermaid ignores
+    # (not a YAML mapping): drop it, and write a "title:" front matter instead.
+    if lines and lines[0].strip() == "---":
+        end = next((i for i in range(1, len(lines)) if lines[i].strip() == "---"), 0)
         lines = lines[end + 1:]
     kept = [line.rstrip() for line in lines
             if not line.lstrip().startswith(("Class ", "classDef "))]

@@ -32,17 +32,18 @@ TRANSITIONS: list[dict] = [
     dict(trigger="workers_failed", source=_RUNNING, dest=S.STOPPED,
          conditions="has_restarts_left", before="_stop_workers", after="_count_restart"),
     dict(trigger="workers_failed", source=_RUNNING, dest=S.FAILED,
-         unless="has_restarts_left", before="_stop_workers"),
+         unless="has_restarts_left", before=["_stop_workers", "_release_exit_barrier"]),
     # A membership change restarts the group without spending a restart (torch semantics).
     dict(trigger="membership_changed", source=S.HEALTHY, dest=S.STOPPED,
          before="_stop_workers"),
     # -- the ways out that are not the workers' doing -------------------------------------------
-    dict(trigger="rendezvous_failed", source=[S.INIT, S.STOPPED], dest=S.FAILED,
+    # The rendezvous or its store failed: while joining, or while checking membership.
+    dict(trigger="rendezvous_failed", source=_LIVE, dest=S.FAILED,
          before="_stop_workers"),
     # A node beyond max_nodes whose rendezvous closed: nothing to do, a clean exit.
     dict(trigger="rendezvous_not_needed", source=[S.INIT, S.STOPPED], dest=S.SUCCEEDED),
     dict(trigger="stop_requested", source=_LIVE, dest=S.FAILED,
-         before="_stop_workers"),
+         before=["_stop_workers", "_release_exit_barrier"]),
     # An unexpected exception in the agent or a plugin: the agent can no longer vouch for its workers.
     dict(trigger="agent_errored", source=_LIVE, dest=S.UNKNOWN,
          before="_stop_workers"),

@@ -1,10 +1,14 @@
 // Parse Mermaid text with Mermaid's own parser, under plain node.
 //
-// Usage: node tests/states/mermaid_parse.mjs < diagram.mmd
+// Usage:
+//   node tests/states/mermaid_parse.mjs < diagram.mmd
+//       One diagram on stdin. Prints {"diagramType": ...} and exits 0, or prints the parser's
+//       message on stderr and exits 1.
+//   node tests/states/mermaid_parse.mjs --batch < diagrams.json
+//       A JSON object {name: text, ...} on stdin (one node start for many diagrams). Prints
+//       {name: {"diagramType": ...} | {"error": message}, ...} and exits 0.
+// Either way it exits 3 when the parser is not installed (run .ci/install-mermaid.sh).
 //
-// Reads one diagram on stdin. On success prints one JSON line
-// {"diagramType": ...} and exits 0; on a parse error prints the parser's message
-// on stderr and exits 1; exits 3 when the parser is not installed (run .ci/install-mermaid.sh).
 // The packages come from .ci/node/ (or $MERMAID_NODE_PREFIX); jsdom supplies the DOM window
 // that mermaid's sanitiser (DOMPurify) needs, so no browser is involved.
 
@@ -29,16 +33,32 @@ try {
 const { window } = new JSDOM("");
 globalThis.window = window;
 globalThis.document = window.document;
-
 const { default: mermaid } = await import(pathToFileURL(mermaidPath).href);
-const text = readFileSync(0, "utf8");
-try {
-  // parse() reads the front matter (YAML), detects the diagram type, runs the diagram's grammar
-  // and fills its database; it throws on any error. (A front matter that is not a YAML mapping
-  // is ignored, not rejected: the Python test checks the `title:` line itself.)
-  const { diagramType } = await mermaid.parse(text);
-  console.log(JSON.stringify({ diagramType }));
-} catch (err) {
-  console.error(String(err?.message ?? err));
-  process.exit(1);
+
+// parse() reads the front matter (YAML), detects the diagram type, runs the diagram's grammar
+// and fills its database; it throws on any error. (A front matter that is not a YAML mapping is
+// ignored, not rejected: the Python test checks the `title:` line itself.)
+async function parse(text) {
+  try {
+    const { diagramType } = await mermaid.parse(text);
+    return { diagramType };
+  } catch (err) {
+    return { error: String(err?.message ?? err) };
+  }
+}
+
+const input = readFileSync(0, "utf8");
+if (process.argv.includes("--batch")) {
+  const results = {};
+  for (const [name, text] of Object.entries(JSON.parse(input))) {
+    results[name] = await parse(text);
+  }
+  console.log(JSON.stringify(results));
+} else {
+  const result = await parse(input);
+  if (result.error !== undefined) {
+    console.error(result.error);
+    process.exit(1);
+  }
+  console.log(JSON.stringify(result));
 }

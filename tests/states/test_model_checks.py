@@ -20,7 +20,7 @@ def without(trigger: str, table: list[dict] = TRANSITIONS) -> list[dict]:
     return [dict(row) for row in table if row["trigger"] != trigger]
 
 
-def replaced(trigger: str, table: list[dict] = TRANSITIONS, **changes) -> list[dict]:
+def replaced(trigger: str, /, table: list[dict] = TRANSITIONS, **changes) -> list[dict]:
     """A copy of ``table`` whose rows of ``trigger`` get ``changes``."""
     return [dict(row, **changes) if row["trigger"] == trigger else dict(row) for row in table]
 
