@@ -1,10 +1,12 @@
 """fsm-agent: an elastic agent for PyTorch distributed training, driven by a statechart with plugins.
 
 Public API: ``launch_agent``/``elastic_launch`` (torch's launcher API), ``LaunchConfig``, the data
-model (``WorkerSpec``, ``Worker``, ``WorkerGroup``, ``WorkerState``, ``RunResult``) and ``hookimpl``.
+model (``WorkerSpec``, ``Worker``, ``WorkerGroup``, ``WorkerState``, ``RunResult``), ``hookimpl``, and
+``heartbeat()`` for workers (progress reports for ``--hang-timeout``).
 """
 
 from fsm_agent.config import LaunchConfig
+from fsm_agent.heartbeat import heartbeat
 from fsm_agent.plugins import hookimpl
 from fsm_agent.states.worker_state import WorkerState
 from fsm_agent.worker import RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec
@@ -19,4 +21,4 @@ def __getattr__(name):  # the launcher pulls in the agent; keep `import fsm_agen
 
 
 __all__ = ["LaunchConfig", "WorkerSpec", "Worker", "WorkerGroup", "WorkerState", "WorkerFailure",
-           "RunResult", "hookimpl", "launch_agent", "elastic_launch", "WorkerGroupFailedError"]
+           "RunResult", "hookimpl", "heartbeat", "launch_agent", "elastic_launch", "WorkerGroupFailedError"]

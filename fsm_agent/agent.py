@@ -26,14 +26,16 @@ import pluggy
 from fsm_agent import errorfile
 from fsm_agent.env import worker_env
 from fsm_agent.errors import RendezvousFailed, RendezvousNotNeeded
+from fsm_agent.hang import HangDetector, dump_stacks
 from fsm_agent.logs import LogsLayout, WorkerLogs
 from fsm_agent.ranks import assign_ranks
 from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine
-from fsm_agent.worker import RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec
+from fsm_agent.worker import RestartDecision, RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec
 
 log = logging.getLogger(__name__)
 S = WorkerState
 EXIT_BARRIER_PREFIX = "torchelastic/agent/terminal_state"  # torch's key: torchrun peers share it
+HANG_EXIT_CODE = 124  # what a hung worker counts as: timeout(1)'s "timed out"
 
 
 class SignalStop(BaseException):
@@ -122,6 +124,9 @@ class ElasticAgent:
         self._reported_exits: set[int] = set()
         self._worker_logs: dict[int, WorkerLogs] = {}
         self._worker_store = None
+        self._hang = HangDetector(spec.hang_timeout)
+        self._hung: dict[int, str] = {}
+        self._decision: RestartDecision | None = None
         self._error: str | None = None
         self._signal: int | None = None
         self._interruptible = False
@@ -220,9 +225,14 @@ class ElasticAgent:
 
     def _wait_for_fact(self) -> str | None:
         """Block until something happens to the running workers; return the trigger it means."""
+        if self.state == S.UNHEALTHY:  # entered through workers_hung: the hung ranks are the failure
+            self._collect_hang_failures()
+            self._decide_restart()
+            return "workers_failed"
         now = time.monotonic()
         timeout = max(0.0, self._next_tick - now)
-        ready, _, _ = select.select([self._wake_r, *self._launcher.wait_fds()], [], [], timeout)
+        ready, _, _ = select.select([self._wake_r, *self._launcher.wait_fds(), *self._hang.wait_fds()],
+                                    [], [], timeout)
         if self._wake_r in ready:
             try:
                 while os.read(self._wake_r, 512):
@@ -231,6 +241,7 @@ class ElasticAgent:
                 pass
         if self._signal is not None:
             return "stop_requested"
+        self._hang.read_timer_requests()
         exits = self._launcher.poll()
         for local_rank in sorted(set(exits) - self._reported_exits):
             self._reported_exits.add(local_rank)
@@ -238,13 +249,18 @@ class ElasticAgent:
         failed = {r: code for r, code in exits.items() if code != 0}
         if failed:
             self._collect_failures(failed)
+            self._decide_restart()
             return "workers_failed"
         if len(exits) == self.spec.local_world_size:
             by_global = {w.local_rank: w.global_rank for w in self._worker_group.workers}
             self._return_values = {by_global[r]: v for r, v in self._launcher.return_values().items()}
             return "workers_succeeded"
         if time.monotonic() >= self._next_tick:
-            self._next_tick = time.monotonic() + self.spec.monitor_interval
+            self._next_tick = time.monotonic() + self._tick_interval
+            if self._hang.enabled:
+                self._hung = self._hang.hung_workers(self._launcher.pids(), set(exits))
+                if self._hung:
+                    return "workers_hung"
             if self.state == S.HEALTHY and self._rdzv_handler.num_nodes_waiting() > 0:
                 log.info("[%s] %s node(s) waiting to join: restarting the group (not counted)",
                          self.spec.role, self._rdzv_handler.num_nodes_waiting())
@@ -253,7 +269,21 @@ class ElasticAgent:
 
     # -- guards ---------------------------------------------------------------------------------
     def has_restarts_left(self, event=None) -> bool:
-        return self.restart_count < self.spec.max_restarts
+        """The restart policy's verdict on the failed attempt (torchrun's budget by default)."""
+        if self._decision is None:
+            return self.restart_count < self.spec.max_restarts
+        return self._decision.restart
+
+    @property
+    def _tick_interval(self) -> float:
+        """Seconds between periodic checks: monitor_interval, but at most 0.5 s while watching for hangs."""
+        return min(self.spec.monitor_interval, 0.5) if self._hang.enabled else self.spec.monitor_interval
+
+    def _decide_restart(self) -> None:
+        decision = self.plugin_manager.hook.fsm_agent_restart_policy(
+            failures=dict(self._failures), worker_group=self._worker_group, restart_count=self.restart_count)
+        self._decision = decision or RestartDecision(self.restart_count < self.spec.max_restarts)
+        log.warning("[%s] workers failed: %s", self.spec.role, self._decision.reason or self._decision)
 
     # -- steps named in the table ---------------------------------------------------------------
     def _rendezvous(self, event=None) -> None:
@@ -306,14 +336,30 @@ class ElasticAgent:
     def _close_worker_store(self) -> None:
         self._worker_store = None  # dropping the last reference shuts the server down
 
+    def _backoff(self, event=None) -> None:
+        """Wait the restart policy's backoff delay; a stop signal cuts it short."""
+        delay = self._decision.delay_s if self._decision is not None else 0.0
+        self._decision = None
+        if delay > 0:
+            self._interruptible = True
+            try:
+                if self._signal is not None:
+                    raise SignalStop(self._signal)
+                select.select([], [], [], delay)
+            finally:
+                self._interruptible = False
+
     def _start_workers(self, event=None) -> None:
         """Spawn ``local_world_size`` workers with torchrun's environment."""
         group, spec = self._worker_group, self.spec
+        self._hang.new_attempt(spec.local_world_size)
+        self._hung = {}
         self._worker_logs = self._logs.reify(self.restart_count, spec.local_world_size, spec.role,
                                              {w.local_rank: w.global_rank for w in group.workers})
         envs = {}
         for worker in group.workers:
-            extra = self.plugin_manager.hook.fsm_agent_worker_env(worker=worker, worker_group=group)
+            extra = [self._hang.worker_env(worker.local_rank),
+                     *self.plugin_manager.hook.fsm_agent_worker_env(worker=worker, worker_group=group)]
             envs[worker.local_rank] = worker_env(
                 worker, group, restart_count=self.restart_count, run_id=self.run_id,
                 error_file=self._worker_logs[worker.local_rank].error_file,
@@ -334,7 +380,42 @@ class ElasticAgent:
         self.restart_count += 1
 
     def _dump_worker_stacks(self, event=None) -> None:
-        """Record where hung workers are stuck (placeholder for hang detection: nothing to dump yet)."""
+        """Record where each hung worker is stuck: py-spy if installed, else a faulthandler dump.
+
+        The py-spy text goes to ``stacks.txt`` beside the worker's logs and into the summary. Without
+        py-spy the worker gets SIGABRT, and ``PYTHONFAULTHANDLER=1`` (set for workers when hang
+        detection is on) makes Python print every thread's stack to its stderr before it dies.
+        """
+        self._hung_stacks: dict[int, str] = {}
+        for local_rank, why in self._hung.items():
+            pid = self._launcher.pids()[local_rank]
+            log.warning("[%s] local_rank %s (pid %s) is hung: %s", self.spec.role, local_rank, pid, why)
+            stacks = dump_stacks(pid)
+            if stacks:
+                self._hung_stacks[local_rank] = stacks
+                log.warning("stacks of local_rank %s:\n%s", local_rank, stacks)
+                error_file = self._worker_logs[local_rank].error_file if local_rank in self._worker_logs else ""
+                if error_file:
+                    with open(os.path.join(os.path.dirname(error_file), "stacks.txt"), "w") as f:
+                        f.write(stacks)
+            else:
+                try:
+                    os.kill(pid, signal.SIGABRT)
+                except ProcessLookupError:
+                    pass
+
+    def _collect_hang_failures(self) -> None:
+        stacks = getattr(self, "_hung_stacks", {})
+        for local_rank, why in self._hung.items():
+            worker = self._worker_group.workers[local_rank]
+            wlogs = self._worker_logs.get(local_rank)
+            trace = stacks.get(local_rank) or (
+                f"(faulthandler stack dump in {wlogs.stderr})" if wlogs and wlogs.stderr else
+                "(faulthandler stack dump on the worker's stderr)")
+            self._failures[worker.global_rank] = WorkerFailure(
+                local_rank=local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank, pid=worker.id,
+                exitcode=HANG_EXIT_CODE, timestamp=time.time(), message=f"hang: {why}", traceback=trace,
+                hostname=self.hostname, failure_class="hang")
 
     def _exit_barrier(self, event=None) -> None:
         """Wait (up to exit_barrier_timeout s) until every agent is done, as torch's ``_exit_barrier``.
@@ -504,6 +585,7 @@ class ElasticAgent:
 
     def _release(self) -> None:
         self._launcher.close()
+        self._hang.close()
         self._close_worker_store()
         if self._signal is None:
             try:

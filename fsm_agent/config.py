@@ -46,6 +46,7 @@ class LaunchConfig:
         virtual_local_rank: ``--virtual-local-rank``.
         shutdown_timeout: ``--shutdown-timeout`` / ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (30).
         exit_barrier_timeout: fsm-agent: ``--exit-barrier-timeout`` (torch hard-codes 300).
+        hang_timeout: fsm-agent: ``--hang-timeout`` seconds without ``fsm_agent.heartbeat()`` (None: off).
         events_file: fsm-agent: ``--events-file``; None writes ``events.jsonl`` in the log directory.
         launcher: fsm-agent: ``--launcher`` name of the launcher backend (``subprocess``).
         disabled_plugins: fsm-agent: plugin names to block.
@@ -81,6 +82,7 @@ class LaunchConfig:
     virtual_local_rank: bool = False
     shutdown_timeout: float = 30.0
     exit_barrier_timeout: float = 300.0
+    hang_timeout: float | None = None
     events_file: str | None = None
     launcher: str = "subprocess"
     disabled_plugins: tuple[str, ...] = ()
@@ -96,6 +98,8 @@ class LaunchConfig:
         _check(self.shutdown_timeout >= 0, f"--shutdown-timeout {self.shutdown_timeout}: must be >= 0 seconds")
         _check(self.exit_barrier_timeout >= 0,
                f"--exit-barrier-timeout {self.exit_barrier_timeout}: must be >= 0 seconds")
+        _check(self.hang_timeout is None or self.hang_timeout > 0,
+               f"--hang-timeout {self.hang_timeout}: must be > 0 seconds")
         _check(self.start_method in ("spawn", "fork", "forkserver"),
                f"--start-method {self.start_method!r}: use spawn, fork or forkserver")
 

@@ -37,7 +37,8 @@ def build_spec(config: LaunchConfig, entrypoint: str | Callable, args: tuple) ->
                       args=tuple(args), rendezvous=rdzv, max_restarts=config.max_restarts,
                       monitor_interval=config.monitor_interval, shutdown_timeout=config.shutdown_timeout,
                       exit_barrier_timeout=config.exit_barrier_timeout, start_method=config.start_method,
-                      virtual_local_rank=config.virtual_local_rank, numa_binding=config.numa_binding)
+                      virtual_local_rank=config.virtual_local_rank, numa_binding=config.numa_binding,
+                      hang_timeout=config.hang_timeout)
 
 
 def rendezvous_parameters(config: LaunchConfig):

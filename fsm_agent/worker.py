@@ -72,6 +72,8 @@ class WorkerSpec:
         start_method: multiprocessing start method for callable entrypoints (spawn, fork, forkserver).
         virtual_local_rank: every worker gets LOCAL_RANK=0 and its own CUDA_VISIBLE_DEVICES entry.
         numa_binding: None or one of node, socket, exclusive, core-complex (binaries wrapped with numactl).
+        hang_timeout: seconds without progress (``fsm_agent.heartbeat()``) after which a worker is hung;
+            None disables heartbeat hang detection (torch's FileTimer protocol works regardless).
     """
 
     role: str
@@ -88,6 +90,7 @@ class WorkerSpec:
     start_method: str = "spawn"
     virtual_local_rank: bool = False
     numa_binding: str | None = None
+    hang_timeout: float | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
 
     @property
     def local_addr(self) -> str | None:
@@ -200,6 +203,21 @@ class WorkerFailure:
     def shell_exit_code(self) -> int:
         """The code a shell would report: the exit code, or 128+N for a death by signal N."""
         return 128 - self.exitcode if self.exitcode < 0 else self.exitcode
+
+
+@attrs.frozen
+class RestartDecision:
+    """What the restart policy decided about a failed attempt (hook ``fsm_agent_restart_policy``).
+
+    Attributes:
+        restart: True to restart the worker group, False to give up (the group goes to FAILED).
+        delay_s: seconds to wait before the next rendezvous (backoff); 0 for none.
+        reason: one line for logs and the summary, e.g. ``"no restarts left (max_restarts=0)"``.
+    """
+
+    restart: bool
+    delay_s: float = 0.0
+    reason: str = ""
 
 
 @attrs.frozen

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from fsm_agent.agent import ElasticAgent, TransitionRecord
     from fsm_agent.config import LaunchConfig
     from fsm_agent.plugins.registry import BackendRegistry
-    from fsm_agent.worker import RunResult, Worker, WorkerGroup
+    from fsm_agent.worker import RestartDecision, RunResult, Worker, WorkerFailure, WorkerGroup
 
 # --------------------------------------------------------------------------------------------
 # setup: called once while the agent is built, before the machine leaves INIT
@@ -134,6 +134,29 @@ def fsm_agent_worker_exited(worker: "Worker", worker_group: "WorkerGroup", exitc
     Called from:
         The run loop while the group is HEALTHY or UNHEALTHY, before ``workers_succeeded`` or
         ``workers_failed`` is fired.
+    """
+
+
+@hookspec(firstresult=True)
+def fsm_agent_restart_policy(
+    failures: "dict[int, WorkerFailure]", worker_group: "WorkerGroup", restart_count: int
+) -> "RestartDecision | None":
+    """Decide whether a failed attempt is restarted, after how long, or given up.
+
+    Args:
+        failures: ``{global_rank: WorkerFailure}`` of this attempt; each has ``failure_class``
+            (``exit_code``, ``signal`` or ``hang``) and ``exitcode``.
+        worker_group: the failed group (``spec.max_restarts`` is the budget).
+        restart_count: restarts already used.
+
+    Returns:
+        A RestartDecision; the first non-None answer wins. The built-in ``restart-policy``
+        plugin answers last (``trylast``): torchrun's budget, the do-not-restart exit code, and
+        exponential backoff with jitter when ``FSM_AGENT_RESTART_BACKOFF`` (seconds) is set.
+
+    Called from:
+        The run loop while the group is HEALTHY or UNHEALTHY, when workers failed, before
+        ``workers_failed`` fires; its answer is what the guard ``has_restarts_left`` reads.
     """
 
 

@@ -24,6 +24,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "rendezvous-static": "fsm_agent.plugins.rendezvous_static",
     "rendezvous-torchrun-handlers": "fsm_agent.plugins.rendezvous_torchrun_handlers",
     "launcher-subprocess": "fsm_agent.plugins.launcher_subprocess",
+    "restart-policy": "fsm_agent.plugins.restart_policy",
     "metrics-logging": "fsm_agent.plugins.metrics_logging",
     "events-jsonl": "fsm_agent.plugins.events_jsonl",
 }

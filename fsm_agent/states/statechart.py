@@ -45,6 +45,7 @@ HOOKS_BY_STEP: dict[str, tuple[str, ...]] = {
     "_dump_worker_stacks": (),
     "_exit_barrier": (),
     "_release_exit_barrier": (),
+    "_backoff": (),
 }
 
 #: Fired after every transition, once the state has changed, by ``ElasticAgent._after_state_change``.

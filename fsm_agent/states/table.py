@@ -23,7 +23,7 @@ TRANSITIONS: list[dict] = [
     dict(trigger="start", source=S.INIT, dest=S.HEALTHY,
          before=["_rendezvous", "_start_workers"]),
     dict(trigger="restart", source=S.STOPPED, dest=S.HEALTHY,
-         before=["_rendezvous", "_start_workers"]),
+         before=["_backoff", "_rendezvous", "_start_workers"]),
     # -- while the workers run ------------------------------------------------------------------
     dict(trigger="workers_hung", source=S.HEALTHY, dest=S.UNHEALTHY,
          before="_dump_worker_stacks"),

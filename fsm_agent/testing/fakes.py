@@ -97,6 +97,8 @@ class Round:
         raises: ``"timeout"``, ``"closed"``, ``"graceful_exit"``, ``"connection"``, ``"error"``, or an
             exception (class or instance) that ``next_rendezvous`` raises instead of returning.
         waiting: what ``num_nodes_waiting()`` answers while this round is current (late joiners).
+        waiting_raises: ``num_nodes_waiting()`` raises this (an error name as for ``raises``, or an
+            exception) while this round is current, e.g. ``"connection"`` for a lost rendezvous store.
         action: called first thing inside ``next_rendezvous`` (e.g. ``send_signal()``; the agent
             treats the rendezvous as interruptible, so a signal ends the call at once).
         delay: seconds ``next_rendezvous`` blocks (after ``action``) before answering.
@@ -110,6 +112,7 @@ class Round:
     world_size: int = 1
     raises: Any = None
     waiting: int = 0
+    waiting_raises: Any = None
     action: Callable[[], Any] | None = None
     delay: float = 0.0
     peer_local_world_size: int | None = None
@@ -228,6 +231,8 @@ class FakeRendezvous(_make_rendezvous_base()):
 
     def num_nodes_waiting(self) -> int:
         self.waiting_queries += 1
+        if self._current is not None and self._current.waiting_raises is not None:
+            raise rendezvous_error(self._current.waiting_raises)
         return self._waiting
 
     def get_run_id(self) -> str:
@@ -363,7 +368,8 @@ class _FakeWorker:
     def exit(self, code: int) -> None:
         if self.exitcode is None:
             self.exitcode, self.exited_at = code, time.time()
-            os.write(self.write_fd, b"x")
+            if self.write_fd >= 0:
+                os.write(self.write_fd, b"x")
 
 
 @attrs.frozen
@@ -398,8 +404,9 @@ class FakeLauncher:
         max_polls: polls per attempt after which ``poll`` raises FakeLauncherError (a script that
             never ends, e.g. hung workers and nothing to stop them).
 
-    Recorded for assertions: ``started`` (StartRecord per start), ``stops`` (StopRecord per stop),
-    ``polls`` (polls of the current attempt), ``close_calls``.
+    Recorded for assertions: ``started`` (StartRecord per successful start), ``start_calls`` (a
+    scripted ``start_raises`` counts as an attempt too), ``stops`` (StopRecord per stop), ``polls``
+    (polls of the current attempt), ``close_calls``.
     """
 
     def __init__(self, attempts: Any = (), *, pid_base: int = 10_000, max_polls: int = 500):
@@ -409,6 +416,7 @@ class FakeLauncher:
         self.started: list[StartRecord] = []
         self.stops: list[StopRecord] = []
         self.polls = 0
+        self.start_calls = 0
         self.close_calls = 0
         self._workers: dict[int, _FakeWorker] = {}
         self._script: Attempt | None = None
@@ -422,8 +430,8 @@ class FakeLauncher:
 
     @property
     def attempt(self) -> int | None:
-        """Index of the current attempt (None before the first start)."""
-        return len(self.started) - 1 if self.started else None
+        """Index of the current attempt, i.e. of the last ``start`` call (None before the first)."""
+        return self.start_calls - 1 if self.start_calls else None
 
     def __call__(self, agent: Any = None) -> "FakeLauncher":
         """Registry factory form: ``registry.add_launcher("fake", launcher)`` returns this instance."""
@@ -432,14 +440,15 @@ class FakeLauncher:
     # -- launcher interface -----------------------------------------------------------------------
     def start(self, spec, envs: dict[int, dict[str, str]], logs: dict[int, Any],
               filtered: tuple = (None, None)) -> dict[int, int]:
-        index = len(self.started)
+        index = self.start_calls
+        self.start_calls += 1
         script = self.attempt_for(index)
-        if script.start_raises is not None:
-            raise script.start_raises
         self._release_fds()
-        plan = script.exit_plan(len(envs))
         self._script, self.polls, self._stop_raised = script, 0, 0
         self._workers = {}
+        if script.start_raises is not None:
+            raise script.start_raises
+        plan = script.exit_plan(len(envs))
         for rank in sorted(envs):
             r, w = os.pipe()
             os.set_blocking(r, False)
