@@ -101,11 +101,13 @@ class ElasticAgent:
         logs: the LogsLayout for this run.
         events_path: where the built-in recorder writes events (None: ``events.jsonl`` in the log dir).
         signals_to_handle: signal names that stop the workers and the agent (``--signals-to-handle``).
+        forward_signals: signal names relayed to every live worker's process group (``--forward-signals``).
     """
 
     def __init__(self, spec: WorkerSpec, plugin_manager: pluggy.PluginManager, rdzv_handler: Any,
                  launcher: Any, logs: LogsLayout, events_path: str | None = None,
-                 signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT", config: Any = None):
+                 signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT", config: Any = None,
+                 forward_signals: str = ""):
         self.spec = spec
         self.plugin_manager = plugin_manager
         self.config = config
@@ -116,6 +118,7 @@ class ElasticAgent:
         self.events_path = events_path or (
             os.path.join(logs.run_log_dir, "events.jsonl") if logs.run_log_dir else None)
         self._signals = [getattr(signal, n.strip()) for n in signals_to_handle.split(",") if n.strip()]
+        self._forwarded = [getattr(signal, n.strip()) for n in forward_signals.split(",") if n.strip()]
         self._worker_group = WorkerGroup(spec)
         self.restart_count = 0
         self.transitions: list[TransitionRecord] = []
@@ -564,6 +567,14 @@ class ElasticAgent:
             if self._interruptible:
                 raise SignalStop(signum)
 
+    def _forward_signal(self, signum: int, frame) -> None:
+        """Relay ``signum`` to each running worker's process group; nothing is stopped."""
+        for pid in self._launcher.pids().values():
+            try:
+                os.killpg(pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def _install_signal_handlers(self) -> dict[int, Any]:
         previous: dict[int, Any] = {}
         if threading.current_thread() is not threading.main_thread():
@@ -573,6 +584,8 @@ class ElasticAgent:
             if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
                 continue  # started under nohup: keep ignoring SIGHUP
             previous[sig] = signal.signal(sig, self._on_signal)
+        for sig in self._forwarded:
+            previous[sig] = signal.signal(sig, self._forward_signal)
         previous[-1] = signal.set_wakeup_fd(self._wake_w)
         return previous
 

@@ -398,6 +398,9 @@ def get_run_parser(prog: str = "fsm-agent run") -> argparse.ArgumentParser:
     add_own("--hang-timeout", env="FSM_AGENT_HANG_TIMEOUT", default=None, type=float, metavar="SECONDS",
             help="fsm-agent: a worker that called fsm_agent.heartbeat() and then none for SECONDS is hung: "
                  "its stacks are recorded and the group restarted")
+    add_own("--forward-signals", env="FSM_AGENT_FORWARD_SIGNALS", default="", metavar="SIGNALS",
+            help="fsm-agent: comma-separated signals (e.g. SIGUSR1) passed on to every worker's process group "
+                 "without stopping anything, e.g. for checkpoint-on-preemption")
     add_own("--events-file", env="FSM_AGENT_EVENTS_FILE", default=None, metavar="PATH",
             help="fsm-agent: JSON-lines file of agent events (default: events.jsonl in the log directory)")
     add_own("--launcher", env="FSM_AGENT_LAUNCHER", default="subprocess", metavar="NAME",
@@ -487,6 +490,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, str | Call
         shutdown_timeout=_shutdown_timeout(args.shutdown_timeout),
         exit_barrier_timeout=args.exit_barrier_timeout,
         hang_timeout=args.hang_timeout,
+        forward_signals=args.forward_signals,
         events_file=args.events_file,
         launcher=args.launcher,
         disabled_plugins=tuple(dict.fromkeys(args.disabled_plugins)),

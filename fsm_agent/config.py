@@ -47,6 +47,7 @@ class LaunchConfig:
         shutdown_timeout: ``--shutdown-timeout`` / ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (30).
         exit_barrier_timeout: fsm-agent: ``--exit-barrier-timeout`` (torch hard-codes 300).
         hang_timeout: fsm-agent: ``--hang-timeout`` seconds without ``fsm_agent.heartbeat()`` (None: off).
+        forward_signals: fsm-agent: ``--forward-signals`` names of signals relayed to the workers.
         events_file: fsm-agent: ``--events-file``; None writes ``events.jsonl`` in the log directory.
         launcher: fsm-agent: ``--launcher`` name of the launcher backend (``subprocess``).
         disabled_plugins: fsm-agent: plugin names to block.
@@ -83,6 +84,7 @@ class LaunchConfig:
     shutdown_timeout: float = 30.0
     exit_barrier_timeout: float = 300.0
     hang_timeout: float | None = None
+    forward_signals: str = ""
     events_file: str | None = None
     launcher: str = "subprocess"
     disabled_plugins: tuple[str, ...] = ()

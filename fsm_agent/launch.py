@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from typing import Any, Callable
 
@@ -26,6 +27,7 @@ def _configure_logging() -> None:
     level = os.environ.get("LOGLEVEL", "WARNING").upper()
     logging.basicConfig(level=level, format="[fsm-agent %(levelname).1s %(asctime)s] %(message)s",
                         stream=sys.stderr)
+    logging.getLogger("transitions").setLevel(logging.WARNING)  # one line per callback is noise
 
 
 def build_spec(config: LaunchConfig, entrypoint: str | Callable, args: tuple) -> WorkerSpec:
@@ -87,7 +89,8 @@ def create_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple) 
         raise ConfigError(f"--rdzv-backend {config.rdzv_backend} at {config.rdzv_endpoint or '(default endpoint)'}: "
                           f"{type(exc).__name__}: {exc}") from None
     agent = ElasticAgent(spec, pm, handler, launcher_factory(None), logs, events_path=config.events_file,
-                         signals_to_handle=config.signals_to_handle, config=config)
+                         signals_to_handle=config.signals_to_handle, forward_signals=config.forward_signals,
+                         config=config)
     return agent
 
 
@@ -101,7 +104,14 @@ def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple =
         ConfigError / PluginError: before any worker started (bad backend name, plugin import error).
     """
     _configure_logging()
-    agent = create_agent(config, entrypoint, args)
+    # Handle stop signals from the first instruction: until the agent installs its own handlers
+    # (at the start of run(), before the first rendezvous) a signal ends the launch cleanly.
+    early = {sig: signal.signal(sig, _exit_on_signal) for sig in _stop_signals(config.signals_to_handle)}
+    try:
+        agent = create_agent(config, entrypoint, args)
+    finally:
+        for sig, handler in early.items():
+            signal.signal(sig, handler)
     if agent._logs.run_log_dir:
         log.info("logs in %s, events in %s", agent._logs.run_log_dir, agent.events_path)
     result = agent.run()
@@ -110,6 +120,16 @@ def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple =
         print(format_summary(name, result), file=sys.stderr, flush=True)
         propagate_to_parent(result, name)
     return result
+
+
+def _stop_signals(names: str) -> list[int]:
+    sigs = [getattr(signal, n.strip()) for n in names.split(",") if n.strip()]
+    # Started under nohup: SIGHUP stays ignored.
+    return [s for s in sigs if not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN)]
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 class WorkerGroupFailedError(FsmAgentError):

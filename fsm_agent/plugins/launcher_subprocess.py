@@ -31,6 +31,7 @@ from fsm_agent.plugins import hookimpl
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 @hookimpl
@@ -42,6 +43,61 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send ``sig`` to this process when its parent dies (Linux only)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants (daemonized grandchildren of workers) reparent to this process.
+
+    Linux's ``PR_SET_CHILD_SUBREAPER``: a worker's double-forked daemon then becomes our child
+    instead of init's, so ``sweep_orphans`` can find and stop it.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def _helper_pids() -> set[int]:
+    """Our own helper processes that are not workers (multiprocessing's resource tracker)."""
+    pids = set()
+    try:
+        from multiprocessing import resource_tracker
+
+        from multiprocessing import forkserver
+
+        for pid in (getattr(resource_tracker._resource_tracker, "_pid", None),
+                    getattr(forkserver._forkserver, "_forkserver_pid", None)):
+            if pid:
+                pids.add(pid)
+    except Exception:  # private attributes: best effort
+        pass
+    return pids
+
+
+def sweep_orphans(keep: set[int] = frozenset()) -> list[int]:
+    """SIGKILL and reap every descendant of this process except ``keep`` and our helpers.
+
+    Called once the workers are stopped: whatever is left (daemonized grandchildren reparented
+    to us as subreaper, or a worker's children in other process groups) must not outlive the
+    attempt. Returns the pids that were killed.
+    """
+    import psutil
+
+    me = psutil.Process()
+    skip = set(keep) | _helper_pids()
+    victims = [p for p in me.children(recursive=True) if p.pid not in skip]
+    for proc in victims:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=5)
+    for proc in me.children():  # reap zombies that are our direct children (reparented orphans)
+        if proc.pid not in skip:
+            try:
+                os.waitpid(proc.pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+    return [p.pid for p in victims]
 
 
 def _child_preexec() -> None:
@@ -87,10 +143,16 @@ class SubprocessLauncher:
     def __init__(self, agent: Any = None) -> None:
         self._handles: dict[int, _Handle] = {}
         self._filtered: list = []
+        self._not_ours: set[int] = set()
+        become_subreaper()
 
     # -- start ----------------------------------------------------------------------------------
     def start(self, spec, envs: dict[int, dict[str, str]], logs: dict[int, WorkerLogs],
               filtered: tuple[str | None, str | None] = (None, None)) -> dict[int, int]:
+        import psutil
+
+        # Children that exist before the workers (e.g. servers a test harness started) are not ours to sweep.
+        self._not_ours = {p.pid for p in psutil.Process().children(recursive=True)}
         self._handles = {}
         self._filtered = [_FilteredSink(path, filters) if path else None for path, filters in
                           zip(filtered, (getattr(spec, "duplicate_stdout_filters", ()),
@@ -197,10 +259,15 @@ class SubprocessLauncher:
         self.close()
 
     def close(self) -> None:
-        """Sweep what is left of each worker's process group and release fds and reader threads."""
+        """Sweep what is left of the workers (their groups, orphaned daemons); release fds and threads."""
+        live = {h.pid for h in self._handles.values() if h.poll() is None}
         for h in self._handles.values():
-            if h.poll() is not None:
+            if h.pid not in live:
                 _killpg(h.pid, signal.SIGKILL)  # leftover grandchildren in the worker's group
+        swept = sweep_orphans(keep=live | self._not_ours) if self._handles else []
+        if swept:
+            log.warning("stopped %d leftover process(es) of the workers: %s", len(swept), swept)
+        for h in self._handles.values():
             for reader in h.readers:
                 reader.join(2.0)
             h.readers.clear()

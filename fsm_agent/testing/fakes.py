@@ -276,13 +276,18 @@ class FakeRendezvous(_make_rendezvous_base()):
             assignments = compute_assignments([(i["role"], i["local_world_size"]) for i in infos])
             store.multi_set([f"{ASSIGNED_RANKS_PREFIX}{i}" for i in range(script.world_size)],
                             [json.dumps(list(a)) for a in assignments])
-        if script.peers_reach_exit_barrier:
-            store.add(f"{EXIT_BARRIER_PREFIX}/num_members", script.world_size - 1)
+        if script.peers_reach_exit_barrier:  # torch's barrier: whoever brings the count to world_size sets last_member
+            if store.add(f"{EXIT_BARRIER_PREFIX}/num_members", script.world_size - 1) == script.world_size:
+                store.set(f"{EXIT_BARRIER_PREFIX}/last_member", "<val_ignored>")
 
 
 # =============================================================================================
 # launcher
 # =============================================================================================
+
+
+#: Fake pids start here: above Linux's PID_MAX_LIMIT (4194304), so os.kill on one finds no process.
+PID_BASE = 2**22 + 100_000
 
 
 class FakeLauncherError(RuntimeError):
@@ -295,9 +300,12 @@ class Attempt:
 
     Attributes:
         exits: ``{local_rank: exit code}`` (negative: killed by that signal), ``"all_ok"`` (every
-            worker exits 0) or ``"hang"`` (no worker exits by itself). Workers not listed keep
+            worker exits 0) or ``"never"`` (no worker exits by itself). Workers not listed keep
             running until the agent stops them.
         at: ``{local_rank: tick}`` when each scripted exit happens (default tick 0: at once).
+        hangs: ``{local_rank: tick}``: at the end of that tick the worker stops making progress,
+            as the agent's hang detection sees it (its heartbeat file, ``FSM_AGENT_HEARTBEAT_FILE``
+            in the worker's env, is dated long ago). Needs an agent built with ``hang_timeout``.
         return_values: ``{local_rank: value}`` reported by ``return_values()`` for workers that exited 0.
         actions: ``{tick: callable}`` run at the end of that tick (``send_signal()``,
             ``rendezvous.add_waiting``, ...); several actions for one tick: pass a list.
@@ -311,6 +319,7 @@ class Attempt:
 
     exits: Mapping[int, int] | str = "all_ok"
     at: Mapping[int, int] = attrs.field(factory=dict)
+    hangs: Mapping[int, int] = attrs.field(factory=dict)
     return_values: Mapping[int, Any] = attrs.field(factory=dict)
     actions: Mapping[int, Any] = attrs.field(factory=dict)
     start_raises: BaseException | None = None
@@ -322,18 +331,18 @@ class Attempt:
     on_stop: Callable[[], Any] | None = None
 
     def __attrs_post_init__(self) -> None:
-        if isinstance(self.exits, str) and self.exits not in ("all_ok", "hang"):
-            raise ValueError(f"Attempt(exits={self.exits!r}): use a {{local_rank: code}} dict, 'all_ok' or 'hang'")
+        if isinstance(self.exits, str) and self.exits not in ("all_ok", "never"):
+            raise ValueError(f"Attempt(exits={self.exits!r}): use a {{local_rank: code}} dict, 'all_ok' or 'never'")
 
     def exit_plan(self, local_world_size: int) -> dict[int, tuple[int, int]]:
         """``{local_rank: (exit code, tick)}`` for the workers that exit by themselves."""
-        if self.exits == "hang":
+        if self.exits == "never":
             codes: dict[int, int] = {}
         elif self.exits == "all_ok":
             codes = {r: 0 for r in range(local_world_size)}
         else:
             codes = dict(self.exits)
-        for rank in (*codes, *self.at):
+        for rank in (*codes, *self.at, *self.hangs):
             if not 0 <= rank < local_world_size:
                 raise FakeLauncherError(f"{self!r} scripts local rank {rank}, but the group has "
                                         f"{local_world_size} workers")
@@ -341,7 +350,7 @@ class Attempt:
 
 
 def as_attempt(item: Any) -> Attempt:
-    """Accept an Attempt, ``"all_ok"``/``"hang"``, a ``{local_rank: code}`` dict, or a dict of Attempt fields."""
+    """Accept an Attempt, ``"all_ok"``/``"never"``, a ``{local_rank: code}`` dict, or a dict of Attempt fields."""
     if isinstance(item, Attempt):
         return item
     if isinstance(item, str):
@@ -400,7 +409,9 @@ class FakeLauncher:
     Args:
         attempts: one entry per ``start`` call (see ``as_attempt``); starts beyond the script repeat
             the last entry (or ``"all_ok"`` if the script is empty).
-        pid_base: fake pids are ``pid_base + 100 * attempt + local_rank``.
+        pid_base: fake pids are ``pid_base + 100 * attempt + local_rank``. The default lies beyond
+            Linux's PID_MAX_LIMIT (2**22), so no fake pid can name a real process: the agent
+            signals ``pids()`` itself (SIGABRT to a hung worker).
         max_polls: polls per attempt after which ``poll`` raises FakeLauncherError (a script that
             never ends, e.g. hung workers and nothing to stop them).
 
@@ -409,7 +420,7 @@ class FakeLauncher:
     (polls of the current attempt), ``close_calls``.
     """
 
-    def __init__(self, attempts: Any = (), *, pid_base: int = 10_000, max_polls: int = 500):
+    def __init__(self, attempts: Any = (), *, pid_base: int = PID_BASE, max_polls: int = 500):
         self.attempts: list[Attempt] = [as_attempt(a) for a in attempts]
         self.pid_base = pid_base
         self.max_polls = max_polls
@@ -419,6 +430,7 @@ class FakeLauncher:
         self.start_calls = 0
         self.close_calls = 0
         self._workers: dict[int, _FakeWorker] = {}
+        self._envs: dict[int, dict[str, str]] = {}
         self._script: Attempt | None = None
         self._stop_raised = 0
 
@@ -445,7 +457,7 @@ class FakeLauncher:
         script = self.attempt_for(index)
         self._release_fds()
         self._script, self.polls, self._stop_raised = script, 0, 0
-        self._workers = {}
+        self._workers, self._envs = {}, {r: dict(e) for r, e in envs.items()}
         if script.start_raises is not None:
             raise script.start_raises
         plan = script.exit_plan(len(envs))
@@ -529,9 +541,23 @@ class FakeLauncher:
         for worker in self._workers.values():
             if worker.planned is not None and worker.planned[1] == tick:
                 worker.exit(worker.planned[0])
+        for rank, hang_tick in (self._script.hangs.items() if self._script is not None else ()):
+            if hang_tick == tick and self._workers[rank].exitcode is None:
+                self._stop_progress(rank)
         action = self._script.actions.get(tick) if self._script is not None else None
         for fn in (action if isinstance(action, (list, tuple)) else [action]):
             _call(fn)
+
+    def _stop_progress(self, rank: int) -> None:
+        from fsm_agent.heartbeat import HEARTBEAT_FILE_ENV
+
+        path = self._envs.get(rank, {}).get(HEARTBEAT_FILE_ENV)
+        if not path:
+            raise FakeLauncherError(f"attempt {self.attempt} scripts local rank {rank} to hang, but its env has no "
+                                    f"{HEARTBEAT_FILE_ENV}: build the agent with hang_timeout=...")
+        with open(path, "a"):
+            pass
+        os.utime(path, (0, 0))  # the last heartbeat was long ago
 
     def _release_fds(self) -> None:
         for worker in self._workers.values():

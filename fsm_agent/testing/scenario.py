@@ -186,7 +186,8 @@ class _Slot:
 PHRASES = {
     "all succeed | all ok": "every worker not yet exited exits 0",
     "worker N exits C | worker N fails | worker N is killed by SIGKILL": "local rank N exits (fails: code 1)",
-    "hang | wait": "one tick passes with no exit",
+    "worker N hangs": "local rank N stops making progress (hang detection: build with hang_timeout=...)",
+    "wait": "one tick passes with no exit",
     "node joins | N nodes join": "late nodes are waiting (membership_changed at the next monitor check)",
     "SIGTERM | signal SIGINT": "the agent receives the signal at this tick",
     "SIGTERM during rendezvous": "the agent receives the signal inside the next rendezvous call",
@@ -299,7 +300,7 @@ class Scenario:
     def _events(self) -> tuple[_Slot, dict[str, Any]]:
         slot = self._slot
         if slot.attempt is None:
-            slot.ensure_attempt(exits={}, at={})
+            slot.ensure_attempt(exits={}, at={}, hangs={})
         return slot, slot.attempt
 
     def _clause(self, clause: str, step: str) -> bool:
@@ -328,7 +329,7 @@ class Scenario:
             self._open_slot().round["action"] = ("signal", _signum(m.group(1)))
             return False
         if match(r"(?:the )?launcher fails to start|start fails"):
-            self._open_slot().ensure_attempt(exits={}, at={})["start_raises"] = RuntimeError("scripted start failure")
+            self._open_slot().ensure_attempt(exits={}, at={}, hangs={})["start_raises"] = RuntimeError("scripted start failure")
             return False
         if match(r"stop fails( once)?"):
             attempt = self._events()[1]
@@ -345,7 +346,9 @@ class Scenario:
             self._exit(attempt, int(m.group(1)), 1, tick)
         elif match(rf"(?:worker|rank) (\d+) (?:is )?killed(?: by {_SIG})?"):
             self._exit(attempt, int(m.group(1)), -_signum(m.group(2) or "sigkill"), tick)
-        elif match(r"(?:workers )?(?:hang|hangs|wait|waits|running|tick)"):
+        elif match(r"(?:worker|rank) (\d+) (?:hangs|is hung|stops making progress)"):
+            attempt["hangs"][int(m.group(1))] = tick
+        elif match(r"(?:workers (?:keep )?)?(?:wait|waits|running|run|tick)"):
             pass
         elif match(r"(?:a )?node joins|(\d+) nodes join"):
             self._add_action(attempt, tick, ("join", int(m.group(1) or 1)))
@@ -389,7 +392,7 @@ class Scenario:
                     exits[rank], at[rank] = 0, rest_ok_at
             fields.update(exits=exits, at=at)
         elif fields.get("exits") == {}:
-            fields["exits"] = "hang"
+            fields["exits"] = "never"
         return Attempt(actions=actions, **fields)
 
     @staticmethod
