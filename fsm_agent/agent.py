@@ -298,10 +298,13 @@ class ElasticAgent:
             if self._signal is not None:
                 raise SignalStop(self._signal)
             info = self._rdzv_handler.next_rendezvous()
-            base_global, world, base_role, role_world = assign_ranks(
-                info.store, info.rank, info.world_size, self.spec.role, self.spec.local_world_size)
+            (base_global, world, base_role, role_world), job_restart_count = assign_ranks(
+                info.store, info.rank, info.world_size, self.spec.role, self.spec.local_world_size,
+                self.restart_count)
         finally:
             self._interruptible = False
+        if job_restart_count is not None:  # one job, one count: adopt the highest of the round
+            self.restart_count = max(self.restart_count, job_restart_count)
         group.store, group.group_rank, group.group_world_size = info.store, info.rank, info.world_size
         group.workers = [Worker(local_rank=r, global_rank=base_global + r, role_rank=base_role + r,
                                 world_size=world, role_world_size=role_world)

@@ -30,18 +30,34 @@ def compute_assignments(role_infos: list[tuple[str, int]]) -> list[tuple[int, in
     return result
 
 
-def assign_ranks(store, group_rank: int, group_world_size: int, role: str, local_world_size: int) -> tuple[int, int, int, int]:
-    """Exchange role info through the round's store; returns this agent's assignment tuple.
+def assign_ranks(store, group_rank: int, group_world_size: int, role: str, local_world_size: int,
+                 restart_count: int = 0) -> tuple[tuple[int, int, int, int], int | None]:
+    """Exchange role info through the round's store.
 
     Every agent writes ``torchelastic/role_info/<group_rank>``; group rank 0 computes and writes
     ``torchelastic/assigned_ranks/<i>``; every agent blocks on its own key (store timeout applies).
+
+    fsm-agent also puts its ``restart_count`` in its role info (torch ignores extra keys). When
+    every agent of the round did so, rank 0 appends the job-wide count (the maximum) to each
+    assignment, so all nodes agree on ``TORCHELASTIC_RESTART_COUNT`` and spend one job-wide
+    budget (torch's counts are per agent and diverge). With a torchrun peer in the round the
+    assignment keeps torch's 4-element form and the count stays per agent.
+
+    Returns:
+        ((base_global_rank, global_world_size, base_role_rank, role_world_size), job_restart_count or None)
     """
-    info = json.dumps({"role": role, "rank": group_rank, "local_world_size": local_world_size})
+    info = json.dumps({"role": role, "rank": group_rank, "local_world_size": local_world_size,
+                       "restart_count": restart_count})
     store.set(f"{ROLE_INFO_PREFIX}{group_rank}", info.encode())
     if group_rank == 0:
         raw = store.multi_get([f"{ROLE_INFO_PREFIX}{i}" for i in range(group_world_size)])
         infos = [json.loads(bytes(b).decode()) for b in raw]
-        assignments = compute_assignments([(i["role"], i["local_world_size"]) for i in infos])
+        assignments = [list(a) for a in compute_assignments([(i["role"], i["local_world_size"]) for i in infos])]
+        if all("restart_count" in i for i in infos):
+            job_count = max(int(i["restart_count"]) for i in infos)
+            for a in assignments:
+                a.append(job_count)
         store.multi_set([f"{ASSIGNED_RANKS_PREFIX}{i}" for i in range(group_world_size)],
-                        [json.dumps(list(a)) for a in assignments])
-    return tuple(json.loads(bytes(store.get(f"{ASSIGNED_RANKS_PREFIX}{group_rank}")).decode()))
+                        [json.dumps(a) for a in assignments])
+    values = json.loads(bytes(store.get(f"{ASSIGNED_RANKS_PREFIX}{group_rank}")).decode())
+    return tuple(values[:4]), (values[4] if len(values) > 4 else None)

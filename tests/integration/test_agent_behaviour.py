@@ -130,3 +130,29 @@ def test_elastic_launch_raises_with_the_root_cause(tmp_path):
     cause = info.value.result.root_cause
     assert cause.global_rank == 1 and "ValueError: rank one refuses" in cause.message
     assert "refuses" in cause.traceback
+
+
+def test_restart_count_identical_on_every_node(tmp_path, agents):
+    """A failure on one node: both nodes' next attempt sees TORCHELASTIC_RESTART_COUNT=1 (torch: 0 and 1)."""
+    script = write(tmp_path / "w.py", """
+        import os, sys, time
+        count = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        with open(f"seen_{os.environ['GROUP_RANK']}_{count}_{os.getpid()}", "w"):
+            pass
+        if count == "0":
+            if os.environ["RANK"] == "1":
+                time.sleep(0.5)
+                sys.exit(2)
+            time.sleep(60)  # the healthy node's worker would sit here; the re-rendezvous stops it
+    """)
+    port = free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--max-restarts", "1",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "count", "--monitor-interval", "0.2",
+              "--local-addr", "127.0.0.1"]
+    a = agents.start(*common, "--events-file", str(tmp_path / "a.jsonl"), script)
+    b = agents.start(*common, "--events-file", str(tmp_path / "b.jsonl"), script)
+    out_a, err_a = a.communicate(timeout=120)
+    out_b, err_b = b.communicate(timeout=120)
+    assert a.returncode == 0 and b.returncode == 0, err_a + err_b
+    second = sorted(p.name.split("_")[1:3] for p in tmp_path.glob("seen_*_1_*"))
+    assert second == [["0", "1"], ["1", "1"]], list(tmp_path.glob("seen_*"))

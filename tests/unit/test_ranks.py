@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -54,7 +55,7 @@ def _torch_ranks(agents):
 def _our_ranks(agents):
     def fn(store, rank):
         role, size = agents[rank]
-        base, world, role_base, role_world = assign_ranks(store, rank, len(agents), role, size)
+        (base, world, role_base, role_world), _ = assign_ranks(store, rank, len(agents), role, size)
         return [(lr, base + lr, role_base + lr, world, role_world) for lr in range(size)]
 
     return _run_agents(fn, agents)
@@ -69,3 +70,28 @@ def test_compute_assignments_several_roles():
     # trainer agents get role ranks 0-1 and 2-4; reader agents 0 and 1-2; global ranks follow group rank.
     assert compute_assignments([("trainer", 2), ("reader", 1), ("trainer", 3), ("reader", 2)]) == [
         (0, 8, 0, 5), (2, 8, 0, 3), (3, 8, 2, 5), (6, 8, 1, 3)]
+
+
+def test_job_wide_restart_count_is_the_maximum():
+    """Agents that restarted a different number of times agree on the highest count."""
+    counts = [0, 2, 1]
+    results = _run_agents(lambda store, rank: assign_ranks(store, rank, 3, "default", 1, counts[rank])[1],
+                          counts)
+    assert results == [2, 2, 2]
+
+
+def test_torchrun_peer_keeps_torch_format(tmp_path):
+    """A torchrun agent (no restart_count in its role info) gets torch's 4-element assignment."""
+    store = HashStore()
+
+    def torch_like_agent():  # what torch's _assign_worker_ranks writes for group rank 1
+        store.set("torchelastic/role_info/1", b'{"role": "default", "rank": 1, "local_world_size": 2}')
+        return json.loads(store.get("torchelastic/assigned_ranks/1"))
+
+    peer = threading.Thread(target=lambda: results.append(torch_like_agent()))
+    results: list = []
+    peer.start()
+    ours = assign_ranks(store, 0, 2, "default", 2, restart_count=3)
+    peer.join(10)
+    assert ours == ((0, 4, 0, 4), None)
+    assert results == [[2, 4, 2, 4]]
