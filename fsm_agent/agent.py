@@ -28,6 +28,7 @@ from fsm_agent.env import worker_env
 from fsm_agent.errors import RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.hang import HangDetector, dump_stacks
 from fsm_agent.logs import LogsLayout, WorkerLogs
+from fsm_agent.plugins.manager import reject_listener_wrappers
 from fsm_agent.ranks import assign_ranks
 from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine
 from fsm_agent.worker import RestartDecision, RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec
@@ -139,6 +140,7 @@ class ElasticAgent:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.machine = build_machine(self)
+        reject_listener_wrappers(plugin_manager)
         plugin_manager.hook.fsm_agent_configure(config=config, agent=self)
 
     # -- public API (torch names) --------------------------------------------------------------
@@ -405,10 +407,7 @@ class ElasticAgent:
                     with open(os.path.join(os.path.dirname(error_file), "stacks.txt"), "w") as f:
                         f.write(stacks)
             else:
-                try:
-                    os.kill(pid, signal.SIGABRT)
-                except ProcessLookupError:
-                    pass
+                self._launcher.signal_worker(local_rank, signal.SIGABRT)
 
     def _collect_hang_failures(self) -> None:
         stacks = getattr(self, "_hung_stacks", {})
@@ -572,11 +571,8 @@ class ElasticAgent:
 
     def _forward_signal(self, signum: int, frame) -> None:
         """Relay ``signum`` to each running worker's process group; nothing is stopped."""
-        for pid in self._launcher.pids().values():
-            try:
-                os.killpg(pid, signum)
-            except (ProcessLookupError, PermissionError):
-                pass
+        for local_rank in self._launcher.pids():
+            self._launcher.signal_worker(local_rank, signum)
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         previous: dict[int, Any] = {}

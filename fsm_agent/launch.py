@@ -40,7 +40,9 @@ def build_spec(config: LaunchConfig, entrypoint: str | Callable, args: tuple) ->
                       monitor_interval=config.monitor_interval, shutdown_timeout=config.shutdown_timeout,
                       exit_barrier_timeout=config.exit_barrier_timeout, start_method=config.start_method,
                       virtual_local_rank=config.virtual_local_rank, numa_binding=config.numa_binding,
-                      hang_timeout=config.hang_timeout)
+                      hang_timeout=config.hang_timeout,
+                      duplicate_stdout_filters=tuple(config.duplicate_stdout_filters),
+                      duplicate_stderr_filters=tuple(config.duplicate_stderr_filters))
 
 
 def rendezvous_parameters(config: LaunchConfig):
@@ -106,12 +108,17 @@ def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple =
     _configure_logging()
     # Handle stop signals from the first instruction: until the agent installs its own handlers
     # (at the start of run(), before the first rendezvous) a signal ends the launch cleanly.
-    early = {sig: signal.signal(sig, _exit_on_signal) for sig in _stop_signals(config.signals_to_handle)}
+    # They stay until run() puts the agent's own in place, and are undone when the launch ends.
+    original = {sig: signal.signal(sig, _exit_on_signal) for sig in _stop_signals(config.signals_to_handle)}
     try:
-        agent = create_agent(config, entrypoint, args)
+        return _launch(config, entrypoint, args)
     finally:
-        for sig, handler in early.items():
+        for sig, handler in original.items():
             signal.signal(sig, handler)
+
+
+def _launch(config: LaunchConfig, entrypoint: str | Callable, args: tuple) -> RunResult:
+    agent = create_agent(config, entrypoint, args)
     if agent._logs.run_log_dir:
         log.info("logs in %s, events in %s", agent._logs.run_log_dir, agent.events_path)
     result = agent.run()

@@ -91,6 +91,9 @@ class WorkerSpec:
     virtual_local_rank: bool = False
     numa_binding: str | None = None
     hang_timeout: float | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
+    #: ``--duplicate-std{out,err}-filters``: tee'd lines containing one of these go to filtered_*.log.
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
 
     @property
     def local_addr(self) -> str | None:

@@ -138,6 +138,7 @@ class SubprocessLauncher:
     - ``stop(sig, timeout)``: signal every live worker's process group, SIGKILL after ``timeout`` seconds
     - ``return_values() -> {local_rank: value}`` for callable entrypoints
     - ``pids() -> {local_rank: pid}``
+    - ``signal_worker(local_rank, sig)``: deliver a signal to one running worker (stack dumps, forwarding)
     """
 
     def __init__(self, agent: Any = None) -> None:
@@ -154,7 +155,7 @@ class SubprocessLauncher:
         # Children that exist before the workers (e.g. servers a test harness started) are not ours to sweep.
         self._not_ours = {p.pid for p in psutil.Process().children(recursive=True)}
         self._handles = {}
-        self._filtered = [_FilteredSink(path, filters) if path else None for path, filters in
+        self._filtered = [_FilteredSink(path, filters) if path and filters else None for path, filters in
                           zip(filtered, (getattr(spec, "duplicate_stdout_filters", ()),
                                          getattr(spec, "duplicate_stderr_filters", ())))]
         for local_rank in sorted(envs):
@@ -204,7 +205,8 @@ class SubprocessLauncher:
             os.close(fd)
         process = ctx.Process(
             target=_callable_worker,
-            args=(spec.entrypoint, tuple(spec.args), env, wlogs.stdout, wlogs.stderr, result_path),
+            args=(spec.entrypoint, substitute_local_rank(tuple(spec.args), local_rank), env, wlogs.stdout,
+                  wlogs.stderr, result_path),
             name=f"{spec.role}{local_rank}", daemon=False)
         process.start()
         handle = _Handle(local_rank=local_rank, pid=process.pid, wait_fd=process.sentinel,
@@ -227,6 +229,12 @@ class SubprocessLauncher:
 
     def pids(self) -> dict[int, int]:
         return {r: h.pid for r, h in self._handles.items()}
+
+    def signal_worker(self, local_rank: int, sig: int) -> None:
+        """Send ``sig`` to one running worker's process group (no-op if it has exited)."""
+        handle = self._handles.get(local_rank)
+        if handle is not None and handle.poll() is None:
+            _killpg(handle.pid, sig)
 
     def return_values(self) -> dict[int, Any]:
         values = {}

@@ -12,6 +12,7 @@ from typing import Iterable
 
 import pluggy
 
+from fsm_agent.config import OptionRegistry
 from fsm_agent.errors import ConfigError, PluginError
 from fsm_agent.plugins import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
 from fsm_agent.plugins.registry import BackendRegistry
@@ -27,6 +28,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "restart-policy": "fsm_agent.plugins.restart_policy",
     "metrics-logging": "fsm_agent.plugins.metrics_logging",
     "events-jsonl": "fsm_agent.plugins.events_jsonl",
+    "status-http": "fsm_agent.plugins.status_http",
 }
 #: Built-ins that cannot be disabled: without them the agent cannot run at all.
 ESSENTIAL_PLUGINS = frozenset({"launcher-subprocess"})
@@ -63,7 +65,24 @@ def get_plugin_manager(disabled: Iterable[str] = (), load_entry_points: bool = T
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         raise PluginError(f"plugin {exc.plugin!r} is invalid: {exc}") from None
+    reject_listener_wrappers(pm)
     return pm
+
+
+#: Hooks the agent calls one implementation at a time, so that one failing listener cannot
+#: silence the others (pluggy stops a hook call at the first exception).
+LISTENER_HOOKS = ("fsm_agent_rendezvous_completed", "fsm_agent_workers_started", "fsm_agent_worker_exited",
+                  "fsm_agent_put_metric", "fsm_agent_record_event", "fsm_agent_state_changed",
+                  "fsm_agent_unconfigure")
+
+
+def reject_listener_wrappers(pm: pluggy.PluginManager) -> None:
+    """A ``wrapper=True`` implementation of a listener hook would never run: refuse it by name."""
+    for name in LISTENER_HOOKS:
+        for impl in getattr(pm.hook, name).get_hookimpls():
+            if impl.wrapper or impl.hookwrapper:
+                raise PluginError(f"plugin {impl.plugin_name!r}: {name} is a listener hook, called once per "
+                                  f"implementation; wrapper implementations are not supported there")
 
 
 def _load_entry_points(pm: pluggy.PluginManager) -> None:
@@ -94,6 +113,16 @@ def build_registry(pm: pluggy.PluginManager) -> BackendRegistry:
         registry.current_plugin = impl.plugin_name
         impl.function(registry=registry)
     return registry
+
+
+def collect_options(pm: pluggy.PluginManager) -> OptionRegistry:
+    """Ask every plugin for its options (``fsm_agent_addoption``), one plugin at a time so each
+    option is owned by the plugin that declared it."""
+    options = OptionRegistry()
+    for impl in pm.hook.fsm_agent_addoption.get_hookimpls():  # registration order
+        options.current_plugin = impl.plugin_name
+        impl.function(**{name: options for name in impl.argnames})
+    return options
 
 
 def plugin_rows(pm: pluggy.PluginManager) -> list[dict]:

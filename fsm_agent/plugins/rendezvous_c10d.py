@@ -10,7 +10,11 @@ process groups find the previous attempt's keys (pytorch/pytorch#135712).
 from __future__ import annotations
 
 import os
+import socket
+import threading
+from datetime import timedelta
 
+from fsm_agent.errors import RendezvousFailed
 from fsm_agent.plugins import hookimpl
 
 
@@ -42,12 +46,70 @@ class FreshStoreHandler:
 
 
 def create_c10d_handler(params):
-    """``RendezvousParameters -> RendezvousHandler`` for backend ``c10d`` (torch's creator, wrapped)."""
+    """``RendezvousParameters -> RendezvousHandler`` for backend ``c10d`` (torch's creator, wrapped).
+
+    Raises:
+        RendezvousFailed: the endpoint is held by something that does not answer as a TCPStore
+            (within PROBE_TIMEOUT seconds), or no store came up within ``read_timeout``.
+    """
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    backend, store = create_backend(params)
-    return FreshStoreHandler(create_handler(store, backend, params))
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    read_timeout = float(params.get("read_timeout", 60))
+    # Something already listens: a real TCPStore answers in milliseconds, so a silent peer is an
+    # unrelated program (torch would block in its client handshake, then retry until join_timeout).
+    # Nothing listens yet: wait as torch does for a store host that starts later.
+    deadline = min(PROBE_TIMEOUT, read_timeout) if port and _listening(host, port) else read_timeout + 5
+    outcome: dict = {}
+
+    def connect():
+        try:
+            backend, store = create_backend(params)
+            _probe(store, read_timeout)
+            outcome["value"] = (backend, store)
+        except BaseException as exc:  # reported in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=connect, name="c10d-connect", daemon=True)
+    thread.start()
+    thread.join(deadline)
+    if "value" in outcome:
+        backend, store = outcome["value"]
+        return FreshStoreHandler(create_handler(store, backend, params))
+    error = outcome.get("error") or TimeoutError(f"no answer within {deadline:.0f}s")
+    raise RendezvousFailed(_unreachable(params, error, deadline))
+
+
+#: Seconds a store that accepts connections gets to answer before the endpoint is declared wrong.
+PROBE_TIMEOUT = 10.0
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _probe(store, read_timeout: float) -> None:
+    """One round trip through the store."""
+    previous = store.timeout
+    store.set_timeout(timedelta(seconds=min(PROBE_TIMEOUT, read_timeout)))
+    try:
+        store.add("fsm_agent/probe", 0)
+    finally:
+        store.set_timeout(previous)
+
+
+def _unreachable(params, exc: BaseException, waited: float) -> str:
+    is_host = params.get("is_host", "inferred from the endpoint")
+    detail = str(exc).splitlines()[0] if str(exc) else ""
+    return (f"rendezvous endpoint {params.endpoint or '(default)'} (backend c10d) did not answer as a TCPStore "
+            f"within {waited:.0f}s (is_host={is_host}): {type(exc).__name__}: {detail}. If another program holds "
+            f"that port, pick a free port for --rdzv-endpoint")
 
 
 @hookimpl

@@ -24,8 +24,8 @@ Example::
     def test_restart_then_success(make_agent, hook_recorder):
         run = Scenario("worker 1 exits 1 -> restart -> all succeed", max_restarts=1).run(make_agent)
         run.assert_trace(["INIT->HEALTHY", "HEALTHY->STOPPED", "STOPPED->HEALTHY", "HEALTHY->SUCCEEDED"])
-        hook_recorder.assert_sequence(["worker_exited", "record_event", "state_changed", "record_event",
-                                       "put_metric*3"], transition=1)
+        hook_recorder.assert_sequence(["worker_exited", "record_event", "restart_policy", "state_changed",
+                                       "record_event", "put_metric*3"], transition=1)
 """
 
 from __future__ import annotations

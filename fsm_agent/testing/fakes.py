@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import signal
 import threading
@@ -23,6 +24,7 @@ import time
 from typing import Any, Callable, Mapping
 
 import attrs
+from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 __all__ = [
     "Attempt",
@@ -34,6 +36,8 @@ __all__ = [
     "StopRecord",
     "send_signal",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def send_signal(sig: int = signal.SIGTERM) -> Callable[[], None]:
@@ -104,6 +108,7 @@ class Round:
         delay: seconds ``next_rendezvous`` blocks (after ``action``) before answering.
         peer_local_world_size: workers on each simulated peer node (None: as many as this node).
         peer_role: the simulated peers' role (None: this node's role).
+        peer_restart_count: the restart count the simulated peers report (None: this node's).
         peers_reach_exit_barrier: the simulated peers check in at the exit barrier, so a
             multi-node success does not wait ``exit_barrier_timeout``.
     """
@@ -117,6 +122,7 @@ class Round:
     delay: float = 0.0
     peer_local_world_size: int | None = None
     peer_role: str | None = None
+    peer_restart_count: int | None = None
     peers_reach_exit_barrier: bool = True
 
     def __attrs_post_init__(self) -> None:
@@ -139,13 +145,7 @@ def as_round(item: Any) -> Round:
     raise TypeError(f"cannot make a rendezvous Round from {item!r}")
 
 
-def _make_rendezvous_base():
-    from torch.distributed.elastic.rendezvous import RendezvousHandler
-
-    return RendezvousHandler
-
-
-class FakeRendezvous(_make_rendezvous_base()):
+class FakeRendezvous(RendezvousHandler):
     """A torch ``RendezvousHandler`` whose rounds are scripted; peers are simulated in-process.
 
     Args:
@@ -157,9 +157,10 @@ class FakeRendezvous(_make_rendezvous_base()):
             mis-scripted multi-node test from hanging).
 
     Each round gets a fresh ``PrefixStore`` over one ``HashStore`` (``self.store``), as torch's
-    c10d handler prefixes each round. For ``world_size > 1`` a daemon thread plays the other
-    group ranks: it waits for this node's role info, writes the peers' role info, assigns the
-    ranks when this node is not group rank 0, and checks the peers in at the exit barrier.
+    c10d handler prefixes each round. For ``world_size > 1`` daemon threads play the other group
+    ranks: once this node has written its role info, each peer runs fsm-agent's own
+    ``assign_ranks`` (so group rank 0 assigns the ranks wherever it is), then the peers check in
+    at the exit barrier.
 
     Recorded for assertions: ``calls`` (next_rendezvous calls), ``infos`` (RendezvousInfo
     returned), ``waiting_queries``, ``shutdown_calls``.
@@ -253,8 +254,10 @@ class FakeRendezvous(_make_rendezvous_base()):
 
     # -- simulated peers ------------------------------------------------------------------------
     def _play_peers(self, store, script: Round, stop: threading.Event) -> None:
+        """Once this node has written its role info, every other group rank runs fsm-agent's own
+        ``assign_ranks`` (one thread each), then the peers check in at the exit barrier."""
         from fsm_agent.agent import EXIT_BARRIER_PREFIX
-        from fsm_agent.ranks import ASSIGNED_RANKS_PREFIX, ROLE_INFO_PREFIX, compute_assignments
+        from fsm_agent.ranks import ROLE_INFO_PREFIX
 
         own_key = f"{ROLE_INFO_PREFIX}{script.rank}"
         deadline = time.monotonic() + self.store_timeout
@@ -263,22 +266,29 @@ class FakeRendezvous(_make_rendezvous_base()):
                 return
             time.sleep(0.002)
         own = json.loads(bytes(store.get(own_key)).decode())
-        infos = []
-        for rank in range(script.world_size):
-            if rank == script.rank:
-                infos.append(own)
-                continue
-            peer = {"role": script.peer_role or own["role"], "rank": rank,
-                    "local_world_size": script.peer_local_world_size or own["local_world_size"]}
-            infos.append(peer)
-            store.set(f"{ROLE_INFO_PREFIX}{rank}", json.dumps(peer).encode())
-        if script.rank != 0:  # group rank 0 is a simulated peer: it assigns the ranks
-            assignments = compute_assignments([(i["role"], i["local_world_size"]) for i in infos])
-            store.multi_set([f"{ASSIGNED_RANKS_PREFIX}{i}" for i in range(script.world_size)],
-                            [json.dumps(list(a)) for a in assignments])
+        peers = [threading.Thread(target=self._play_peer, args=(store, rank, script, own), daemon=True,
+                                  name=f"FakeRendezvous-peer-{rank}")
+                 for rank in range(script.world_size) if rank != script.rank]
+        for peer in peers:
+            peer.start()
+        for peer in peers:
+            peer.join(self.store_timeout)
         if script.peers_reach_exit_barrier:  # torch's barrier: whoever brings the count to world_size sets last_member
             if store.add(f"{EXIT_BARRIER_PREFIX}/num_members", script.world_size - 1) == script.world_size:
                 store.set(f"{EXIT_BARRIER_PREFIX}/last_member", "<val_ignored>")
+
+    @staticmethod
+    def _play_peer(store, rank: int, script: Round, own: dict) -> None:
+        from fsm_agent.ranks import assign_ranks
+
+        role = script.peer_role or own["role"]
+        local_world_size = script.peer_local_world_size or own["local_world_size"]
+        restart_count = own.get("restart_count") if script.peer_restart_count is None else script.peer_restart_count
+        extra = () if restart_count is None else (restart_count,)
+        try:
+            assign_ranks(store, rank, script.world_size, role, local_world_size, *extra)
+        except Exception as exc:  # the agent left the round (signal, error): nothing to assign any more
+            log.debug("simulated peer %s gave up: %s", rank, exc)
 
 
 # =============================================================================================
@@ -426,6 +436,7 @@ class FakeLauncher:
         self.max_polls = max_polls
         self.started: list[StartRecord] = []
         self.stops: list[StopRecord] = []
+        self.signals: list[tuple[int, int]] = []  # (local_rank, signal) sent through signal_worker
         self.polls = 0
         self.start_calls = 0
         self.close_calls = 0
@@ -497,6 +508,10 @@ class FakeLauncher:
 
     def pids(self) -> dict[int, int]:
         return {r: w.pid for r, w in self._workers.items()}
+
+    def signal_worker(self, local_rank: int, sig: int) -> None:
+        """Record the signal; fake workers do not react to signals (``stop`` ends them)."""
+        self.signals.append((local_rank, int(sig)))
 
     def return_values(self) -> dict[int, Any]:
         values = self._script.return_values if self._script is not None else {}

@@ -96,8 +96,9 @@ class AgentFactory:
     """``factory(rendezvous=..., launcher=..., **build_agent_kwargs) -> ElasticAgent`` with shared defaults.
 
     Args:
-        plugin_manager: used for every agent it builds (one agent per plugin manager: the
-            built-in event recorder registers a per-run plugin under a fixed name).
+        plugin_manager: used for every agent it builds; None gives each agent a fresh one. (Build
+            one agent per plugin manager: the built-in event recorder registers a per-run plugin
+            under a fixed name.)
         recorder: a HookRecorder attached to each agent built.
         log_dir: log directory for the agents (default ``os.devnull``).
 
@@ -120,14 +121,12 @@ class AgentFactory:
         return agent
 
     def close(self) -> None:
-        """Release what agents that were built but never run hold (their wake-up pipe)."""
+        """Release what agents that were built but never run hold (pipes, temporary files):
+        ``run()`` does that on its way out, through the agent's own ``_release``."""
         for agent in self.agents:
             if not agent.transitions and agent.state.value == "INIT":
-                for fd in (agent._wake_r, agent._wake_w):
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
+                agent._release()
+        self.agents.clear()
 
 
 # =============================================================================================
@@ -329,7 +328,8 @@ class Scenario:
             self._open_slot().round["action"] = ("signal", _signum(m.group(1)))
             return False
         if match(r"(?:the )?launcher fails to start|start fails"):
-            self._open_slot().ensure_attempt(exits={}, at={}, hangs={})["start_raises"] = RuntimeError("scripted start failure")
+            attempt = self._open_slot().ensure_attempt(exits={}, at={}, hangs={})
+            attempt["start_raises"] = RuntimeError("scripted start failure")
             return False
         if match(r"stop fails( once)?"):
             attempt = self._events()[1]

@@ -1,0 +1,326 @@
+"""The real ElasticAgent, driven through every row of the transition table by the test kit's fakes.
+
+Each case is a scenario with its exact state trace (triggers included); a meta-test checks that
+the cases together cover every (trigger, source, dest) edge of ``fsm_agent.states.table``
+except the few listed in UNREACHABLE, each with the reason the run loop cannot take it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import signal
+import time
+
+import pytest
+
+import fsm_agent.agent
+from fsm_agent.plugins import hookimpl
+from fsm_agent.states.table import TRANSITIONS
+from fsm_agent.states.worker_state import WorkerState
+from fsm_agent.testing import Scenario
+
+SIGTERM = signal.SIGTERM
+START_HOOKS = ["rendezvous_completed", "worker_env", "worker_env", "workers_started",
+               "state_changed", "record_event", "put_metric*3"]
+AFTER_HOOKS = ["state_changed", "record_event", "put_metric*3"]
+
+
+def table_edges() -> set[tuple[str, str, str]]:
+    edges = set()
+    for row in TRANSITIONS:
+        sources = row["source"] if isinstance(row["source"], (list, tuple)) else [row["source"]]
+        edges |= {(row["trigger"], WorkerState(s).value, WorkerState(row["dest"]).value) for s in sources}
+    return edges
+
+
+def edges_of(expected_trace: list[str]) -> set[tuple[str, str, str]]:
+    edges = set()
+    for item in expected_trace:
+        states, trigger = item.split(" (")
+        source, dest = states.split("->")
+        edges.add((trigger.rstrip(")"), source, dest))
+    return edges
+
+
+class ListenerBoom:
+    @hookimpl
+    def fsm_agent_worker_env(self, worker):
+        raise ValueError("plugin cannot compute the env")
+
+
+# -- one case per way through the table ------------------------------------------------------------
+# (id, scenario, exact trace with triggers, extra check(run))
+
+def _ok(run):
+    assert run.result.exit_code == 0 and run.result.error is None
+
+
+def _signalled(run):
+    assert run.result.signal == SIGTERM and run.result.exit_code == 128 + SIGTERM
+    assert run.rendezvous.shutdown_calls == 0  # a signalled agent leaves the rendezvous open for its peers
+
+
+def _error_contains(*needles):
+    def check(run):
+        assert run.result.state == WorkerState.UNKNOWN or run.result.state == WorkerState.FAILED
+        for needle in needles:
+            assert needle in (run.result.error or ""), run.result.error
+    return check
+
+
+CASES = [
+    ("all_succeed", Scenario("all succeed"),
+     ["INIT->HEALTHY (start)", "HEALTHY->SUCCEEDED (workers_succeeded)"], _ok),
+    ("failure_restart_success", Scenario("worker 1 exits 1 -> restart -> all succeed", max_restarts=1),
+     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->HEALTHY (restart)",
+      "HEALTHY->SUCCEEDED (workers_succeeded)"], _ok),
+    ("failure_without_restarts", Scenario("worker 0 exits 3"),
+     ["INIT->HEALTHY (start)", "HEALTHY->FAILED (workers_failed)"],
+     lambda run: (run.result.exit_code == 3 and list(run.result.failures) == [0]) or pytest.fail(str(run.result))),
+    ("restarts_exhausted", Scenario("worker 0 exits 1 -> restart -> wait -> worker 1 exits 2", max_restarts=1),
+     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->HEALTHY (restart)",
+      "HEALTHY->FAILED (workers_failed)"],
+     lambda run: (run.result.restart_count == 1 and run.result.exit_code == 2) or pytest.fail(str(run.result))),
+    ("membership_changed", Scenario("node joins -> restart -> all succeed"),
+     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (membership_changed)", "STOPPED->HEALTHY (restart)",
+      "HEALTHY->SUCCEEDED (workers_succeeded)"],
+     lambda run: (run.result.restart_count == 0) or pytest.fail("a membership change spent a restart")),
+    ("rendezvous_failed_in_init", Scenario("rendezvous times out"),
+     ["INIT->FAILED (rendezvous_failed)"], _error_contains("RendezvousTimeoutError", "backend=fake")),
+    ("rendezvous_failed_while_healthy",
+     Scenario().rendezvous(waiting_raises="connection").attempt("never"),
+     ["INIT->HEALTHY (start)", "HEALTHY->FAILED (rendezvous_failed)"],
+     _error_contains("RendezvousConnectionError")),
+    ("rendezvous_failed_on_restart", Scenario("worker 1 exits 1 -> restart -> rendezvous closed", max_restarts=1),
+     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->FAILED (rendezvous_failed)"],
+     _error_contains("RendezvousClosedError")),
+    ("rendezvous_not_needed_in_init", Scenario("rendezvous graceful exit"),
+     ["INIT->SUCCEEDED (rendezvous_not_needed)"], _ok),
+    ("rendezvous_not_needed_on_restart", Scenario("node joins -> restart -> rendezvous graceful exit"),
+     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (membership_changed)", "STOPPED->SUCCEEDED (rendezvous_not_needed)"],
+     _ok),
+    ("stop_requested_in_init", Scenario("SIGTERM during rendezvous"),
+     ["INIT->FAILED (stop_requested)"], _signalled),
+    ("stop_requested_while_healthy", Scenario("wait -> SIGTERM"),
+     ["INIT->HEALTHY (start)", "HEALTHY->FAILED (stop_requested)"], _signalled),
+    ("stop_requested_while_stopped",
+     Scenario("worker 1 exits 1 -> restart -> SIGTERM during rendezvous", max_restarts=1),
+     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->FAILED (stop_requested)"], _signalled),
+    ("agent_errored_in_init", Scenario("launcher fails to start"),
+     ["INIT->UNKNOWN (agent_errored)"], _error_contains("start failed in state INIT", "scripted start failure")),
+    ("agent_errored_plugin_in_init", Scenario("all succeed", plugins=[ListenerBoom()]),
+     ["INIT->UNKNOWN (agent_errored)"], _error_contains("plugin cannot compute the env")),
+    ("agent_errored_while_healthy", Scenario("worker 1 exits 1 and stop fails once"),
+     ["INIT->HEALTHY (start)", "HEALTHY->UNKNOWN (agent_errored)"],
+     _error_contains("workers_failed failed in state HEALTHY", "scripted stop failure")),
+    ("agent_errored_watching_workers",
+     Scenario().attempt("never", poll_raises=RuntimeError("launcher lost its workers")),
+     ["INIT->HEALTHY (start)", "HEALTHY->UNKNOWN (agent_errored)"],
+     _error_contains("watching the workers failed", "launcher lost its workers")),
+    ("hang_then_restart", Scenario("worker 1 hangs -> restart -> all succeed", max_restarts=1, hang_timeout=1),
+     ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (workers_hung)", "UNHEALTHY->STOPPED (workers_failed)",
+      "STOPPED->HEALTHY (restart)", "HEALTHY->SUCCEEDED (workers_succeeded)"], _ok),
+    ("hang_without_restarts", Scenario("worker 1 hangs", hang_timeout=1),
+     ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (workers_hung)", "UNHEALTHY->FAILED (workers_failed)"],
+     lambda run: ([f.failure_class for f in run.result.failures.values()] == ["hang"]) or pytest.fail(str(run.result))),
+    ("stop_requested_while_unhealthy", Scenario("worker 1 hangs -> SIGTERM", hang_timeout=1),
+     ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (workers_hung)", "UNHEALTHY->FAILED (stop_requested)"], _signalled),
+    ("agent_errored_while_unhealthy", Scenario("worker 1 hangs and stop fails once", hang_timeout=1),
+     ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (workers_hung)", "UNHEALTHY->UNKNOWN (agent_errored)"],
+     _error_contains("workers_failed failed in state UNHEALTHY", "scripted stop failure")),
+    ("agent_errored_on_restart", Scenario("worker 1 exits 1 -> restart -> launcher fails to start", max_restarts=1),
+     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->UNKNOWN (agent_errored)"],
+     _error_contains("restart failed in state STOPPED")),
+]
+
+
+@pytest.mark.parametrize("scenario, expected, check", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_statechart_path(make_agent, scenario, expected, check):
+    previous = signal.getsignal(SIGTERM)
+    run = scenario.run(make_agent)
+    run.assert_trace(expected)
+    check(run)
+    assert run.agent.get_worker_group().state == run.result.state
+    assert run.launcher.wait_fds() == {}  # the agent closed its launcher
+    assert signal.getsignal(SIGTERM) is previous  # and put the signal handlers back
+
+
+#: Edges of the table the run loop cannot take, and why. Change the agent, then this list.
+UNREACHABLE = {
+    ("workers_succeeded", "UNHEALTHY", "SUCCEEDED"):
+        "in UNHEALTHY the run loop fires workers_failed at once: the hung ranks are the failure",
+    ("rendezvous_failed", "UNHEALTHY", "FAILED"):
+        "nothing asks the rendezvous anything while UNHEALTHY (no membership check before workers_failed)",
+}
+
+
+def test_cases_cover_every_reachable_edge_of_the_table():
+    covered = set().union(*(edges_of(expected) for _, _, expected, _ in CASES))
+    assert covered <= table_edges(), f"cases name edges the table lacks: {covered - table_edges()}"
+    assert set(UNREACHABLE) <= table_edges(), f"stale UNREACHABLE entries: {set(UNREACHABLE) - table_edges()}"
+    assert not covered & set(UNREACHABLE), f"now covered, drop from UNREACHABLE: {covered & set(UNREACHABLE)}"
+    missing = table_edges() - covered - set(UNREACHABLE)
+    assert not missing, f"edges of the table no case takes: {sorted(missing)}"
+
+
+def test_unhealthy_always_moves_on_with_workers_failed():
+    """What UNREACHABLE relies on: the loop's first act in UNHEALTHY is to report the hang as a failure."""
+    source = inspect.getsource(fsm_agent.agent.ElasticAgent._wait_for_fact)
+    head = source.split("now = time.monotonic()")[0]
+    assert "S.UNHEALTHY" in head and 'return "workers_failed"' in head
+
+
+# -- exact hooks per transition ------------------------------------------------------------------
+
+
+def test_hooks_of_start(make_agent, hook_recorder):
+    run = Scenario("all succeed").run(make_agent)
+    hook_recorder.assert_sequence(START_HOOKS, transition=0)
+    group = run.agent.get_worker_group()
+    (rdzv_done,) = hook_recorder.calls("rendezvous_completed")
+    assert rdzv_done["worker_group"] is group and rdzv_done["duration_s"] >= 0
+    assert [c["worker"].local_rank for c in hook_recorder.calls("worker_env")] == [0, 1]
+    assert hook_recorder.get("workers_started")["pids"] == run.launcher.started[0].pids
+    changed = hook_recorder.segment(0)[4]
+    assert changed["transition"] is run.agent.transitions[0]
+    metrics = [(c["metric_group"], c["metric_name"], c["metric_value"]) for c in hook_recorder.segment(0)[6:]]
+    assert metrics[:2] == [("torchelastic", "workers.default.remaining_restarts", 0),
+                           ("torchelastic", "workers.default.healthy", 1)]
+    assert metrics[2][:2] == ("fsm_agent", "state.INIT.duration_s")
+    hook_recorder.assert_sequence(["configure", *START_HOOKS,
+                                   "worker_exited", "record_event", "worker_exited", "record_event", *AFTER_HOOKS,
+                                   "put_metric*6", "record_event", "unconfigure"])
+
+
+def test_hooks_of_failure_then_restart(make_agent, hook_recorder):
+    run = Scenario("worker 1 exits 1 -> restart -> all succeed", max_restarts=1).run(make_agent)
+    assert [t.label for t in hook_recorder.by_transition()] == [
+        "INIT->HEALTHY", "HEALTHY->STOPPED", "STOPPED->HEALTHY", "HEALTHY->SUCCEEDED"]
+    hook_recorder.assert_sequence(START_HOOKS, transition=0)
+    hook_recorder.assert_sequence(["worker_exited", "record_event", "restart_policy", *AFTER_HOOKS], transition=1)
+    hook_recorder.assert_sequence(START_HOOKS, transition=2)
+    hook_recorder.assert_sequence(["worker_exited", "record_event"] * 2 + AFTER_HOOKS, transition=3)
+
+    exited, event, policy = hook_recorder.segment(1)[:3]
+    assert (exited["worker"].local_rank, exited["exitcode"]) == (1, 1)
+    assert event["event"]["kind"] == "worker_exit" and event["event"]["exit_code"] == 1
+    assert list(policy["failures"]) == [1] and policy["restart_count"] == 0
+    transition_event = hook_recorder.segment(1)[4]["event"]
+    assert (transition_event["source"], transition_event["dest"], transition_event["trigger"]) == (
+        "HEALTHY", "STOPPED", "workers_failed")
+    remaining = hook_recorder.segment(1)[5]
+    assert (remaining["metric_name"], remaining["metric_value"]) == ("workers.default.remaining_restarts", 0)
+    assert [s.stopped for s in run.launcher.stops] == [(0,)]  # the survivor was stopped before the restart
+    assert [e[0]["TORCHELASTIC_RESTART_COUNT"] for e in (s.envs for s in run.launcher.started)] == ["0", "1"]
+    assert hook_recorder.get("unconfigure")["result"] is not None
+
+
+def test_hooks_of_a_hang(make_agent, hook_recorder):
+    run = Scenario("worker 1 hangs -> restart -> all succeed", max_restarts=1, hang_timeout=1).run(make_agent)
+    assert [t.label for t in hook_recorder.by_transition()][1:3] == ["HEALTHY->UNHEALTHY", "UNHEALTHY->STOPPED"]
+    hook_recorder.assert_sequence(AFTER_HOOKS, transition=1)
+    hook_recorder.assert_sequence(["restart_policy", *AFTER_HOOKS], transition=2)
+    (failure,) = hook_recorder.segment(2)[0]["failures"].values()
+    assert (failure.local_rank, failure.failure_class) == (1, "hang") and "no heartbeat" in failure.message
+    assert [s.stopped for s in run.launcher.stops] == [(0, 1)]  # the hung worker is stopped with the rest
+
+
+def test_built_in_event_recorder_writes_the_same_trace(make_agent):
+    run = Scenario("worker 1 exits 1 -> restart -> all succeed", max_restarts=1).run(make_agent)
+    with open(run.agent.events_path) as f:
+        events = [json.loads(line) for line in f]
+    assert [f"{e['source']}->{e['dest']}" for e in events if e["kind"] == "transition"] == run.trace
+    assert [e["kind"] for e in events].count("worker_exit") == 3 and events[-1]["kind"] == "run_end"
+
+
+def test_membership_restart_does_not_count(make_agent):
+    run = Scenario("node joins -> restart -> all succeed").run(make_agent)
+    assert [s.envs[0]["TORCHELASTIC_RESTART_COUNT"] for s in run.launcher.started] == ["0", "0"]
+    assert run.rendezvous.calls == 2 and run.rendezvous.num_nodes_waiting() == 0
+
+
+def test_last_resort_unknown_when_the_error_path_fails_too(make_agent, hook_recorder):
+    run = Scenario("worker 1 exits 1 and stop fails").run(make_agent)
+    run.assert_trace(["INIT->HEALTHY (start)", "HEALTHY->UNKNOWN (agent_errored)"])
+    assert "then agent_errored failed: RuntimeError: scripted stop failure" in run.result.error
+    assert run.result.exit_code != 0 and run.launcher.close_calls >= 1
+    # outside a trigger the transition's hooks end at its state_changed; its listeners fall into "end"
+    assert hook_recorder.transition_names(1)[-1] == "fsm_agent_state_changed"
+    assert hook_recorder.transition_names("end")[:4] == ["fsm_agent_record_event"] + ["fsm_agent_put_metric"] * 3
+
+
+# -- plugins that misbehave ----------------------------------------------------------------------
+
+
+class RaisingListener:
+    @hookimpl
+    def fsm_agent_put_metric(self, metric_name):
+        raise RuntimeError(f"metrics backend down ({metric_name})")
+
+    @hookimpl
+    def fsm_agent_state_changed(self, transition):
+        raise RuntimeError("state listener down")
+
+
+class CollectingListener:
+    def __init__(self):
+        self.metrics, self.transitions = [], []
+
+    @hookimpl
+    def fsm_agent_put_metric(self, metric_group, metric_name, metric_value):
+        self.metrics.append(metric_name)
+
+    @hookimpl
+    def fsm_agent_state_changed(self, transition):
+        self.transitions.append(transition.trigger)
+
+
+@pytest.mark.parametrize("order", ["raising_first", "raising_last"])
+def test_a_raising_listener_does_not_break_the_run(make_agent, hook_recorder, caplog, order):
+    raising, collecting = RaisingListener(), CollectingListener()
+    plugins = [raising, collecting] if order == "raising_first" else [collecting, raising]
+    caplog.set_level(logging.ERROR, logger="fsm_agent.agent")
+    run = Scenario("worker 1 exits 1 -> restart -> all succeed", max_restarts=1, plugins=plugins).run(make_agent)
+    run.assert_trace(["INIT->HEALTHY", "HEALTHY->STOPPED", "STOPPED->HEALTHY", "HEALTHY->SUCCEEDED"])
+    assert run.result.exit_code == 0
+    assert collecting.metrics == [c["metric_name"] for c in hook_recorder.calls("put_metric")]
+    assert collecting.transitions == ["start", "workers_failed", "restart", "workers_succeeded"]
+    assert "failed in fsm_agent_put_metric" in caplog.text and "failed in fsm_agent_state_changed" in caplog.text
+
+
+# -- more than one node --------------------------------------------------------------------------
+
+
+def test_second_node_of_two_gets_the_upper_ranks_and_passes_the_exit_barrier(make_agent):
+    started = time.monotonic()
+    run = Scenario("rendezvous rank 1 of 2 -> all succeed", exit_barrier_timeout=30).run(make_agent)
+    run.assert_trace(["INIT->HEALTHY", "HEALTHY->SUCCEEDED"])
+    envs = run.launcher.envs()
+    assert [(e["RANK"], e["WORLD_SIZE"], e["GROUP_RANK"], e["GROUP_WORLD_SIZE"]) for e in envs.values()] == [
+        ("2", "4", "1", "2"), ("3", "4", "1", "2")]
+    assert (envs[0]["MASTER_ADDR"], envs[0]["MASTER_PORT"]) == ("127.0.0.1", "29500")
+    assert time.monotonic() - started < 10  # the simulated peer checked in: no barrier timeout
+
+
+def test_return_values_are_keyed_by_global_rank(make_agent):
+    run = (Scenario(local_world_size=2).rendezvous(rank=1, world_size=2, peer_local_world_size=3)
+           .attempt("all_ok", return_values={0: "a", 1: "b"}).run(make_agent))
+    assert run.result.return_values == {3: "a", 4: "b"}
+
+
+# -- listener hooks are called one implementation at a time ---------------------------------------
+
+
+def test_wrapper_listener_is_refused_by_name(make_agent):
+    """A wrapper=True listener would never run (listeners are called one by one): refused at build."""
+    from fsm_agent.errors import PluginError
+
+    class Timing:
+        @hookimpl(wrapper=True)
+        def fsm_agent_state_changed(self, transition):
+            return (yield)
+
+    with pytest.raises(PluginError, match="fsm_agent_state_changed is a listener hook"):
+        Scenario("all succeed", plugins=[Timing()]).run(make_agent)
