@@ -236,7 +236,9 @@ class ElasticAgent:
             return "workers_failed"
         now = time.monotonic()
         timeout = max(0.0, self._next_tick - now)
-        ready, _, _ = select.select([self._wake_r, *self._launcher.wait_fds(), *self._hang.wait_fds()],
+        # A backend's membership fd stays readable until the next rendezvous: watch it only in HEALTHY.
+        membership = [self._membership_fd] if self.state == S.HEALTHY and self._membership_fd is not None else []
+        ready, _, _ = select.select([self._wake_r, *self._launcher.wait_fds(), *self._hang.wait_fds(), *membership],
                                     [], [], timeout)
         if self._wake_r in ready:
             try:
@@ -247,6 +249,10 @@ class ElasticAgent:
         if self._signal is not None:
             return "stop_requested"
         self._hang.read_timer_requests()
+        if membership and membership[0] in ready and self._membership_changed():
+            # A lost peer usually fails our workers too (their collectives break); the cause is the
+            # membership change, which is not counted as a restart.
+            return "membership_changed"
         exits = self._launcher.poll()
         for local_rank in sorted(set(exits) - self._reported_exits):
             self._reported_exits.add(local_rank)
@@ -266,11 +272,23 @@ class ElasticAgent:
                 self._hung = self._hang.hung_workers(self._launcher.pids(), set(exits))
                 if self._hung:
                     return "workers_hung"
-            if self.state == S.HEALTHY and self._rdzv_handler.num_nodes_waiting() > 0:
-                log.info("[%s] %s node(s) waiting to join: restarting the group (not counted)",
-                         self.spec.role, self._rdzv_handler.num_nodes_waiting())
+            if self.state == S.HEALTHY and self._membership_changed():
                 return "membership_changed"
         return None
+
+    @property
+    def _membership_fd(self) -> int | None:
+        """An fd the backend makes readable when nodes are lost or wait to join (optional API)."""
+        get_fd = getattr(self._rdzv_handler, "membership_fd", None)
+        return get_fd() if get_fd is not None else None
+
+    def _membership_changed(self) -> bool:
+        lost = getattr(self._rdzv_handler, "num_nodes_lost", lambda: 0)()
+        waiting = self._rdzv_handler.num_nodes_waiting()
+        if lost or waiting:
+            log.info("[%s] membership changed (%s node(s) lost, %s waiting): restarting the group (not counted)",
+                     self.spec.role, lost, waiting)
+        return bool(lost or waiting)
 
     # -- guards ---------------------------------------------------------------------------------
     def has_restarts_left(self, event=None) -> bool:
@@ -599,9 +617,11 @@ class ElasticAgent:
         self._launcher.close()
         self._hang.close()
         self._close_worker_store()
-        if self._signal is None:
+        # torch's shutdown() closes the rendezvous for everyone, so it is skipped on a signal (as
+        # torch does); a backend whose shutdown only leaves says so and always gets it.
+        if self._signal is None or not getattr(self._rdzv_handler, "shutdown_closes_rendezvous", True):
             try:
-                self._rdzv_handler.shutdown()  # closes the rendezvous, as torch does
+                self._rdzv_handler.shutdown()
             except Exception as exc:
                 log.warning("rendezvous shutdown failed: %s", exc)
         for fd in (self._wake_r, self._wake_w):

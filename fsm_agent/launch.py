@@ -46,7 +46,14 @@ def build_spec(config: LaunchConfig, entrypoint: str | Callable, args: tuple) ->
 
 
 def rendezvous_parameters(config: LaunchConfig):
-    """torch ``RendezvousParameters`` for the configured backend (as ``launch_agent`` builds them)."""
+    """torch ``RendezvousParameters`` for the configured backend (as ``launch_agent`` builds them).
+
+    The torch-free ``fsm`` backend gets an equivalent object that does not import torch.
+    """
+    if config.rdzv_backend == "fsm":
+        from fsm_agent.plugins.rendezvous_fsm import FsmRendezvousParameters
+
+        return FsmRendezvousParameters.from_launch_config(config)
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     configs = dict(config.rdzv_configs)

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 BUILTIN_PLUGINS: dict[str, str] = {
     "rendezvous-c10d": "fsm_agent.plugins.rendezvous_c10d",
     "rendezvous-static": "fsm_agent.plugins.rendezvous_static",
+    "rendezvous-fsm": "fsm_agent.plugins.rendezvous_fsm",
     "rendezvous-torchrun-handlers": "fsm_agent.plugins.rendezvous_torchrun_handlers",
     "launcher-subprocess": "fsm_agent.plugins.launcher_subprocess",
     "restart-policy": "fsm_agent.plugins.restart_policy",

@@ -22,14 +22,18 @@ def write(path, body: str):
     return str(path)
 
 
-def test_each_attempt_meets_in_an_empty_store(tmp_path, agents):
+@pytest.mark.parametrize("backend", [["--standalone"], ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]],
+                         ids=["fsm", "c10d"])
+def test_each_attempt_meets_in_an_empty_store(tmp_path, agents, backend):
     """Attempt 0 leaves a key in its workers' store; attempt 1's store must not have it (torch#135712)."""
     script = write(tmp_path / "w.py", """
-        import os, sys, json
+        import os, sys, json, time
         from datetime import timedelta
         from torch.distributed import TCPStore
-        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=30))
+        # As init_process_group("env://") does: an agent hosts the store, or else worker rank 0.
+        hosts = os.environ["TORCHELASTIC_USE_AGENT_STORE"] != "True" and os.environ["RANK"] == "0"
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=hosts,
+                         world_size=2, timeout=timedelta(seconds=30))
         attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
         rank = os.environ["RANK"]
         with open(f"seen_{attempt}_{rank}.json", "w") as f:
@@ -39,13 +43,13 @@ def test_each_attempt_meets_in_an_empty_store(tmp_path, agents):
             store.set("left_by_attempt_0", "x")
             if rank == "1":
                 sys.exit(1)
+            time.sleep(30)  # rank 0 (maybe the store's host) stays until the agent stops it
     """)
-    proc = agents.start("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", script)
+    proc = agents.start(*backend, "--nproc-per-node", "2", "--max-restarts", "1", script)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     first = json.loads((tmp_path / "seen_0_0.json").read_text())
     second = [json.loads((tmp_path / f"seen_1_{r}.json").read_text()) for r in "01"]
-    assert first["use_agent_store"] == "True"
     assert all(s["stale"] is False for s in second)
     assert all(s["port"] != first["port"] for s in second)
 
