@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import re
 import signal
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
-from fsm_agent.config import LaunchConfig
-from fsm_agent.errors import ConfigError, FsmAgentError
+import attrs
+
+from fsm_agent.config import (CONFIG_DESTS, KEYS, ConfigFile, FileValues, LaunchConfig, OptionRegistry,
+                              PluginOption, env_name, find_config_file, load_file_values, raw_disabled_plugins)
+from fsm_agent.errors import ConfigError, FsmAgentError, PluginError
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,12 @@ _UNHANDLEABLE_SIGNALS = frozenset({"SIGKILL", "SIGSTOP"})
 _DELEGATES = {
     "statechart": ("fsm_agent.states.statechart", "render the agent's statechart (docs/statechart.md)"),
     "plugins": ("fsm_agent.plugins.manager", "list the installed plugins and backends"),
+    "status": ("fsm_agent.status_cli", "show a running agent's live status (fsm-agent run --status-port)"),
+}
+#: Subcommands implemented here: name -> help.
+_LOCAL_COMMANDS = {
+    "run": "launch workers; takes torchrun's flags (see run --help)",
+    "config": "print the effective configuration and where each value came from (takes run's flags)",
 }
 
 
@@ -228,18 +238,55 @@ def parse_bool(value: str, source: str) -> bool:
 # ------------------------------------------------------------------------------------------------
 
 
+def env_vars(action: argparse.Action) -> list[str]:
+    """The environment variables a flag reads, highest precedence first.
+
+    A configuration flag (one with a file key) reads ``FSM_AGENT_<DEST>`` first, then torchrun's
+    ``PET_<DEST>`` where torchrun has it; fsm-agent's own flags read their one ``FSM_AGENT_*``.
+    """
+    own = isinstance(action, _EnvAction) and action.env_var.startswith("FSM_AGENT_")
+    names = [env_name(action.dest)] if action.dest in CONFIG_DESTS and not own else []
+    if isinstance(action, _EnvAction):
+        names.append(action.env_var)
+    return names
+
+
 class _Parser(argparse.ArgumentParser):
-    """ArgumentParser whose errors are ConfigErrors (one line) and whose env fallbacks apply at parse time."""
+    """ArgumentParser whose errors are ConfigErrors (one line) and whose env fallbacks apply at parse time.
+
+    Attributes:
+        read_env: read the environment at all (off for ``cli_given``'s command-line-only parse).
+        defer_env_errors: keep bad env vars in ``env_errors`` instead of raising (the caller
+            reports them with the config file's errors).
+        env_sources: after a parse, ``{dest: env var}`` for each value that came from the environment.
+        env_errors: after a parse with ``defer_env_errors``, one message per bad env var.
+    """
+
+    read_env = True
+    defer_env_errors = False
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         # A value set on the namespace beforehand is kept by argparse unless the flag is given,
         # so the command line wins over the env var, which wins over the default.
         namespace = argparse.Namespace() if namespace is None else namespace
-        for action in self._actions:
-            if isinstance(action, _EnvAction) and not hasattr(namespace, action.dest):
-                raw = os.environ.get(action.env_var, "")
-                if raw:  # set but empty counts as unset
-                    setattr(namespace, action.dest, action.from_env(raw))
+        self.env_sources: dict[str, str] = {}
+        errors: list[str] = []
+        for action in self._actions if self.read_env else ():
+            if hasattr(namespace, action.dest):
+                continue
+            for var in env_vars(action):
+                raw = os.environ.get(var, "")
+                if not raw:  # set but empty counts as unset
+                    continue
+                try:
+                    setattr(namespace, action.dest, _from_env(action, var, raw))
+                    self.env_sources[action.dest] = var
+                except ConfigError as exc:
+                    errors.append(str(exc))
+                break
+        self.env_errors = errors
+        if errors and not self.defer_env_errors:  # every bad env var at once
+            raise ConfigError("; ".join(errors))
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
@@ -251,22 +298,38 @@ class _EnvAction(argparse.Action):
 
     def __init__(self, option_strings, dest, env_var: str | None = None, **kwargs):
         self.env_var = env_var or f"PET_{dest.upper()}"
-        kwargs["help"] = f"{kwargs.get('help', '')} [env {self.env_var}]"
         super().__init__(option_strings, dest, **kwargs)
+        self.help = f"{kwargs.get('help', '')} [env {', '.join(env_vars(self))}]"
 
-    def from_env(self, raw: str) -> Any:
-        """The flag's value for env value ``raw``; raises ConfigError naming the env var."""
+    def from_env(self, raw: str, var: str | None = None) -> Any:
+        """The flag's value for env value ``raw`` of ``var``; raises ConfigError naming the env var."""
         raise NotImplementedError
 
-    def _convert(self, raw: str) -> Any:
-        try:
-            return self.type(raw) if self.type else raw
-        except FsmAgentError as exc:
-            raise ConfigError(f"{self.env_var}={raw!r}: {exc}") from None
-        except (TypeError, ValueError, argparse.ArgumentTypeError):
-            type_name = getattr(self.type, "__name__", "value")
-            raise ConfigError(f"{self.env_var}={raw!r}: not a valid {type_name} for "
-                              f"{self.option_strings[0]}; fix or unset it") from None
+    def _convert(self, raw: str, var: str | None = None) -> Any:
+        return _convert_env(self, var or self.env_var, raw)
+
+
+def _convert_env(action: argparse.Action, var: str, raw: str) -> Any:
+    try:
+        return action.type(raw) if action.type else raw
+    except FsmAgentError as exc:
+        raise ConfigError(f"{var}={raw!r}: {exc}") from None
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+        if isinstance(action, _PluginOptionAction):
+            raise ConfigError(f"{var}={raw!r}: {exc}") from None
+        type_name = getattr(action.type, "__name__", "value")
+        raise ConfigError(f"{var}={raw!r}: not a valid {type_name} for "
+                          f"{action.option_strings[0]}; fix or unset it") from None
+
+
+def _from_env(action: argparse.Action, var: str, raw: str) -> Any:
+    """A flag's value from env var ``var`` (a plain ``store`` flag: converted and checked like the flag)."""
+    if isinstance(action, _EnvAction):
+        return action.from_env(raw, var)
+    value = _convert_env(action, var, raw)
+    if action.choices is not None and value not in action.choices:
+        raise ConfigError(f"{var}={raw!r}: choose from {', '.join(map(str, action.choices))}")
+    return value
 
 
 class _EnvStore(_EnvAction):
@@ -275,10 +338,11 @@ class _EnvStore(_EnvAction):
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values)
 
-    def from_env(self, raw: str) -> Any:
-        value = self._convert(raw)
+    def from_env(self, raw: str, var: str | None = None) -> Any:
+        var = var or self.env_var
+        value = self._convert(raw, var)
         if self.choices is not None and value not in self.choices:
-            raise ConfigError(f"{self.env_var}={raw!r}: choose from {', '.join(map(str, self.choices))}")
+            raise ConfigError(f"{var}={raw!r}: choose from {', '.join(map(str, self.choices))}")
         return value
 
 
@@ -291,8 +355,8 @@ class _EnvFlag(_EnvAction):
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, True)
 
-    def from_env(self, raw: str) -> bool:
-        return parse_bool(raw, self.env_var)
+    def from_env(self, raw: str, var: str | None = None) -> bool:
+        return parse_bool(raw, var or self.env_var)
 
 
 class _EnvExtend(_EnvAction):
@@ -301,8 +365,19 @@ class _EnvExtend(_EnvAction):
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, (*(getattr(namespace, self.dest, None) or ()), *values))
 
-    def from_env(self, raw: str) -> tuple[str, ...]:
-        return self._convert(raw)
+    def from_env(self, raw: str, var: str | None = None) -> tuple[str, ...]:
+        return self._convert(raw, var)
+
+
+class _PluginOptionAction(argparse.Action):
+    """A plugin option's flag: one value, checked like the option's env var and file key."""
+
+    def __init__(self, option_strings, dest, option: PluginOption, **kwargs):
+        self.option = option
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
 
 
 def _spellings(*names: str) -> list[str]:
@@ -311,18 +386,31 @@ def _spellings(*names: str) -> list[str]:
     return [*names, *underscored]
 
 
-def get_run_parser(prog: str = "fsm-agent run") -> argparse.ArgumentParser:
-    """The ``fsm-agent run`` / ``fsmrun`` parser: torchrun 2.13's flags, then fsm-agent's own.
+def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] = (), *,
+                   for_config: bool = False) -> argparse.ArgumentParser:
+    """The ``fsm-agent run`` / ``fsmrun`` parser: torchrun 2.13's flags, fsm-agent's own, plugins' options.
 
     Flag names, dests, defaults and ``PET_<DEST>`` fallbacks equal torchrun's. Values stay
-    torchrun-shaped strings (checked here, converted by ``config_from_args``).
+    torchrun-shaped strings (checked here, converted by ``config_from_args``). Configuration
+    flags also read ``FSM_AGENT_<DEST>`` (before ``PET_<DEST>``).
+
+    Args:
+        prog: the program name in messages.
+        options: plugin options (``fsm_agent_addoption``), each added as a flag that takes one
+            value; absent from the namespace unless given (the default applies later).
+        for_config: the ``fsm-agent config`` variant: the training script is optional, and
+            ``--json``/``--reference`` are added.
+
+    Raises:
+        PluginError: a plugin option's flag is already a flag.
     """
     parser = _Parser(
         prog=prog,
         description="Launch and supervise this node's workers: a drop-in replacement for torchrun.",
-        epilog="Every flag except --logs-specs and --numa-binding also reads the environment variable "
-               "shown in [env ...]; the command line wins (--disable-plugin adds to the env list). "
-               "fsm-agent's own flags are marked 'fsm-agent:'.",
+        epilog="Flags also read the environment variables shown in [env ...], FSM_AGENT_* before PET_*, "
+               "then the config file (--config, or [tool.fsm_agent] in ./pyproject.toml); the command "
+               "line wins (--disable-plugin adds to the env and file lists). fsm-agent's own flags "
+               "are marked 'fsm-agent:'. See docs/configuration.md and 'fsm-agent config'.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
 
@@ -377,9 +465,9 @@ def get_run_parser(prog: str = "fsm-agent run") -> argparse.ArgumentParser:
              "Giving it turns off the implicit single-node c10d rendezvous")
     add("--local-addr", default=None, help="this node's address (default: its FQDN)")
     add("--logs-specs", action="store", default=None,
-        help="name of a torchrun.logs_specs entry point that lays out the log files")
+        help="name of a torchrun.logs_specs entry point that lays out the log files [env FSM_AGENT_LOGS_SPECS]")
     add("--numa-binding", action="store", default=None, choices=NUMA_BINDING_MODES,
-        help="bind each worker to the CPUs near its GPU")
+        help="bind each worker to the CPUs near its GPU [env FSM_AGENT_NUMA_BINDING]")
     add("--signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT", type=_returning(parse_signals),
         help="comma-separated signals the agent traps and forwards to the workers")
     add("--shutdown-timeout", default=None, type=float,
@@ -409,10 +497,48 @@ def get_run_parser(prog: str = "fsm-agent run") -> argparse.ArgumentParser:
             default=(), type=parse_names, metavar="NAME",
             help="fsm-agent: do not load this plugin (repeatable, or comma-separated; adds to the env list)")
 
+    add_own("--config", env="FSM_AGENT_CONFIG", default=None, metavar="FILE",
+            help="fsm-agent: TOML configuration file (keys: docs/configuration.md); flags and env vars win "
+                 "over it. Without it, the [tool.fsm_agent] table of ./pyproject.toml is read, if there is one")
+    _add_plugin_options(parser, options)
+    if for_config:
+        shown = parser.add_argument_group("fsm-agent config")
+        shown.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        shown.add_argument("--reference", action="store_true",
+                           help="print the reference of every key (docs/configuration.md) and exit")
+
     # Entrypoint, then everything after it verbatim, even words that look like launcher flags.
-    parser.add_argument("training_script", help="the training script (or module with -m, binary with --no-python)")
+    parser.add_argument("training_script", nargs="?" if for_config else None, default=None,
+                        help="the training script (or module with -m, binary with --no-python)")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
+
+
+def _add_plugin_options(parser: argparse.ArgumentParser, options: Iterable[PluginOption]) -> None:
+    options = list(options)
+    if not options:
+        return
+    group = parser.add_argument_group("plugin options (fsm_agent_addoption)")
+    for option in options:
+        default = "unset" if option.default is None else repr(option.default)
+        try:
+            group.add_argument(*_spellings(option.flag), action=_PluginOptionAction, option=option,
+                               dest=option.dest, default=argparse.SUPPRESS, type=_option_parser(option),
+                               metavar=option.name.upper(),
+                               help=f"{option.plugin}: {option.help} (default: {default}) [env {option.env}]")
+        except argparse.ArgumentError as exc:
+            raise PluginError(f"plugin {option.plugin!r} option {option.name!r}: {exc}") from None
+
+
+def _option_parser(option: PluginOption) -> Callable[[str], Any]:
+    def parse(raw: str) -> Any:
+        try:
+            return option.from_string(raw)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = option.type.__name__
+    return parse
 
 
 def _returning(check: Callable[[str], Any]) -> Callable[[str], str]:
@@ -430,13 +556,19 @@ def _returning(check: Callable[[str], Any]) -> Callable[[str], str]:
 # Parsed flags -> LaunchConfig + entrypoint (torch run.py:run + config_from_args).
 # ------------------------------------------------------------------------------------------------
 
-def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, str | Callable[..., Any], tuple[str, ...]]:
+def config_from_args(args: argparse.Namespace, *, set_omp_num_threads: bool = True,
+                     ) -> tuple[LaunchConfig, str | Callable[..., Any], tuple[str, ...]]:
     """Build the launch from ``get_run_parser()``'s namespace, with torchrun's semantics.
+
+    ``resolve_run_args`` adds what the file and plugins set: ``args.rdzv_conf_file`` (rendezvous
+    options from the file; ``--rdzv-conf`` wins per option) and ``args.plugin_options``.
+    ``set_omp_num_threads=False`` skips the OMP_NUM_THREADS side effect below (``fsm-agent config``).
 
     Returns:
         (config, entrypoint, entrypoint_args): the entrypoint is the Python interpreter
         (``$PYTHON_EXEC`` or ``sys.executable``), the binary (``--no-python``) or
-        ``run_script_path`` (``--run-path``).
+        ``run_script_path`` (``--run-path``); None when no training script was given
+        (``fsm-agent config``).
 
     Raises:
         ConfigError: a flag value is invalid or the training script does not exist.
@@ -446,10 +578,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, str | Call
     when an error is raised.
     """
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
-    entrypoint, entrypoint_args = _entrypoint(args)
+    entrypoint, entrypoint_args = _entrypoint(args) if args.training_script is not None else (None, ())
     nproc_per_node = resolve_nproc_per_node(args.nproc_per_node)
     rdzv_backend, rdzv_endpoint, run_id = _rendezvous(args, max_nodes)
-    rdzv_configs: dict[str, Any] = parse_rdzv_conf(args.rdzv_conf)
+    rdzv_configs: dict[str, Any] = {**getattr(args, "rdzv_conf_file", {}), **parse_rdzv_conf(args.rdzv_conf)}
     if rdzv_backend == "static":
         rdzv_configs["rank"] = args.node_rank  # an int, as torch's static handler expects
     elif args.node_rank != 0:
@@ -495,8 +627,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, str | Call
         launcher=args.launcher,
         disabled_plugins=tuple(dict.fromkeys(args.disabled_plugins)),
         standalone=args.standalone,
+        plugins={plugin: dict(values) for plugin, values in getattr(args, "plugin_options", {}).items()},
     )
-    _default_omp_num_threads(nproc_per_node)
+    if set_omp_num_threads:
+        _default_omp_num_threads(nproc_per_node)
     return config, entrypoint, entrypoint_args
 
 
@@ -504,25 +638,38 @@ def _master_port(args: argparse.Namespace) -> int:
     return DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
 
 
+#: Where a standalone job meets: torchrun uses c10d on localhost:0; fsm-agent uses its own torch-free
+#: ``fsm`` backend on a free loopback port, so the agent never imports torch (the workers' rank 0
+#: hosts their store, TORCHELASTIC_USE_AGENT_STORE=False, as in torch's etcd mode).
+STANDALONE_RENDEZVOUS = ("fsm", "127.0.0.1:0")
+
+
 def _rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, str]:
     """(backend, endpoint, run_id) after torch's standalone rules (``run.py:run``, ``get_rdzv_endpoint``).
 
     ``--standalone``, or implicitly a single-node static job with no endpoint and no
-    ``--master-port``, becomes c10d on ``localhost:0`` (an OS-chosen port) with a uuid4 run id.
+    ``--master-port``, becomes STANDALONE_RENDEZVOUS (an OS-chosen loopback port) with a uuid4 run id.
     A static job without an endpoint uses ``MASTER_ADDR:MASTER_PORT``.
     """
-    implicit_standalone = (args.rdzv_backend == "static" and not args.rdzv_endpoint
-                           and args.master_port is None and max_nodes == 1)
-    if args.standalone or implicit_standalone:
+    if standalone_reason(args, max_nodes):
         if args.standalone and (args.rdzv_backend != "static" or args.rdzv_endpoint or args.rdzv_id != "none"):
             log.warning("--standalone ignores --rdzv-backend, --rdzv-endpoint and --rdzv-id")
         if args.standalone and max_nodes > 1:
             log.warning("--standalone with --nnodes %s: no other node can join a standalone rendezvous",
                         args.nnodes)
-        return "c10d", "localhost:0", str(uuid.uuid4())
+        return (*STANDALONE_RENDEZVOUS, str(uuid.uuid4()))
     if args.rdzv_backend == "static" and not args.rdzv_endpoint:
         return "static", f"{args.master_addr}:{_master_port(args)}", args.rdzv_id
     return args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
+
+
+def standalone_reason(args: argparse.Namespace, max_nodes: int) -> str | None:
+    """Why the rendezvous is standalone (c10d on localhost:0, fresh run id), or None if it is not."""
+    if args.standalone:
+        return "--standalone"
+    if args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None and max_nodes == 1:
+        return "implicit --standalone (one node, no endpoint, no --master-port)"
+    return None
 
 
 def _entrypoint(args: argparse.Namespace) -> tuple[str | Callable[..., Any], tuple[str, ...]]:
@@ -586,12 +733,473 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# Layering: command line > environment (FSM_AGENT_*, then PET_*) > config file > defaults.
+# ------------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Source:
+    """Where a configuration value came from.
+
+    Attributes:
+        kind: ``cli``, ``env``, ``file``, ``default`` or ``derived``.
+        detail: the flag, the env var, the file, or what it was derived from.
+    """
+
+    kind: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.detail}".strip()
+
+
+@attrs.frozen
+class ResolvedRun:
+    """``fsm-agent run``'s flags with the environment, the config file and plugin options merged in.
+
+    Attributes:
+        args: the namespace for ``config_from_args`` (file values filled in where no flag or env
+            var set the key; plus ``rdzv_conf_file`` and ``plugin_options``).
+        sources: ``{key: Source}`` for every file key that applies (``KEYS``, rendezvous options
+            that are set, ``plugins.<plugin>.<name>``).
+        config_file: the file that was read, or None.
+        options: every plugin option declared by the loaded plugins.
+    """
+
+    args: argparse.Namespace
+    sources: dict[str, Source]
+    config_file: ConfigFile | None
+    options: OptionRegistry
+
+
+def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_config: bool = False,
+                     load_entry_points: bool = True) -> ResolvedRun:
+    """Parse ``argv`` and merge every source, highest precedence first: flags, env vars
+    (``FSM_AGENT_<NAME>``, then ``PET_<NAME>``), the config file, defaults.
+
+    Steps: find the config file (``--config``, ``$FSM_AGENT_CONFIG`` or ``./pyproject.toml``) and
+    the disabled plugins (flags, env and file) from a pre-scan of the flags before the training
+    script; load the other plugins and collect their options (``fsm_agent_addoption``); parse the
+    flags (argparse applies the env vars); check the file (every error at once); fill in, per
+    key, the file's value where neither a flag nor an env var set it.
+
+    Raises:
+        ConfigError: a bad flag, env var or file value (the file's errors all in one message).
+        PluginError: a plugin failed to load or declared a clashing option.
+    """
+    from fsm_agent.plugins.manager import collect_options, disabled_from_env, get_plugin_manager
+
+    argv = list(argv)
+    core = get_run_parser(prog, for_config=for_config)
+    pre = _prescan(argv, core)
+    explicit, origin = (pre["config"][-1], "--config") if pre["config"] else (
+        os.environ.get("FSM_AGENT_CONFIG") or None, "FSM_AGENT_CONFIG")
+    config_file = find_config_file(explicit, origin)
+    file_disabled = raw_disabled_plugins(config_file.data) if config_file else ()
+    cli_disabled = tuple(n for value in pre["disabled_plugins"] for n in parse_names(value))
+    disabled = tuple(dict.fromkeys((*file_disabled, *disabled_from_env(), *cli_disabled)))
+    pm = get_plugin_manager(disabled=disabled, load_entry_points=load_entry_points)
+    options = collect_options(pm)
+
+    parser = get_run_parser(prog, options, for_config=for_config)
+    parser.defer_env_errors = True  # type: ignore[attr-defined]
+    args = parser.parse_args(argv)  # a bad flag raises here; bad env vars are collected
+    errors: list[str] = list(parser.env_errors)  # type: ignore[attr-defined]
+    env_sources = dict(parser.env_sources)  # type: ignore[attr-defined]
+    given = cli_given(argv, prog, options, for_config=for_config)
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    file_values = FileValues(values={}, plugins={})
+    if config_file:
+        try:
+            file_values = load_file_values(config_file, options, disabled=disabled)
+        except ConfigError as exc:
+            errors.insert(0, str(exc))
+    label = config_file.label if config_file else ""
+
+    sources: dict[str, Source] = {}
+    for key in KEYS:
+        if key.dest is None:
+            continue
+        if key.dest in given:
+            sources[key.key] = Source("cli", flags[key.dest])
+        elif key.dest in env_sources:
+            sources[key.key] = Source("env", env_sources[key.dest])
+        elif key.dest == "shutdown_timeout" and os.environ.get(SHUTDOWN_TIMEOUT_ENV):
+            sources[key.key] = Source("env", SHUTDOWN_TIMEOUT_ENV)  # torch's env var, above the file
+        elif key.key in file_values.values and key.dest != "rdzv_conf":
+            setattr(args, key.dest, file_values.values[key.key])
+            sources[key.key] = Source("file", label)
+        elif key.key in file_values.values:
+            sources[key.key] = Source("file", label)
+        else:
+            sources[key.key] = Source("default")
+
+    # Disabled plugins add up: the file's, the env var's, the flags'.
+    from_file = file_values.values.get("disabled_plugins", ())
+    args.disabled_plugins = tuple(dict.fromkeys((*from_file, *args.disabled_plugins)))
+    parts = [str(Source("file", label))] if from_file else []
+    parts += [str(Source("env", env_sources["disabled_plugins"]))] if "disabled_plugins" in env_sources else []
+    parts += [str(Source("cli", flags["disabled_plugins"]))] if "disabled_plugins" in given else []
+    sources["disabled_plugins"] = Source(" + ".join(parts) if parts else "default")
+
+    # Rendezvous options: the file's table and typed keys, under --rdzv-conf (or its env var), per option.
+    rdzv_file = dict(file_values.values.get("rendezvous.conf", {}))
+    rdzv_file.update({k.name: v for name, v in file_values.values.items()
+                      if (k := KEYS_BY_KEY[name]).dest is None})
+    args.rdzv_conf_file = rdzv_file
+    conf_source = sources["rendezvous.conf"]
+    for name in rdzv_file:
+        sources[f"rendezvous.{name}"] = Source("file", label)
+    if conf_source.kind in ("cli", "env"):
+        for name in parse_rdzv_conf(args.rdzv_conf):
+            sources[f"rendezvous.{name}"] = conf_source
+
+    # Plugin options: flag > env var > file > default.
+    plugin_values: dict[str, dict[str, Any]] = {}
+    for option in options:
+        if option.plugin in disabled:
+            continue
+        values = plugin_values.setdefault(option.plugin, {})
+        raw = os.environ.get(option.env, "")
+        if hasattr(args, option.dest):
+            values[option.name], source = getattr(args, option.dest), Source("cli", option.flag)
+        elif raw:
+            try:
+                values[option.name] = option.from_string(raw)
+            except ValueError as exc:
+                errors.append(f"{option.env}={raw!r}: {exc}")
+            source = Source("env", option.env)
+        elif option.name in file_values.plugins.get(option.plugin, {}):
+            values[option.name], source = file_values.plugins[option.plugin][option.name], Source("file", label)
+        else:
+            values[option.name], source = option.default, Source("default")
+        sources[option.key] = source
+    if errors:  # the file's, the env vars' and the plugin env vars' errors, all at once
+        raise ConfigError("; ".join(errors))
+    args.plugin_options = plugin_values
+    return ResolvedRun(args=args, sources=sources, config_file=config_file, options=options)
+
+
+KEYS_BY_KEY = {key.key: key for key in KEYS}
+
+
+def cli_given(argv: Sequence[str], prog: str = "fsm-agent run", options: Iterable[PluginOption] = (), *,
+              for_config: bool = False) -> set[str]:
+    """The dests set on the command line itself: ``argv`` parsed without env vars or defaults."""
+    parser = get_run_parser(prog, options, for_config=for_config)
+    parser.read_env = False  # type: ignore[attr-defined]
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(list(argv))))
+
+
+def _prescan(argv: Sequence[str], parser: argparse.ArgumentParser) -> dict[str, list[str]]:
+    """``--config`` and ``--disable-plugin`` values among the flags before the training script.
+
+    Needed before the real parse: they decide which plugins load, hence which flags exist.
+    Walks the flags as argparse does (known flags by their arity, abbreviations included);
+    an unknown flag is a plugin option's, which always takes one value.
+    """
+    found: dict[str, list[str]] = {"config": [], "disabled_plugins": []}
+    strings = parser._option_string_actions
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--" or not token.startswith("-") or token == "-":
+            break  # the training script: what follows is its own
+        name, eq, value = token.partition("=")
+        if not name.startswith("--"):  # -r 3, -r3, -m
+            action = strings.get(token[:2])
+            if action is not None and action.nargs != 0 and len(token) == 2:
+                value, i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 2
+            else:
+                i += 1
+            continue
+        matches = {a for s, a in strings.items() if s == name} or {a for s, a in strings.items() if s.startswith(name)}
+        action = next(iter(matches)) if len(matches) == 1 else None
+        takes_value = action is None or action.nargs != 0
+        if takes_value and not eq:
+            value, i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 2
+        else:
+            i += 1
+        if action is not None and action.dest in found and takes_value:
+            found[action.dest].append(value)
+    return found
+
+
+# ------------------------------------------------------------------------------------------------
+# fsm-agent config: the effective configuration and where each value came from.
+# ------------------------------------------------------------------------------------------------
+
+
+def config_command(argv: list[str]) -> int:
+    """``fsm-agent config [run flags] [SCRIPT ...] [--json] [--reference]``."""
+    if "--reference" in argv:
+        sys.stdout.write(configuration_reference())
+        return 0
+    resolved = resolve_run_args(argv, "fsm-agent config", for_config=True)
+    config, _, _ = config_from_args(resolved.args, set_omp_num_threads=False)
+    rows = effective_rows(resolved, config)
+    if resolved.args.json:
+        doc = {"config_file": resolved.config_file.label if resolved.config_file else None,
+               "values": {key: {"value": value, "source": str(source)} for key, value, source in rows}}
+        print(json.dumps(doc, indent=2, default=list))
+        return 0
+    _print_rows(rows, resolved.config_file)
+    return 0
+
+
+def effective_rows(resolved: ResolvedRun, config: LaunchConfig) -> list[tuple[str, Any, Source]]:
+    """``(key, effective value, source)`` for every key: LaunchConfig's values (after torchrun's
+    rules, such as standalone), the rendezvous options it passes on, and plugin options."""
+    args, sources = resolved.args, resolved.sources
+    reason = standalone_reason(args, config.max_nodes)
+    rows: list[tuple[str, Any, Source]] = []
+    for key in KEYS:
+        if key.dest is None or key.key == "rendezvous.conf":
+            continue
+        source = sources[key.key]
+        if key.key == "nnodes":
+            value: Any = f"{config.min_nodes}:{config.max_nodes}"
+        elif key.key == "rendezvous.run_id":
+            value = config.run_id
+        else:
+            value = getattr(config, key.field.split(",")[0])
+        if reason and key.key in ("rendezvous.backend", "rendezvous.endpoint", "rendezvous.run_id"):
+            source = Source("derived", reason)
+        if isinstance(value, (frozenset, set)):
+            value = sorted(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        rows.append((key.key, value, source))
+    conf_rows = []
+    for name, value in sorted(config.rdzv_configs.items()):
+        default = Source("derived", "rendezvous.node_rank (static backend)") if name == "rank" else Source("default")
+        conf_rows.append((f"rendezvous.{name}", value, sources.get(f"rendezvous.{name}", default)))
+    after = max(i for i, row in enumerate(rows) if row[0].startswith("rendezvous.")) + 1
+    rows[after:after] = conf_rows
+    for option in resolved.options:
+        if option.key in sources:
+            rows.append((option.key, config.plugins.get(option.plugin, {}).get(option.name), sources[option.key]))
+    return rows
+
+
+def _print_rows(rows: list[tuple[str, Any, Source]], config_file: ConfigFile | None) -> None:
+    def shown(value: Any) -> str:
+        return "unset" if value is None else json.dumps(value) if not isinstance(value, str) else value
+
+    title = f"config file: {config_file.label if config_file else 'none'}"
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # rich is optional: a plain aligned table
+        width = max(len(key) for key, _, _ in rows)
+        vwidth = max(len(shown(value)) for _, value, _ in rows)
+        print(title)
+        for key, value, source in rows:
+            print(f"{key:<{width}}  {shown(value):<{vwidth}}  {source}")
+        return
+    table = Table(title="fsm-agent configuration", caption=title, caption_justify="left")
+    table.add_column("key", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    table.add_column("source")
+    for key, value, source in rows:
+        style = {"cli": "bold", "env": "cyan", "file": "green", "derived": "magenta"}.get(source.kind.split()[0], "dim")
+        table.add_row(key, shown(value), str(source), style=style)
+    Console().print(table)
+
+
+def configuration_reference() -> str:
+    """``docs/configuration.md``: precedence, the file, and every key with its flag, env vars and default.
+
+    Generated from ``KEYS``, the run parser and the built-in plugins' options; regenerate with
+    ``fsm-agent config --reference > docs/configuration.md`` (``tests/config`` checks it).
+    """
+    from fsm_agent.config import RENDEZVOUS_OPTIONS
+    from fsm_agent.plugins.manager import BUILTIN_PLUGINS, collect_options, get_plugin_manager
+
+    pm = get_plugin_manager(load_entry_points=False)
+    options = [o for o in collect_options(pm) if o.plugin in BUILTIN_PLUGINS]
+    parser = get_run_parser("fsm-agent run", options)
+    actions = {a.dest: a for a in parser._actions}
+
+    def code(text: Any) -> str:
+        return f"`{text}`"
+
+    def cell(text: str) -> str:
+        return " ".join(text.split()).replace("|", "\\|")
+
+    def help_of(action: argparse.Action) -> str:
+        text = re.sub(r"\s*\[env [^\]]*\]$", "", action.help or "")
+        return cell(text.removeprefix("fsm-agent: "))
+
+    def default_of(key: Any, action: argparse.Action | None) -> str:
+        if key.default is not None:
+            return key.default
+        value = action.default if action is not None else None
+        if value is None:
+            return "unset"
+        if isinstance(value, (list, tuple)):
+            value = list(value)
+        return code(json.dumps(value))
+
+    lines = [
+        "# Configuration",
+        "",
+        "<!-- Generated by `fsm-agent config --reference > docs/configuration.md`; do not edit by hand.",
+        "     tests/config/test_reference_doc.py fails when it is out of date. -->",
+        "",
+        "One typed configuration (`fsm_agent.config.LaunchConfig`, attrs, frozen) filled from, highest",
+        "precedence first:",
+        "",
+        "1. **command-line flags** of `fsm-agent run` / `fsmrun` (torchrun's flags, unchanged);",
+        "2. **the environment**: `FSM_AGENT_<NAME>`, then torchrun's `PET_<NAME>` (an empty variable",
+        "   counts as unset);",
+        "3. **a TOML file**: `--config FILE` (or `$FSM_AGENT_CONFIG`), else the `[tool.fsm_agent]` table of",
+        "   a `pyproject.toml` in the current directory, if it has one;",
+        "4. **the defaults** (torchrun's).",
+        "",
+        "Precedence is per key. Two keys combine instead: `disabled_plugins` (the file's list, the",
+        "environment's and the flags' add up) and the rendezvous options (`--rdzv-conf` or its env var",
+        "wins over the file option by option). `shutdown_timeout` also reads torch's",
+        "`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, below `FSM_AGENT_SHUTDOWN_TIMEOUT`/`PET_SHUTDOWN_TIMEOUT`",
+        "and above the file.",
+        "",
+        "`fsm-agent config [flags] [SCRIPT]` prints the effective configuration and where each value came",
+        "from (`cli`, `env`, `file`, `default`, or `derived` for the rendezvous settings",
+        "`--standalone` replaces); `--json` prints it as JSON.",
+        "",
+        "## The file",
+        "",
+        "Keys mirror the `LaunchConfig` fields and torchrun's flag names in snake_case. A `--config` file",
+        "holds them at its top level; a `pyproject.toml` under `[tool.fsm_agent]` (so `[rendezvous]`",
+        "becomes `[tool.fsm_agent.rendezvous]`). A `--config` file named `pyproject.toml` is read from",
+        "its `[tool.fsm_agent]` table too.",
+        "",
+        "```toml",
+        "nnodes = \"1:4\"",
+        "nproc_per_node = 8",
+        "max_restarts = 3",
+        "",
+        "[rendezvous]",
+        "backend = \"c10d\"",
+        "endpoint = \"node0.example.com:29400\"",
+        "run_id = \"llm-pretrain\"",
+        "join_timeout = 900",
+        "",
+        "[logs]",
+        "log_dir = \"/scratch/logs\"",
+        "tee = 3",
+        "",
+        "[plugins.status-http]",
+        "port = 8600",
+        "```",
+        "",
+        "Loading is strict and complete. Types are checked exactly (`\"false\"` is not a boolean, `2.7` is",
+        "not an integer, `\"3\"` is not a number), ranges and formats are checked (`monitor_interval > 0`,",
+        "`nnodes` as `N` or `\"MIN:MAX\"` with `MIN <= MAX`, signal names, ...), unknown keys are errors",
+        "(with a suggestion), and **every** error is reported at once, each with its key path, on one",
+        "line; the command exits with status 2:",
+        "",
+        "```text",
+        "fsm-agent: error: fsm.toml: 3 errors: max_restarts: expected an integer >= 0, got \"three\";",
+        "rendezvous.join_timeout: expected seconds > 0, got \"abc\"; logs.colour: unknown key in [logs]",
+        "(see docs/configuration.md for the keys)",
+        "```",
+        "",
+        "(shown wrapped here). Environment variables are checked as strictly, and all bad ones are",
+        "reported together.",
+        "",
+        "## Keys",
+        "",
+        "\"Flag\" is the `fsm-agent run` flag (each long flag also has its `--snake_case` spelling, as",
+        "in torchrun); \"Environment\" lists the variables read, first one winning.",
+    ]
+    titles = {"": "Top level", "rendezvous": "`[rendezvous]`", "logs": "`[logs]`"}
+    for section, title in titles.items():
+        lines += ["", f"### {title}", "",
+                  "| Key | Type | Flag | Environment | Default | LaunchConfig | Description |",
+                  "|---|---|---|---|---|---|---|"]
+        for key in KEYS:
+            if key.section != section:
+                continue
+            if key.dest is None:  # a typed rendezvous option: set through --rdzv-conf
+                conf = actions["rdzv_conf"]
+                flag = code(f"--rdzv-conf {key.name}=V")
+                envs = ", ".join(code(f"{v} ({key.name}=V)") for v in env_vars(conf))
+                default, description = "unset (the backend's)", cell(RENDEZVOUS_OPTIONS[key.name][1])
+            else:
+                action = actions[key.dest]
+                flag = ", ".join(code(s) for s in action.option_strings if not s.startswith("--") or "_" not in s)
+                names = env_vars(action)
+                if key.dest == "shutdown_timeout":
+                    names.append(SHUTDOWN_TIMEOUT_ENV)
+                envs = ", ".join(code(v) for v in names)
+                default, description = default_of(key, action), key.help or help_of(action)
+            lines.append("| " + " | ".join([code(key.name), cell(key.kind.toml), flag, envs, default,
+                                            code(key.field), description]) + " |")
+    lines += [
+        "",
+        "### Not configurable in the file",
+        "",
+        "The entrypoint is per command: the training script and its arguments, `-m/--module`,",
+        "`--no-python`, `--run-path` (these read `PET_MODULE`, `PET_NO_PYTHON`, `PET_RUN_PATH` as",
+        "torchrun does). `--config` itself reads `FSM_AGENT_CONFIG`. torch's own variables keep their",
+        "meaning: `TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE` (`LaunchConfig.log_line_prefix_template`),",
+        "`PYTHON_EXEC`, `LOGLEVEL`, `OMP_NUM_THREADS`.",
+        "",
+        "## Plugin options",
+        "",
+        "A plugin declares its options in the `fsm_agent_addoption(options)` hook; each becomes a flag",
+        "(`--<plugin>-<name>` unless the plugin names one; it always takes one value, booleans too:",
+        "`--x true`), an environment variable (`FSM_AGENT_<PLUGIN>_<NAME>` unless named) and the key",
+        "`<name>` of the `[plugins.<plugin>]` table, with the same precedence and the same strict checks.",
+        "The plugin reads its values with `config.plugin_options(\"<plugin>\")` in `fsm_agent_configure`.",
+        "A `[plugins.<plugin>]` table for a disabled plugin is ignored; for any other plugin that declares",
+        "no options it is an error. `fsm-agent run --help` lists the options of the installed plugins.",
+        "",
+        "```python",
+        "from fsm_agent.plugins import hookimpl",
+        "",
+        "@hookimpl",
+        "def fsm_agent_addoption(options):",
+        "    options.add(\"endpoint\", type=str, default=None, help=\"where to push metrics\")",
+        "",
+        "@hookimpl",
+        "def fsm_agent_configure(config, agent):",
+        "    endpoint = config.plugin_options(\"myplugin\").get(\"endpoint\")",
+        "```",
+        "",
+        "Options of the built-in plugins:",
+        "",
+        "| Key | Type | Flag | Environment | Default | Description |",
+        "|---|---|---|---|---|---|",
+    ]
+    for option in options:
+        default = "unset" if option.default is None else code(json.dumps(option.default))
+        lines.append("| " + " | ".join([code(option.key), option.kind.toml, code(option.flag), code(option.env),
+                                        default, cell(option.help)]) + " |")
+    lines += [
+        "",
+        "### `status-http`: live status",
+        "",
+        "With a port set, the agent serves on `127.0.0.1` only (port `0` picks a free one; the agent",
+        "prints the URL on stderr): `GET /status` (JSON: state, seconds in it, `restart_count` and",
+        "`remaining_restarts`, `rendezvous_round`, membership, per-worker pid/ranks/state/exit code, the",
+        "last transitions, `?transitions=N`), `GET /statechart` (the Mermaid statechart with the current",
+        "state in class `current`) and `GET /healthz`. `fsm-agent status URL [--watch] [--interval S]`",
+        "prints `/status` as tables (`--json` for the raw document).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
 # Entry points. Exceptions become exit codes here and nowhere else.
 # ------------------------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
-    """Console script ``fsm-agent {run,statechart,plugins} ...``; exits with the command's exit code."""
+    """Console script ``fsm-agent {run,config,statechart,plugins,status} ...``; exits with the command's exit code."""
     sys.exit(_exit_code(_dispatch, list(sys.argv[1:] if argv is None else argv)))
 
 
@@ -601,8 +1209,9 @@ def fsmrun_main(argv: Sequence[str] | None = None) -> NoReturn:
 
 
 def run_command(argv: list[str], prog: str = "fsm-agent run") -> int:
-    """Parse ``argv`` like torchrun, launch this node's agent and return its exit code."""
-    config, entrypoint, entrypoint_args = config_from_args(get_run_parser(prog).parse_args(argv))
+    """Parse ``argv`` like torchrun (plus env vars, the config file and plugin options), launch
+    this node's agent and return its exit code."""
+    config, entrypoint, entrypoint_args = config_from_args(resolve_run_args(argv, prog).args)
     from fsm_agent.launch import launch_agent  # lazy: the CLI must answer --help without the agent
 
     return launch_agent(config, entrypoint, entrypoint_args).exit_code
@@ -611,12 +1220,14 @@ def run_command(argv: list[str], prog: str = "fsm-agent run") -> int:
 def _dispatch(argv: list[str]) -> int:
     # Dispatch on the first word so each command sees its arguments verbatim (an argparse
     # subparser with REMAINDER would not keep leading options); the main parser handles the rest.
-    if not (argv and (argv[0] == "run" or argv[0] in _DELEGATES)):
+    if not (argv and (argv[0] in _LOCAL_COMMANDS or argv[0] in _DELEGATES)):
         namespace = _main_parser().parse_args(argv)  # --help/--version exit; bad input raises
         argv = [namespace.command, *namespace.args]
     command, rest = argv[0], argv[1:]
     if command == "run":
         return run_command(rest)
+    if command == "config":
+        return config_command(rest)
     return _delegate(_DELEGATES[command][0], rest)
 
 
@@ -624,7 +1235,8 @@ def _main_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fsm-agent", description="An elastic launcher for PyTorch: torchrun as a statechart.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    commands.add_parser("run", add_help=False, help="launch workers; takes torchrun's flags (see run --help)")
+    for name, help_text in _LOCAL_COMMANDS.items():
+        commands.add_parser(name, add_help=False, help=help_text)
     for name, (_, help_text) in _DELEGATES.items():
         commands.add_parser(name, add_help=False, help=help_text)
     for subparser in commands.choices.values():

@@ -294,7 +294,7 @@ def test_int_nproc_does_not_import_torch():
 def test_standalone(script):
     config, _, _ = build("--standalone", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--rdzv-id", "j",
                          script)
-    assert (config.rdzv_backend, config.rdzv_endpoint) == ("c10d", "localhost:0")
+    assert (config.rdzv_backend, config.rdzv_endpoint) == ("fsm", "127.0.0.1:0")  # torchrun: c10d, localhost:0
     assert uuid.UUID(config.run_id)
     assert config.standalone is True
     assert "rank" not in config.rdzv_configs
@@ -306,7 +306,7 @@ def test_standalone_ids_are_fresh(script):
 
 def test_implicit_standalone(script):
     config, _, _ = build("--nproc-per-node", "2", script)
-    assert (config.rdzv_backend, config.rdzv_endpoint) == ("c10d", "localhost:0")
+    assert (config.rdzv_backend, config.rdzv_endpoint) == ("fsm", "127.0.0.1:0")  # torchrun: c10d, localhost:0
     assert uuid.UUID(config.run_id)
     assert config.standalone is False
 

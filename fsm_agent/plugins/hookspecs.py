@@ -12,13 +12,36 @@ from fsm_agent.plugins import hookspec
 
 if TYPE_CHECKING:
     from fsm_agent.agent import ElasticAgent, TransitionRecord
-    from fsm_agent.config import LaunchConfig
+    from fsm_agent.config import LaunchConfig, OptionRegistry
     from fsm_agent.plugins.registry import BackendRegistry
     from fsm_agent.worker import RestartDecision, RunResult, Worker, WorkerFailure, WorkerGroup
 
 # --------------------------------------------------------------------------------------------
 # setup: called once while the agent is built, before the machine leaves INIT
 # --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def fsm_agent_addoption(options: "OptionRegistry") -> None:
+    """Declare this plugin's configuration options: flags, environment variables and file keys.
+
+    Args:
+        options: call ``options.add(name, type=int, default=None, help="...")`` once per option
+            (``fsm_agent.config.OptionRegistry.add``). Option ``name`` of plugin ``p`` becomes
+            the flag ``--p-name`` (or the ``flag=`` given), the env var ``FSM_AGENT_P_NAME`` (or
+            ``env=``) and the key ``name`` of the ``[plugins.p]`` table; values are checked
+            strictly against ``type``, ``choices`` and ``check``.
+
+    Returns:
+        Nothing. The plugin reads its resolved values back with
+        ``config.plugin_options("p")`` in ``fsm_agent_configure``. Declaring a name, flag or env
+        var twice raises ``PluginError`` naming both plugins.
+
+    Called from:
+        The command line (``fsm-agent run``, ``fsm-agent config``), once per process before the
+        flags are parsed, one plugin at a time; never by ``launch_agent`` (a config built in
+        Python carries plugin values in ``LaunchConfig.plugins``).
+    """
 
 
 @hookspec

@@ -178,8 +178,8 @@ def test_do_not_restart_exit_code_is_honoured(tmp_path, agents):
 def test_backoff_delays_are_observed(tmp_path, agents):
     script = write(tmp_path / "w.py", "import sys; sys.exit(1)\n")
     events = tmp_path / "events.jsonl"
-    proc = agents.start("--standalone", "--max-restarts", "2", "--events-file", str(events), script,
-                        env={"FSM_AGENT_RESTART_BACKOFF": "1"})
+    proc = agents.start("--standalone", "--max-restarts", "2", "--restart-backoff", "1", "--events-file", str(events),
+                        script)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     stops = [e for e in read_events(events) if e["kind"] == "transition"]

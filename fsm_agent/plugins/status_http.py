@@ -1,0 +1,303 @@
+"""Built-in live status: an opt-in HTTP endpoint on 127.0.0.1 (``--status-port PORT``).
+
+Off unless a port is configured (``--status-port``, ``FSM_AGENT_STATUS_PORT`` or
+``[plugins.status-http] port`` in the config file; ``0`` picks a free port). The agent then
+prints ``fsm-agent: status at http://127.0.0.1:PORT/status`` on stderr and serves, from a
+daemon thread of the standard library's ``ThreadingHTTPServer``:
+
+- ``GET /status``: JSON: the group's state and seconds in it, restart_count and remaining
+  restarts, the rendezvous round, membership (group rank and world size, master address), one
+  entry per worker (pid, ranks, state, exit code) and the last transitions
+  (``?transitions=N``, default 20, at most 100).
+- ``GET /statechart``: the Mermaid statechart (``fsm_agent.states.statechart``) with the
+  current state highlighted (``class <STATE> current``).
+- ``GET /healthz``: ``ok``.
+
+State is tracked through hooks (``fsm_agent_rendezvous_completed``, ``fsm_agent_workers_started``,
+``fsm_agent_worker_exited``, ``fsm_agent_state_changed``) by a ``LiveStatus`` object registered in
+``fsm_agent_configure``; restart counts are read from the agent. The server is shut down in
+``fsm_agent_unconfigure``. ``fsm-agent status URL [--watch]`` renders ``/status`` as tables.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from fsm_agent.errors import ConfigError
+from fsm_agent.plugins import hookimpl
+
+log = logging.getLogger(__name__)
+
+PLUGIN_NAME = "status-http"
+HOST = "127.0.0.1"
+#: Transitions kept, and shown by default.
+TRANSITIONS_KEPT = 100
+TRANSITIONS_SHOWN = 20
+_STOPPED_STATES = frozenset({"STOPPED", "FAILED", "UNKNOWN"})
+
+
+def _check_port(port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ValueError("expected a port number 0-65535 (0: any free port)")
+
+
+@hookimpl
+def fsm_agent_addoption(options):
+    options.add("port", type=int, default=None, flag="--status-port", env="FSM_AGENT_STATUS_PORT",
+                check=_check_port,
+                help="serve live status on http://127.0.0.1:PORT (/status, /statechart, /healthz); "
+                     "0 picks a free port; unset: off")
+
+
+@hookimpl
+def fsm_agent_configure(config, agent):
+    port = config.plugin_options(PLUGIN_NAME).get("port") if config is not None else None
+    if port is None:
+        return
+    status = LiveStatus(agent)
+    status.serve(port)
+    agent.plugin_manager.register(status, f"{PLUGIN_NAME}-server")
+    print(f"fsm-agent: status at {status.url}/status", file=sys.stderr, flush=True)
+
+
+class LiveStatus:
+    """The agent's live state, kept up to date by hooks and served over HTTP.
+
+    Hook calls come from the agent's thread, requests from the server's threads: everything
+    shared is read and written under ``_lock``.
+
+    Attributes:
+        url: ``http://127.0.0.1:PORT`` once ``serve`` bound the port.
+    """
+
+    def __init__(self, agent: Any):
+        self._agent = agent
+        self._lock = threading.Lock()
+        self._state = _state_name(getattr(agent, "state", "INIT"))
+        self._since = time.monotonic()
+        self._since_wall = time.time()
+        self._started = time.monotonic()
+        self._transitions: collections.deque[dict[str, Any]] = collections.deque(maxlen=TRANSITIONS_KEPT)
+        self._transition_count = 0
+        self._round = 0
+        self._membership: dict[str, Any] = {}
+        self._workers: dict[int, dict[str, Any]] = {}
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._chart: str | None = None
+        self.url: str | None = None
+
+    # -- hooks ---------------------------------------------------------------------------------
+    @hookimpl
+    def fsm_agent_rendezvous_completed(self, worker_group, duration_s):
+        with self._lock:
+            self._round += 1
+            self._membership = {
+                "group_rank": worker_group.group_rank,
+                "group_world_size": worker_group.group_world_size,
+                "master_addr": worker_group.master_addr,
+                "master_port": worker_group.master_port,
+                "rendezvous_duration_s": round(duration_s, 6),
+            }
+            self._workers = {w.local_rank: _worker_row(w, state="pending") for w in worker_group.workers}
+
+    @hookimpl
+    def fsm_agent_workers_started(self, worker_group, pids):
+        with self._lock:
+            for worker in worker_group.workers:
+                row = _worker_row(worker, state="running")
+                row["pid"] = pids.get(worker.local_rank, worker.id)
+                self._workers[worker.local_rank] = row
+
+    @hookimpl
+    def fsm_agent_worker_exited(self, worker, worker_group, exitcode):
+        with self._lock:
+            row = self._workers.setdefault(worker.local_rank, _worker_row(worker, state="running"))
+            row["state"] = "succeeded" if exitcode == 0 else "failed"
+            row["exit_code"] = exitcode
+
+    @hookimpl
+    def fsm_agent_state_changed(self, transition):
+        with self._lock:
+            self._state = _state_name(transition.dest)
+            self._since, self._since_wall = time.monotonic(), transition.ts
+            self._transition_count += 1
+            self._transitions.append({
+                "source": _state_name(transition.source), "dest": _state_name(transition.dest),
+                "trigger": transition.trigger, "ts": transition.ts,
+                "restart_count": transition.restart_count, "duration_s": round(transition.duration_s, 6),
+                "error": transition.error,
+            })
+            if self._state in _STOPPED_STATES:  # _stop_workers ended whatever was still running
+                for row in self._workers.values():
+                    if row["state"] == "running":
+                        row["state"] = "stopped"
+
+    @hookimpl
+    def fsm_agent_unconfigure(self, result):
+        self.close()
+
+    # -- the server ----------------------------------------------------------------------------
+    def serve(self, port: int) -> None:
+        """Listen on 127.0.0.1:``port`` (0: a free port) from a daemon thread.
+
+        Raises:
+            ConfigError: the port cannot be bound (in use, no permission).
+        """
+        try:
+            server = ThreadingHTTPServer((HOST, port), _Handler)
+        except OSError as exc:
+            raise ConfigError(f"--status-port {port}: cannot listen on {HOST}:{port}: {exc.strerror or exc}; "
+                              f"choose another port (0 picks a free one)") from None
+        server.daemon_threads = True
+        server.status = self  # type: ignore[attr-defined]
+        self._server = server
+        self.url = f"http://{HOST}:{server.server_address[1]}"
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="fsm-agent-status-http", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # -- what is served ------------------------------------------------------------------------
+    def snapshot(self, transitions: int = TRANSITIONS_SHOWN) -> dict[str, Any]:
+        """The ``/status`` document."""
+        agent = self._agent
+        spec = agent.spec
+        restart_count = agent.restart_count
+        with self._lock:
+            shown = list(self._transitions)[-transitions:] if transitions > 0 else []
+            doc = {
+                "state": self._state,
+                "time_in_state_s": round(time.monotonic() - self._since, 3),
+                "state_since": self._since_wall,
+                "restart_count": restart_count,
+                "max_restarts": spec.max_restarts,
+                "remaining_restarts": max(0, spec.max_restarts - restart_count),
+                "rendezvous_round": self._round,
+                "membership": {
+                    "run_id": _run_id(agent),
+                    "role": spec.role,
+                    "rdzv_backend": spec.rendezvous.backend,
+                    "rdzv_endpoint": spec.rendezvous.endpoint,
+                    "min_nodes": spec.rendezvous.min_nodes,
+                    "max_nodes": spec.rendezvous.max_nodes,
+                    "local_world_size": spec.local_world_size,
+                    **self._membership,
+                },
+                "workers": [dict(self._workers[r]) for r in sorted(self._workers)],
+                "transitions": shown,
+                "transitions_total": self._transition_count,
+                "agent": {
+                    "pid": os.getpid(),
+                    "node": getattr(agent, "hostname", None),
+                    "entrypoint": spec.get_entrypoint_name(),
+                    "uptime_s": round(time.monotonic() - self._started, 3),
+                },
+                "ts": time.time(),
+            }
+        return doc
+
+    def statechart(self) -> str:
+        """Mermaid text of the statechart with the current state highlighted."""
+        if self._chart is None:
+            self._chart = _mermaid()
+        with self._lock:
+            state = self._state
+        return (self._chart.rstrip("\n")
+                + "\n  classDef current fill:#ffd54f,stroke:#e65100,stroke-width:3px"
+                + f"\n  class {state} current\n")
+
+
+def _state_name(state: Any) -> str:
+    return str(getattr(state, "value", state))
+
+
+def _worker_row(worker: Any, state: str) -> dict[str, Any]:
+    return {"local_rank": worker.local_rank, "global_rank": worker.global_rank, "role_rank": worker.role_rank,
+            "world_size": worker.world_size, "pid": worker.id, "state": state, "exit_code": None}
+
+
+def _run_id(agent: Any) -> str | None:
+    try:
+        return agent.run_id
+    except Exception:  # the handler may not answer (closed, not built): fall back to the spec
+        return getattr(agent.spec.rendezvous, "run_id", None)
+
+
+def _mermaid() -> str:
+    """The statechart as Mermaid: ``fsm_agent.states.statechart``'s, or a plain one from the table."""
+    try:
+        from fsm_agent.states.statechart import render
+    except ImportError:
+        return mermaid_from_table()
+    return render("mermaid")
+
+
+def mermaid_from_table() -> str:
+    """A plain ``stateDiagram-v2`` from ``fsm_agent.states.table`` (fallback without statechart.py)."""
+    from fsm_agent.states.table import INITIAL, TERMINAL, TRANSITIONS
+
+    lines = ["stateDiagram-v2", f"  [*] --> {_state_name(INITIAL)}"]
+    for row in TRANSITIONS:
+        sources = row["source"] if isinstance(row["source"], (list, tuple)) else [row["source"]]
+        for source in sources:
+            lines.append(f"  {_state_name(source)} --> {_state_name(row['dest'])}: {row['trigger']}")
+    lines += [f"  {_state_name(state)} --> [*]" for state in TERMINAL]
+    return "\n".join(lines) + "\n"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "fsm-agent-status"
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        status: LiveStatus = self.server.status  # type: ignore[attr-defined]
+        url = urlsplit(self.path)
+        try:
+            if url.path in ("/status", "/status/"):
+                query = parse_qs(url.query)
+                try:
+                    count = int(query.get("transitions", [TRANSITIONS_SHOWN])[0])
+                except ValueError:
+                    return self._send(400, "application/json",
+                                      json.dumps({"error": "transitions must be an integer"}) + "\n")
+                doc = status.snapshot(max(0, min(count, TRANSITIONS_KEPT)))
+                self._send(200, "application/json", json.dumps(doc, indent=2, default=str) + "\n")
+            elif url.path == "/statechart":
+                self._send(200, "text/plain; charset=utf-8", status.statechart())
+            elif url.path == "/healthz":
+                self._send(200, "text/plain; charset=utf-8", "ok\n")
+            else:
+                self._send(404, "application/json", json.dumps(
+                    {"error": f"no such path {url.path!r}", "paths": ["/status", "/statechart", "/healthz"]}) + "\n")
+        except Exception as exc:  # never take the agent down from the status thread
+            log.exception("status request %s failed", self.path)
+            self._send(500, "application/json", json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
+
+    def _send(self, code: int, content_type: str, body: str) -> None:
+        data = body.encode("utf-8")
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
+        log.debug("status http: " + format, *args)

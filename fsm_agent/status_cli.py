@@ -1,0 +1,265 @@
+"""``fsm-agent status URL [--watch] [--interval S] [--json]``: a running agent's live status as tables.
+
+Reads ``/status`` from the endpoint ``fsm-agent run --status-port PORT`` serves (plugin
+``fsm_agent.plugins.status_http``). ``URL`` may be ``http://127.0.0.1:PORT``, ``127.0.0.1:PORT``,
+``:PORT`` or just ``PORT``; ``/status`` is added when the URL has no path. ``--watch`` redraws
+every ``--interval`` seconds until Ctrl-C or until the agent goes away.
+
+Output uses rich when it is installed, plain aligned text otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from fsm_agent.errors import ConfigError, FsmAgentError
+
+#: Seconds to wait for one answer.
+REQUEST_TIMEOUT_S = 5.0
+
+
+class StatusUnavailable(FsmAgentError):
+    """The status endpoint did not answer (agent not running, no --status-port, wrong port)."""
+
+    exit_code = 1
+
+
+def status_url(url: str) -> str:
+    """Normalise a user-given endpoint to the full ``/status`` URL.
+
+    Raises:
+        ConfigError: not an http URL, host:port or port.
+    """
+    text = url.strip()
+    if text.isdigit():
+        text = f"127.0.0.1:{text}"
+    elif text.startswith(":") and text[1:].isdigit():
+        text = f"127.0.0.1{text}"
+    if "://" not in text:
+        text = f"http://{text}"
+    parts = urlsplit(text)
+    try:
+        port_ok = parts.port is not None or parts.hostname is not None
+    except ValueError:
+        port_ok = False
+    if parts.scheme != "http" or not parts.hostname or not port_ok:
+        raise ConfigError(f"fsm-agent status {url!r}: expected the agent's status URL, e.g. "
+                          f"http://127.0.0.1:8600 or 127.0.0.1:8600 (see fsm-agent run --status-port)")
+    path = parts.path if parts.path not in ("", "/") else "/status"
+    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+
+def fetch_status(url: str, timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+    """GET the ``/status`` document.
+
+    Raises:
+        StatusUnavailable: nothing answers, or the answer is not the status JSON.
+    """
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            body = response.read()
+    except urllib.error.HTTPError as exc:
+        raise StatusUnavailable(f"{url}: HTTP {exc.code} {exc.reason}; is this an fsm-agent status endpoint?") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise StatusUnavailable(f"cannot reach {url}: {reason}; is the agent running with "
+                                f"--status-port?") from None
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        raise StatusUnavailable(f"{url}: the answer is not JSON; is this an fsm-agent status endpoint?") from None
+    if not isinstance(doc, dict) or "state" not in doc:
+        raise StatusUnavailable(f"{url}: the answer has no 'state'; is this an fsm-agent status endpoint?")
+    return doc
+
+
+# ------------------------------------------------------------------------------------------------
+# Rendering
+# ------------------------------------------------------------------------------------------------
+
+
+def _text(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, value) lines of the summary."""
+    members = doc.get("membership", {})
+    agent = doc.get("agent", {})
+    return [
+        ("state", f"{doc['state']} for {doc.get('time_in_state_s', 0):.1f}s"),
+        ("restarts", f"{doc.get('restart_count')} used, {doc.get('remaining_restarts')} left "
+                     f"(max {doc.get('max_restarts')})"),
+        ("rendezvous round", _text(doc.get("rendezvous_round"))),
+        ("run id", _text(members.get("run_id"))),
+        ("node", f"group rank {_text(members.get('group_rank'))} of {_text(members.get('group_world_size'))} "
+                 f"(nnodes {members.get('min_nodes')}:{members.get('max_nodes')}, "
+                 f"{_text(members.get('rdzv_backend'))} {_text(members.get('rdzv_endpoint'))})"),
+        ("master", f"{_text(members.get('master_addr'))}:{_text(members.get('master_port'))}"),
+        ("agent", f"pid {_text(agent.get('pid'))} on {_text(agent.get('node'))}, "
+                  f"up {agent.get('uptime_s', 0):.1f}s, {_text(agent.get('entrypoint'))}"),
+    ]
+
+
+WORKER_COLUMNS = ("local_rank", "global_rank", "role_rank", "pid", "state", "exit_code")
+TRANSITION_COLUMNS = ("time", "source", "dest", "trigger", "in source", "restarts", "error")
+
+
+def worker_rows(doc: dict[str, Any]) -> list[list[str]]:
+    return [[_text(w.get(c)) for c in WORKER_COLUMNS] for w in doc.get("workers", [])]
+
+
+def transition_rows(doc: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for t in doc.get("transitions", []):
+        clock = time.strftime("%H:%M:%S", time.localtime(t["ts"])) if t.get("ts") else "-"
+        rows.append([clock, t.get("source", "-"), t.get("dest", "-"), t.get("trigger", "-"),
+                     f"{t.get('duration_s', 0):.2f}s", _text(t.get("restart_count")), t.get("error") or ""])
+    return rows
+
+
+def render_plain(doc: dict[str, Any], url: str) -> str:
+    """The status as plain aligned text (no rich)."""
+    lines = [f"fsm-agent status  {url}"]
+    width = max(len(label) for label, _ in summary_rows(doc))
+    lines += [f"  {label:<{width}}  {value}" for label, value in summary_rows(doc)]
+    for title, columns, rows in (("workers", WORKER_COLUMNS, worker_rows(doc)),
+                                 ("transitions", TRANSITION_COLUMNS, transition_rows(doc))):
+        lines += ["", title]
+        widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
+        lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+_STATE_STYLE = {"HEALTHY": "green", "SUCCEEDED": "bold green", "UNHEALTHY": "yellow", "STOPPED": "yellow",
+                "INIT": "cyan", "FAILED": "bold red", "UNKNOWN": "bold red"}
+_WORKER_STYLE = {"running": "green", "succeeded": "green", "failed": "red", "stopped": "yellow", "pending": "cyan"}
+
+
+def render_rich(doc: dict[str, Any], url: str) -> Any:
+    """The status as a rich renderable (a summary grid, the workers and the transitions tables)."""
+    from rich.console import Group
+    from rich.table import Table
+
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    for label, value in summary_rows(doc):
+        style = _STATE_STYLE.get(doc["state"], "") if label == "state" else ""
+        summary.add_row(label, f"[{style}]{value}[/]" if style else value)
+
+    workers = Table(title="workers", title_justify="left")
+    for column in WORKER_COLUMNS:
+        workers.add_column(column, justify="right" if column != "state" else "left")
+    for row in worker_rows(doc):
+        workers.add_row(*row, style=_WORKER_STYLE.get(row[4], ""))
+
+    transitions = Table(title=f"last transitions ({doc.get('transitions_total', 0)} in all)", title_justify="left")
+    for column in TRANSITION_COLUMNS:
+        transitions.add_column(column)
+    for row in transition_rows(doc):
+        transitions.add_row(*row, style="red" if row[-1] else "")
+    return Group(f"[bold]fsm-agent status[/]  {url}", summary, workers, transitions)
+
+
+def _have_rich() -> bool:
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# The command
+# ------------------------------------------------------------------------------------------------
+
+
+def _positive_seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {raw!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {raw!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise ConfigError(f"{message} (see {self.prog} --help)")
+
+
+def get_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fsm-agent status",
+                     description="Show a running agent's live status, read from the endpoint that "
+                                 "'fsm-agent run --status-port PORT' serves on 127.0.0.1.")
+    parser.add_argument("url", help="the endpoint: http://127.0.0.1:PORT, 127.0.0.1:PORT or PORT")
+    parser.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
+    parser.add_argument("--interval", type=_positive_seconds, default=1.0, metavar="SECONDS",
+                        help="seconds between redraws with --watch (default: 1)")
+    parser.add_argument("--json", action="store_true", help="print the raw /status JSON")
+    return parser
+
+
+def cli_main(argv: Sequence[str] | None = None) -> int:
+    """``fsm-agent status URL [--watch] [--interval S] [--json]``."""
+    args = get_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    url = status_url(args.url)
+    if not args.watch:
+        doc = fetch_status(url)
+        _print(doc, url, as_json=args.json)
+        return 0
+    return _watch(url, args.interval, as_json=args.json)
+
+
+def _print(doc: dict[str, Any], url: str, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(doc, indent=2))
+    elif _have_rich():
+        from rich.console import Console
+
+        Console().print(render_rich(doc, url))
+    else:
+        sys.stdout.write(render_plain(doc, url))
+
+
+def _watch(url: str, interval: float, as_json: bool) -> int:
+    """Redraw until Ctrl-C (exit 0) or until the agent stops answering after it answered (exit 0)."""
+    doc = fetch_status(url)  # unreachable from the start: an error
+    if as_json or not _have_rich():
+        try:
+            while True:
+                _print(doc, url, as_json)
+                sys.stdout.flush()
+                time.sleep(interval)
+                try:
+                    doc = fetch_status(url)
+                except StatusUnavailable:
+                    print(f"fsm-agent status: {url} stopped answering (last state {doc['state']})")
+                    return 0
+        except KeyboardInterrupt:
+            return 0
+    from rich.live import Live
+
+    try:
+        with Live(render_rich(doc, url), auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                try:
+                    doc = fetch_status(url)
+                except StatusUnavailable:
+                    live.console.print(f"[yellow]{url} stopped answering (last state {doc['state']})[/]")
+                    return 0
+                live.update(render_rich(doc, url), refresh=True)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,129 @@
+"""/status during a real run: the right state, pids and restart count; after a worker crash, the restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from fsm_agent import cli
+from tests.status.conftest import free_port, get, get_json, subprocess_env, wait_for
+
+pytestmark = pytest.mark.slow
+
+WORKER = """\
+import pathlib, sys, time
+stop = pathlib.Path(sys.argv[1])
+while not stop.exists():
+    time.sleep(0.05)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def running(url: str, restart_count: int):
+    """The /status document once the group is HEALTHY with every worker running, after
+    ``restart_count`` restarts; None before."""
+    doc = get_json(url)
+    workers = doc["workers"]
+    if (doc["state"] == "HEALTHY" and doc["restart_count"] == restart_count and len(workers) == 2
+            and all(w["state"] == "running" and w["pid"] for w in workers)):
+        return doc
+    return None
+
+
+def test_status_during_a_real_run_and_after_a_crash(processes, tmp_path):
+    (tmp_path / "worker.py").write_text(WORKER)
+    stop = tmp_path / "stop"
+    port = free_port()
+    agent = processes.start("run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+                            "--status-port", str(port), "--log-dir", str(tmp_path / "logs"),
+                            "worker.py", str(stop))
+    base = f"http://127.0.0.1:{port}"
+    url = base + "/status"
+
+    # -- first attempt: HEALTHY, two live workers that are the agent's children
+    doc = wait_for(lambda: running(url, 0), what="HEALTHY with two running workers")
+    assert doc["agent"]["pid"] == agent.pid
+    assert (doc["max_restarts"], doc["remaining_restarts"], doc["rendezvous_round"]) == (2, 2, 1)
+    assert doc["membership"]["group_world_size"] == 1
+    assert doc["membership"]["rdzv_backend"] == getattr(cli, "STANDALONE_RENDEZVOUS", ("c10d",))[0]
+    pids = [w["pid"] for w in doc["workers"]]
+    assert [w["global_rank"] for w in doc["workers"]] == [0, 1]
+    for pid in pids:
+        process = psutil.Process(pid)
+        assert agent.pid in [p.pid for p in process.parents()]
+        assert "worker.py" in " ".join(process.cmdline())
+    assert [(t["source"], t["dest"]) for t in doc["transitions"]] == [("INIT", "HEALTHY")]
+    assert get(base + "/healthz")[0] == 200
+    assert get(base + "/statechart")[2].rstrip().endswith("class HEALTHY current")
+
+    # -- fsm-agent status URL shows the same
+    shown = subprocess.run([sys.executable, "-m", "fsm_agent", "status", f"127.0.0.1:{port}"],
+                           capture_output=True, text=True, timeout=60, env=subprocess_env())
+    assert shown.returncode == 0, shown.stderr
+    assert "HEALTHY" in shown.stdout and "0 used, 2 left (max 2)" in shown.stdout
+    assert all(str(pid) in shown.stdout for pid in pids)
+
+    # -- crash rank 1: the agent restarts the group, and /status shows it
+    os.kill(pids[1], signal.SIGKILL)
+    doc = wait_for(lambda: running(url, 1), what="the restarted group")
+    new_pids = [w["pid"] for w in doc["workers"]]
+    assert set(new_pids).isdisjoint(pids) and all(alive(pid) for pid in new_pids)
+    assert not alive(pids[0]) and not alive(pids[1])
+    assert (doc["remaining_restarts"], doc["rendezvous_round"]) == (1, 2)
+    assert [(t["source"], t["dest"], t["trigger"]) for t in doc["transitions"]] == [
+        ("INIT", "HEALTHY", "start"), ("HEALTHY", "STOPPED", "workers_failed"), ("STOPPED", "HEALTHY", "restart")]
+    assert doc["transitions"][1]["restart_count"] == 1
+    shown = subprocess.run([sys.executable, "-m", "fsm_agent", "status", "--json", base],
+                           capture_output=True, text=True, timeout=60, env=subprocess_env())
+    assert '"restart_count": 1' in shown.stdout
+
+    # -- the workers finish: the agent succeeds and the endpoint goes away with it
+    stop.write_text("")
+    out, err = agent.communicate(timeout=120)
+    assert agent.returncode == 0, err
+    assert f"fsm-agent: status at {url}" in err
+    with pytest.raises(OSError):
+        get(url, timeout=2)
+
+
+def test_status_port_zero_picks_a_free_port_and_prints_it(processes, tmp_path):
+    (tmp_path / "worker.py").write_text(WORKER)
+    stop = tmp_path / "stop"
+    agent = processes.start("run", "--standalone", "--status-port", "0", "worker.py", str(stop))
+    line = ""
+    deadline = time.monotonic() + 60
+    while "status at" not in line and time.monotonic() < deadline:
+        line = agent.stderr.readline()
+    assert line.startswith("fsm-agent: status at http://127.0.0.1:"), line
+    url = line.split()[-1]
+    assert wait_for(lambda: get_json(url)["state"] == "HEALTHY", what="HEALTHY")
+    stop.write_text("")
+    agent.communicate(timeout=120)
+    assert agent.returncode == 0
+
+
+def test_busy_port_is_a_one_line_error(processes, tmp_path):
+    import socket
+
+    (tmp_path / "worker.py").write_text(WORKER)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        agent = processes.start("run", "--standalone", "--status-port", str(port), "worker.py", "x")
+        out, err = agent.communicate(timeout=120)
+    assert agent.returncode == 2
+    assert err.splitlines()[-1].startswith(f"fsm-agent: error: --status-port {port}: cannot listen on ")
+    assert "Traceback" not in err
