@@ -25,7 +25,7 @@ import pluggy
 
 from fsm_agent import errorfile
 from fsm_agent.env import worker_env
-from fsm_agent.errors import RendezvousFailed, RendezvousNotNeeded
+from fsm_agent.errors import FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.hang import HangDetector, dump_stacks
 from fsm_agent.logs import LogsLayout, WorkerLogs
 from fsm_agent.plugins.manager import reject_listener_wrappers
@@ -141,7 +141,19 @@ class ElasticAgent:
         os.set_blocking(self._wake_w, False)
         self.machine = build_machine(self)
         reject_listener_wrappers(plugin_manager)
-        plugin_manager.hook.fsm_agent_configure(config=config, agent=self)
+        self._configure_plugins(config)
+
+    def _configure_plugins(self, config: Any) -> None:
+        """Call every ``fsm_agent_configure``; a plugin that raises is named in a PluginError."""
+        arguments = {"config": config, "agent": self}
+        for impl in reversed(self.plugin_manager.hook.fsm_agent_configure.get_hookimpls()):
+            try:
+                impl.function(**{name: arguments[name] for name in impl.argnames})
+            except FsmAgentError:
+                raise
+            except Exception as exc:
+                raise PluginError(f"plugin {impl.plugin_name!r} failed to configure: {type(exc).__name__}: {exc}; "
+                                  f"fix its settings or disable it with --disable-plugin {impl.plugin_name}") from None
 
     # -- public API (torch names) --------------------------------------------------------------
     def get_worker_group(self, role: str = "default") -> WorkerGroup:
@@ -615,6 +627,7 @@ class ElasticAgent:
 
     def _release(self) -> None:
         self._launcher.close()
+        getattr(self._launcher, "shutdown", lambda: None)()  # e.g. the preload launcher's zygote
         self._hang.close()
         self._close_worker_store()
         # torch's shutdown() closes the rendezvous for everyone, so it is skipped on a signal (as

@@ -26,10 +26,12 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "rendezvous-fsm": "fsm_agent.plugins.rendezvous_fsm",
     "rendezvous-torchrun-handlers": "fsm_agent.plugins.rendezvous_torchrun_handlers",
     "launcher-subprocess": "fsm_agent.plugins.launcher_subprocess",
+    "launcher-preload": "fsm_agent.plugins.launcher_preload",
     "restart-policy": "fsm_agent.plugins.restart_policy",
     "metrics-logging": "fsm_agent.plugins.metrics_logging",
     "events-jsonl": "fsm_agent.plugins.events_jsonl",
     "status-http": "fsm_agent.plugins.status_http",
+    "statechart-coverage": "fsm_agent.plugins.coverage_recorder",
 }
 #: Built-ins that cannot be disabled: without them the agent cannot run at all.
 ESSENTIAL_PLUGINS = frozenset({"launcher-subprocess"})
@@ -126,8 +128,35 @@ def collect_options(pm: pluggy.PluginManager) -> OptionRegistry:
     return options
 
 
-def plugin_rows(pm: pluggy.PluginManager) -> list[dict]:
-    """One row per registered plugin: name, hooks, distribution/version, built-in or not."""
+#: Plugin kinds, in the order ``fsm-agent plugins`` lists them.
+PLUGIN_KINDS = ("rendezvous", "launcher", "metrics", "event recording", "lifecycle")
+#: Listener hooks that make a plugin a metrics or event-recording plugin.
+_KIND_OF_HOOK = {"fsm_agent_put_metric": "metrics", "fsm_agent_record_event": "event recording"}
+#: Kinds of built-ins that ``plugin_rows`` cannot see from their hooks alone: the listener that
+#: events-jsonl registers in ``fsm_agent_configure``, and the torchrun.handlers bridge, which
+#: registers nothing when no ``torchrun.handlers`` entry point is installed. A third-party plugin
+#: in the same situation declares its kinds with a module (or object) attribute
+#: ``FSM_AGENT_KINDS = ("metrics",)``.
+_DECLARED_KINDS = {"events-jsonl": ("event recording",), "rendezvous-torchrun-handlers": ("rendezvous",)}
+
+
+def plugin_rows(pm: pluggy.PluginManager, registry: BackendRegistry | None = None) -> list[dict]:
+    """One row per registered plugin: name, kinds, backends, hooks, distribution/version, built-in or not.
+
+    Kinds come from the hooks: ``fsm_agent_register_backends`` gives the kinds of the backends the
+    plugin registered (``rendezvous``, ``launcher``; ``registry`` or a fresh ``build_registry(pm)``),
+    ``fsm_agent_put_metric`` gives ``metrics``, ``fsm_agent_record_event`` ``event recording``; a plugin
+    with none of these is ``lifecycle``. A plugin's ``FSM_AGENT_KINDS`` attribute overrides them.
+
+    Raises:
+        PluginError: a plugin's ``fsm_agent_register_backends`` failed (from ``build_registry``).
+    """
+    if registry is None:
+        registry = build_registry(pm)
+    backends: dict[str, list[tuple[str, str]]] = {}
+    for kind in ("rendezvous", "launcher"):
+        for backend in registry.names(kind):
+            backends.setdefault(registry.owner(kind, backend), []).append((kind, backend))
     dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
     rows = []
     for name, plugin in pm.list_name_plugin():
@@ -135,8 +164,17 @@ def plugin_rows(pm: pluggy.PluginManager) -> list[dict]:
             continue
         dist = dists.get(id(plugin))
         hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
+        own = backends.get(name, [])
+        declared = getattr(plugin, "FSM_AGENT_KINDS", None) or _DECLARED_KINDS.get(name)
+        if isinstance(declared, str):
+            declared = (declared,)
+        found = {kind for kind, _ in own} | {_KIND_OF_HOOK[h] for h in hooks if h in _KIND_OF_HOOK}
+        kinds = list(declared) if declared else [k for k in PLUGIN_KINDS if k in found] or ["lifecycle"]
         rows.append({
             "name": name,
+            "kinds": kinds,
+            "backends": {kind: [b for k, b in own if k == kind] for kind in ("rendezvous", "launcher")
+                         if any(k == kind for k, _ in own)},
             "hooks": hooks,
             "builtin": name in BUILTIN_PLUGINS,
             "distribution": dist.metadata["name"] if dist else "fsm-agent",
@@ -155,20 +193,34 @@ def _own_version() -> str:
 
 
 def cli_main(argv: list[str]) -> int:
-    """``fsm-agent plugins``: list every loaded plugin."""
+    """``fsm-agent plugins``: list every loaded plugin (a table, or ``--json``).
+
+    A plugin that fails to load raises ``PluginError``: the CLI prints it as one line and exits non-zero.
+    """
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(prog="fsm-agent plugins", description="List loaded plugins.")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--disable-plugin", action="append", default=[], metavar="NAME")
+    parser = argparse.ArgumentParser(
+        prog="fsm-agent plugins", description="List every loaded plugin: its name, distribution and version, "
+        "whether it is built-in, its kind(s), the backends it registers and the hooks it implements.",
+        epilog=f"{DISABLE_ENV}=a,b also disables plugins.")
+    parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
+    parser.add_argument("--disable-plugin", action="append", default=[], metavar="NAME",
+                        help="do not load plugin NAME (repeatable; a comma-separated list works too)")
     args = parser.parse_args(argv)
-    pm = get_plugin_manager(disabled=args.disable_plugin)
+    disabled = [n.strip() for value in args.disable_plugin for n in value.split(",") if n.strip()]
+    pm = get_plugin_manager(disabled=disabled)
     rows = plugin_rows(pm)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
+    table = [("NAME", "DISTRIBUTION", "VERSION", "BUILT-IN", "KINDS", "BACKENDS", "HOOKS")]
     for row in rows:
-        origin = "built-in" if row["builtin"] else f"{row['distribution']} {row['version']}"
-        print(f"{row['name']:<32} {origin:<28} {', '.join(h.removeprefix('fsm_agent_') for h in row['hooks'])}")
+        table.append((row["name"], row["distribution"], row["version"], "yes" if row["builtin"] else "no",
+                      ", ".join(row["kinds"]),
+                      ", ".join(b for names in row["backends"].values() for b in names) or "-",
+                      ", ".join(h.removeprefix("fsm_agent_") for h in row["hooks"]) or "-"))
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]) - 1)]
+    for line in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1])
     return 0
