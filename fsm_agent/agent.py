@@ -69,6 +69,16 @@ class TransitionRecord:
     error: str | None = None
 
 
+def _listen_on(addr: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``addr:port`` (the address MASTER_ADDR names, not all interfaces)."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(sockaddr)
+    listener.listen(1024)
+    return listener
+
+
 def _classify_rendezvous_error(exc: BaseException) -> str | None:
     """``"not_needed"``, ``"failed"`` or None (not a rendezvous error).
 
@@ -187,6 +197,7 @@ class ElasticAgent:
         self._broadcast("fsm_agent_record_event", event=self._event("run_end", state=result.state.value,
                                                                     exit_code=result.exit_code, error=result.error))
         self._broadcast("fsm_agent_unconfigure", result=result)
+        getattr(self._logs, "cleanup", lambda: None)()  # a temporary log dir goes; --log-dir stays
         return result
 
     # -- the run loop: observations in, triggers out --------------------------------------------
@@ -358,8 +369,12 @@ class ElasticAgent:
         if group.group_rank == 0 and self._agent_hosts_worker_store:
             from torch.distributed import TCPStore
 
-            self._worker_store = TCPStore(host_name=group.master_addr, port=group.master_port,
-                                          is_master=True, multi_tenant=True, wait_for_workers=False)
+            # torch's TCPStore server listens on every interface; bind MASTER_ADDR's address only.
+            # The store takes ownership of the socket's fd.
+            listener = _listen_on(group.master_addr, group.master_port)
+            self._worker_store = TCPStore(host_name=group.master_addr, port=group.master_port, is_master=True,
+                                          multi_tenant=True, wait_for_workers=False,
+                                          master_listen_fd=listener.detach())
 
     @property
     def _agent_hosts_worker_store(self) -> bool:

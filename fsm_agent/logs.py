@@ -73,17 +73,24 @@ class LogsLayout:
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
     run_log_dir: str | None = None
+    temporary_dir: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.log_dir == os.devnull:
             return
         base = self.log_dir
         if base is None:
-            base = tempfile.mkdtemp(prefix="fsm_agent_")
+            base = self.temporary_dir = tempfile.mkdtemp(prefix="fsm_agent_")
         elif os.path.isfile(base):
             raise ConfigError(f"--log-dir {base!r} is a file: pass a directory")
         os.makedirs(base, exist_ok=True)
         self.run_log_dir = tempfile.mkdtemp(prefix=f"{self.run_id}_", dir=base)
+
+    def cleanup(self) -> None:
+        """Remove the temporary log directory made when no ``--log-dir`` was given (torch keeps it)."""
+        if self.temporary_dir is not None:
+            shutil.rmtree(self.temporary_dir, ignore_errors=True)
+            self.temporary_dir = None
 
     @property
     def to_devnull(self) -> bool:
