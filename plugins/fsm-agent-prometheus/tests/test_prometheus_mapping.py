@@ -1,0 +1,47 @@
+"""The documented name mapping and the option parsing (no server, no agent)."""
+
+from __future__ import annotations
+
+import pytest
+
+import fsm_agent_prometheus
+from fsm_agent_prometheus import metric_for, read_options
+
+
+@pytest.mark.parametrize("group, name, expected", [
+    ("torchelastic", "workers.default.remaining_restarts", ("gauge", "torchelastic_workers_remaining_restarts", {})),
+    ("torchelastic", "workers.trainer.flakiness", ("gauge", "torchelastic_workers_flakiness", {})),
+    ("torchelastic", "workers.default.healthy", ("counter", "torchelastic_workers_state", {"state": "HEALTHY"})),
+    ("torchelastic", "workers.default.stopped", ("counter", "torchelastic_workers_state", {"state": "STOPPED"})),
+    ("torchelastic", "workers.default.run_total", ("counter", "torchelastic_workers_run", {})),
+    ("torchelastic", "workers.default.run_failed_no_retries",
+     ("counter", "torchelastic_workers_run_failed_no_retries", {})),
+    ("torchelastic", "workers.default.something_new", ("gauge", "torchelastic_workers_something_new", {})),
+    ("torchelastic", "SimpleElasticAgent._rendezvous.duration.ms",
+     ("gauge", "torchelastic_simpleelasticagent__rendezvous_duration_ms", {})),
+    ("fsm_agent", "state.HEALTHY.duration_s", ("histogram", "fsm_agent_state_duration_seconds", {"state": "HEALTHY"})),
+    ("fsm_agent", "hang.detected", ("gauge", "fsm_agent_hang_detected", {})),
+])
+def test_metric_for(group, name, expected):
+    assert metric_for(group, name) == expected
+
+
+def test_off_by_default_and_when_zero():
+    assert read_options({})["port"] == 0
+    assert read_options({"FSM_AGENT_PROMETHEUS_PORT": "0"})["port"] == 0
+    assert read_options({"FSM_AGENT_PROMETHEUS_PORT": "9464"}) == {"port": 9464, "addr": "127.0.0.1", "linger_s": 0.0}
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"FSM_AGENT_PROMETHEUS_PORT": "http"}, "expected a number"),
+    ({"FSM_AGENT_PROMETHEUS_PORT": "70000"}, "must be 0 \\(off\\) or a TCP port"),
+    ({"FSM_AGENT_PROMETHEUS_LINGER_S": "-1"}, "must be >= 0 seconds"),
+])
+def test_bad_options_name_the_variable(env, message):
+    with pytest.raises(ValueError, match=message):
+        read_options(env)
+
+
+def test_importing_the_plugin_does_not_import_prometheus_client_until_needed():
+    assert callable(fsm_agent_prometheus.fsm_agent_configure)
+    assert fsm_agent_prometheus.PrometheusExporter.__name__ == "PrometheusExporter"
