@@ -30,8 +30,31 @@ class JsonlEventWriter:
         self._file.close()
 
 
+class TorchEventBridge:
+    """``--event-log-handler NAME`` (not ``null``): each record also goes to torch's ``events.record``.
+
+    Transitions become torch ``Event`` objects named ``torchelastic.worker.status.<STATE>`` with
+    source AGENT, as torch's agent names its own, so torch's handlers (e.g. ``console``) show them.
+    """
+
+    def __init__(self, destination: str):
+        self.destination = destination
+
+    @hookimpl
+    def fsm_agent_record_event(self, event):
+        from torch.distributed.elastic.events import Event, EventSource, record
+
+        name = event.get("dest") or event.get("state") or event["kind"]
+        metadata = {k: v for k, v in event.items() if isinstance(v, (str, int, float, bool)) or v is None}
+        record(Event(name=f"torchelastic.worker.status.{name}", source=EventSource.AGENT,
+                     timestamp=int(event["ts"]), metadata=metadata), destination=self.destination)
+
+
 @hookimpl
 def fsm_agent_configure(config, agent):
     path = agent.events_path
     if path and path != os.devnull:
-        agent.plugin_manager.register(JsonlEventWriter(path), "events-jsonl-writer")
+        agent.plugin_manager.register(JsonlEventWriter(path), f"events-jsonl-writer-{id(agent)}")
+    destination = getattr(config, "event_log_handler", "null") if config is not None else "null"
+    if destination and destination != "null":
+        agent.plugin_manager.register(TorchEventBridge(destination), f"events-torch-{id(agent)}")

@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import pickle
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -300,6 +301,9 @@ def _killpg(pgid: int, sig: int) -> None:
 def _numa_wrap(args: list[str], binding: str | None, local_rank: int) -> list[str]:
     """Wrap a program with numactl for ``--numa-binding`` (GPU index = local rank, as torch)."""
     if not binding:
+        return args
+    if shutil.which("numactl") is None:
+        log.warning("--numa-binding %s not applied to local_rank %s: numactl is not installed", binding, local_rank)
         return args
     try:
         from torch.numa.binding import AffinityMode, NumaOptions, _maybe_wrap_command_args_with_numa_binding

@@ -1,0 +1,107 @@
+"""End to end: bad input is one clear stderr line and a non-zero exit, never a traceback; and the
+three ways to start the launcher (``fsm-agent run``, ``fsmrun``, ``python -m fsm_agent run``) agree."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.e2e.conftest import fsm_agent_cmd, fsmrun_cmd, one_error_line
+
+pytestmark = pytest.mark.slow
+
+#: id -> (arguments before the script (None: no script at all), extra env, text the line must contain)
+BAD = {
+    "unknown-flag": (["--bogus-flag", "1"], {}, "--bogus-flag"),
+    "nnodes-min-above-max": (["--nnodes", "3:2"], {}, "--nnodes"),
+    "nnodes-zero": (["--nnodes", "0"], {}, "--nnodes"),
+    "nnodes-not-a-number": (["--nnodes", "two"], {}, "--nnodes"),
+    "nproc-zero": (["--nproc-per-node", "0"], {}, "--nproc-per-node"),
+    "nproc-unknown-name": (["--nproc-per-node", "tpu"], {}, "--nproc-per-node"),
+    "unknown-rdzv-backend": (["--rdzv-backend", "nope", "--rdzv-endpoint", "127.0.0.1:1", "--nnodes", "2"], {},
+                             "nope"),
+    "rdzv-conf-no-value": (["--rdzv-conf", "join_timeout"], {}, "--rdzv-conf"),
+    "rdzv-conf-empty-key": (["--rdzv-conf", "=5"], {}, "--rdzv-conf"),
+    "redirects-out-of-range": (["-r", "7"], {}, "--redirects"),
+    "redirects-bad-map": (["-r", "0:4,1:3"], {}, "--redirects"),
+    "tee-not-a-std": (["-t", "x"], {}, "--tee"),
+    "local-ranks-filter": (["--local-ranks-filter", "a,b"], {}, "--local-ranks-filter"),
+    "start-method": (["--start-method", "thread"], {}, "--start-method"),
+    "numa-binding": (["--numa-binding", "everything"], {}, "--numa-binding"),
+    "monitor-interval-zero": (["--monitor-interval", "0"], {}, "--monitor-interval"),
+    "max-restarts-negative": (["--max-restarts", "-1"], {}, "--max-restarts"),
+    "signals-untrappable": (["--signals-to-handle", "SIGKILL"], {}, "SIGKILL"),
+    "no-python-with-module": (["--no-python", "-m"], {}, "--no-python"),
+    "unknown-launcher": (["--launcher", "nope"], {}, "nope"),
+    "disable-essential-plugin": (["--disable-plugin", "launcher-subprocess"], {}, "launcher-subprocess"),
+    "log-dir-is-a-file": (["--log-dir", "{probe}"], {}, "--log-dir"),
+    "logs-specs-unknown": (["--logs-specs", "nope"], {}, "--logs-specs"),
+    # (the line names --nproc-per-node rather than the variable the value came from)
+    "pet-env-not-a-number": ([], {"PET_NPROC_PER_NODE": "abc"}, "'abc'"),
+    "pet-env-not-a-bool": ([], {"PET_STANDALONE": "maybe"}, "PET_STANDALONE"),
+    "missing-script": (["{missing}"], {}, "not found"),
+    "no-script": (None, {}, "training_script"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line(launcher, case):
+    flags, env, needle = BAD[case]
+    if flags is None:
+        args = []
+    else:
+        args = [a.replace("{probe}", str(launcher.probe)).replace("{missing}", str(launcher.dir / "missing.py"))
+                for a in flags]
+        if case != "missing-script":
+            args.append(str(launcher.probe))
+    result = launcher.run_fsm(*args, env=env, timeout=60)
+    assert result.returncode != 0
+    line = one_error_line(result.stderr)
+    assert line.startswith("fsm-agent: error: "), line
+    assert needle in line, line
+    assert result.stdout == ""
+    assert launcher.records() == {}, "a worker was started"
+
+
+def test_fsmrun_is_fsm_agent_run(launcher):
+    """``fsmrun ARGS`` launches the same job as ``fsm-agent run ARGS``, and rejects the same input."""
+    launcher.run([*fsmrun_cmd(), "--nproc-per-node", "2", "--role", "r", launcher.probe, "x"],
+                 env={"FSM_E2E_TAG": "fsmrun_"}).check()
+    launcher.run_fsm("--nproc-per-node", "2", "--role", "r", launcher.probe, "x", env={"FSM_E2E_TAG": "agent_"}).check()
+    via_fsmrun, via_agent = launcher.records("fsmrun_"), launcher.records("agent_")
+    assert sorted(via_fsmrun) == sorted(via_agent) == [0, 1]
+    for rank in (0, 1):
+        a, b = via_fsmrun[rank], via_agent[rank]
+        assert set(a["env"]) == set(b["env"])
+        assert a["argv"][1:] == b["argv"][1:] == ["x"]
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "ROLE_NAME", "GROUP_RANK", "TORCHELASTIC_MAX_RESTARTS"):
+            assert a["env"][key] == b["env"][key], key
+
+    bad_fsmrun = launcher.run([*fsmrun_cmd(), "--nnodes", "3:2", launcher.probe])
+    bad_agent = launcher.run_fsm("--nnodes", "3:2", launcher.probe)
+    assert bad_fsmrun.returncode == bad_agent.returncode != 0
+    assert one_error_line(bad_fsmrun.stderr) == one_error_line(bad_agent.stderr)
+    help_text = launcher.run([*fsmrun_cmd(), "--help"]).check().stdout
+    assert "--nproc-per-node" in help_text and "--rdzv-endpoint" in help_text
+
+
+def test_python_m_fsm_agent_run(launcher):
+    launcher.run([sys.executable, "-m", "fsm_agent", "run", "--nproc-per-node", "2", launcher.probe]).check()
+    assert sorted(launcher.records()) == [0, 1]
+
+
+@pytest.mark.parametrize("args, needle", [([], "command"), (["nope"], "nope")], ids=["no-command", "bad-command"])
+def test_fsm_agent_without_a_valid_command(launcher, args, needle):
+    result = launcher.run([*fsm_agent_cmd(), *args], timeout=60)
+    assert result.returncode != 0
+    assert needle in one_error_line(result.stderr).lower()
+
+
+def test_fsm_agent_run_help_lists_every_torchrun_flag(launcher):
+    from torch.distributed.run import get_args_parser
+
+    result = launcher.run([*fsm_agent_cmd(), "run", "--help"], timeout=60).check()
+    for action in get_args_parser()._actions:
+        if action.option_strings:
+            assert action.option_strings[-1] in result.stdout or action.option_strings[0] in result.stdout, action

@@ -1,0 +1,146 @@
+"""End to end: the ``--log-dir`` layout, as torch writes it, and the ``@record`` error-file protocol.
+
+torch's layout (``DefaultLogsSpecs``)::
+
+    <log_dir>/<run_id>_<random>/attempt_<restart_count>/<local_rank>/{stdout.log, stderr.log, error.json}
+
+fsm-agent writes the same tree, plus its own ``events.jsonl`` in the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import write_script
+
+pytestmark = pytest.mark.slow
+
+#: torch's @record; local rank 1 raises on the first attempt, everything else succeeds.
+RECORD_FAIL_ONCE = r'''
+import os
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record
+def main():
+    count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    print("attempt %d rank %s run_id %s" % (count, os.environ["RANK"], os.environ["TORCHELASTIC_RUN_ID"]), flush=True)
+    if os.environ["LOCAL_RANK"] == "1" and count == 0:
+        raise ValueError("boom-e2e from local rank 1")
+
+main()
+'''
+
+#: Local rank 1 raises under @record; local rank 0 would run for a minute (the agent stops it).
+RECORD_FAIL = r'''
+import os, time
+from torch.distributed.elastic.multiprocessing.errors import record
+
+def inner_function_e2e():
+    raise ValueError("boom-e2e from local rank 1")
+
+@record
+def main():
+    print("error_file %s" % os.environ["TORCHELASTIC_ERROR_FILE"], flush=True)
+    if os.environ["LOCAL_RANK"] == "1":
+        inner_function_e2e()
+    time.sleep(60)
+
+main()
+'''
+
+
+def tree(run_dir: Path) -> set[str]:
+    return {str(p.relative_to(run_dir)) for p in run_dir.rglob("*")}
+
+
+def only_run_dir(log_dir: Path) -> Path:
+    entries = list(log_dir.iterdir())
+    assert len(entries) == 1 and entries[0].is_dir(), entries
+    return entries[0]
+
+
+def test_layout_matches_torchrun_with_a_restart(launcher):
+    """Same flags, same @record script: fsm-agent's tree equals torchrun's (plus events.jsonl)."""
+    script = write_script(launcher.dir, "record_fail_once.py", RECORD_FAIL_ONCE)
+    flags = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-r", "3"]
+    torch_logs, fsm_logs = launcher.dir / "torch_logs", launcher.dir / "fsm_logs"
+    launcher.torchrun(*flags, "--log-dir", torch_logs, script).wait().check()
+    launcher.run_fsm(*flags, "--log-dir", fsm_logs, script).check()
+    torch_run, fsm_run = only_run_dir(torch_logs), only_run_dir(fsm_logs)
+
+    expected = {"attempt_0", "attempt_1", "attempt_0/1/error.json"} | {
+        f"attempt_{a}/{lr}{leaf}" for a in (0, 1) for lr in (0, 1) for leaf in ("", "/stdout.log", "/stderr.log")}
+    assert tree(torch_run) == expected
+    assert tree(fsm_run) == expected | {"events.jsonl"}
+
+    for attempt in (0, 1):
+        for lr in (0, 1):
+            stdout = (fsm_run / f"attempt_{attempt}/{lr}/stdout.log").read_text()
+            assert stdout.startswith(f"attempt {attempt} rank {lr} run_id ")
+            run_id = stdout.split("run_id ")[1].strip()
+            assert fsm_run.name.startswith(run_id + "_")  # <run_id>_<random>
+    error = json.loads((fsm_run / "attempt_0/1/error.json").read_text())
+    torch_error = json.loads((torch_run / "attempt_0/1/error.json").read_text())
+    assert set(error) == set(torch_error) == {"message"}
+    assert set(error["message"]) == set(torch_error["message"])
+    assert set(error["message"]["extraInfo"]) == set(torch_error["message"]["extraInfo"])
+    assert error["message"]["message"] == "ValueError: boom-e2e from local rank 1"
+    events = [json.loads(line) for line in (fsm_run / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["kind"] == "run_end" and events[-1]["exit_code"] == 0
+
+
+def test_record_error_json_and_summary(launcher):
+    """A worker failing under torch's @record: torch-format error.json at TORCHELASTIC_ERROR_FILE; the
+    summary names it the root cause and shows its traceback; the worker the agent stopped is no failure."""
+    script = write_script(launcher.dir, "record_fail.py", RECORD_FAIL)
+    log_dir = launcher.dir / "logs"
+    result = launcher.run_fsm("--nproc-per-node", "2", "--log-dir", log_dir, "-r", "1",
+                              "--shutdown-timeout", "5", script)
+    assert result.returncode == 1  # the root cause's exit code: an uncaught Python exception
+    run_dir = only_run_dir(log_dir)
+    error_file = run_dir / "attempt_0/1/error.json"
+    assert (run_dir / "attempt_0/1/stdout.log").read_text() == f"error_file {error_file}\n"
+    assert not (run_dir / "attempt_0/0/error.json").exists()
+
+    data = json.loads(error_file.read_text())
+    message = data["message"]
+    assert message["message"] == "ValueError: boom-e2e from local rank 1"
+    assert int(message["extraInfo"]["timestamp"]) > 0
+    callstack = message["extraInfo"]["py_callstack"]
+    assert callstack.startswith("Traceback (most recent call last):")
+    assert "inner_function_e2e" in callstack
+
+    summary = result.stderr
+    assert "record_fail.py FAILED" in summary
+    root = summary.split("Root Cause")[1]
+    assert "ValueError: boom-e2e from local rank 1" in root
+    assert "inner_function_e2e" in root and 'raise ValueError("boom-e2e from local rank 1")' in root
+    assert str(error_file) in root
+    assert "<NO_OTHER_FAILURES>" in summary
+
+
+def test_layout_of_a_successful_run(launcher):
+    """-r 3, no failure: logs hold the streams, no error.json, TORCHELASTIC_ERROR_FILE points into the tree."""
+    log_dir = launcher.dir / "logs"
+    result = launcher.run_fsm("--nproc-per-node", "2", "--log-dir", log_dir, "-r", "3", launcher.probe).check()
+    assert "probe-out" not in result.stdout
+    run_dir = only_run_dir(log_dir)
+    assert tree(run_dir) == {"events.jsonl", "attempt_0", "attempt_0/0", "attempt_0/1", "attempt_0/0/stdout.log",
+                             "attempt_0/0/stderr.log", "attempt_0/1/stdout.log", "attempt_0/1/stderr.log"}
+    for rank, record in launcher.records().items():
+        lr = record["env"]["LOCAL_RANK"]
+        assert record["env"]["TORCHELASTIC_ERROR_FILE"] == str(run_dir / "attempt_0" / lr / "error.json")
+        assert run_dir.name.startswith(record["env"]["TORCHELASTIC_RUN_ID"] + "_")
+        assert (run_dir / "attempt_0" / lr / "stdout.log").read_text() == f"probe-out rank={rank} local_rank={lr}\n"
+    for line in (run_dir / "events.jsonl").read_text().splitlines():
+        json.loads(line)
+
+
+def test_log_dir_devnull_writes_nothing(launcher):
+    """--log-dir /dev/null (torch's convention): no files at all and TORCHELASTIC_ERROR_FILE=""."""
+    launcher.run_fsm("--log-dir", os.devnull, launcher.probe).check()
+    assert launcher.records()[0]["env"]["TORCHELASTIC_ERROR_FILE"] == ""
