@@ -201,8 +201,18 @@ def load_logs_specs(name: str, log_dir: str | None, redirects: str, tee: str,
         raise ConfigError(f"--logs-specs {name!r}: no torchrun.logs_specs entry point of that name; known: {known}")
     from torch.distributed.elastic.multiprocessing import LogsSpecs, Std
 
-    cls = eps[name].load()
+    ep = eps[name]
+    where = f"torchrun.logs_specs entry point {name!r} from " + (
+        f"{ep.dist.name} {ep.dist.version}" if ep.dist else "an unknown distribution")
+    try:
+        cls = ep.load()
+    except Exception as exc:  # any import-time failure of a third-party module
+        raise ConfigError(f"--logs-specs {name!r}: {where} failed to load: {type(exc).__name__}: {exc}; "
+                          f"fix or uninstall it, or pick another --logs-specs") from None
     if not (isinstance(cls, type) and issubclass(cls, LogsSpecs)):
         raise ConfigError(f"--logs-specs {name!r}: {cls!r} is not a torch LogsSpecs subclass")
-    return cls(log_dir=log_dir, redirects=Std.from_str(redirects), tee=Std.from_str(tee),
-               local_ranks_filter=set(local_ranks_filter) if local_ranks_filter else None)
+    try:
+        return cls(log_dir=log_dir, redirects=Std.from_str(redirects), tee=Std.from_str(tee),
+                   local_ranks_filter=set(local_ranks_filter) if local_ranks_filter else None)
+    except Exception as exc:
+        raise ConfigError(f"--logs-specs {name!r}: {where} failed to start: {type(exc).__name__}: {exc}") from None

@@ -13,7 +13,7 @@ from typing import Iterable
 import pluggy
 
 from fsm_agent.config import OptionRegistry
-from fsm_agent.errors import ConfigError, PluginError
+from fsm_agent.errors import ConfigError, FsmAgentError, PluginError
 from fsm_agent.plugins import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
 from fsm_agent.plugins.registry import BackendRegistry
 
@@ -114,7 +114,7 @@ def build_registry(pm: pluggy.PluginManager) -> BackendRegistry:
     registry = BackendRegistry()
     for impl in pm.hook.fsm_agent_register_backends.get_hookimpls():
         registry.current_plugin = impl.plugin_name
-        impl.function(registry=registry)
+        _call_setup_hook(pm, impl, "fsm_agent_register_backends", {"registry": registry})
     return registry
 
 
@@ -124,8 +124,24 @@ def collect_options(pm: pluggy.PluginManager) -> OptionRegistry:
     options = OptionRegistry()
     for impl in pm.hook.fsm_agent_addoption.get_hookimpls():  # registration order
         options.current_plugin = impl.plugin_name
-        impl.function(**{name: options for name in impl.argnames})
+        _call_setup_hook(pm, impl, "fsm_agent_addoption", {name: options for name in impl.argnames})
     return options
+
+
+def _call_setup_hook(pm: pluggy.PluginManager, impl, hook_name: str, kwargs: dict) -> None:
+    """Call one plugin's setup hook; an unexpected exception becomes a PluginError naming the
+    plugin, its distribution and the cause (one line from the CLI instead of a traceback)."""
+    try:
+        impl.function(**kwargs)
+    except FsmAgentError:
+        raise
+    except Exception as exc:
+        dist = next((f"{d.metadata['name']} {d.version}" for plugin, d in pm.list_plugin_distinfo()
+                     if plugin is impl.plugin),
+                    "fsm-agent" if impl.plugin_name in BUILTIN_PLUGINS else "no installed distribution")
+        raise PluginError(f"plugin {impl.plugin_name!r} from {dist} failed in {hook_name}: "
+                          f"{type(exc).__name__}: {exc}; fix or uninstall it, or disable it with "
+                          f"--disable-plugin {impl.plugin_name}") from None
 
 
 #: Plugin kinds, in the order ``fsm-agent plugins`` lists them.

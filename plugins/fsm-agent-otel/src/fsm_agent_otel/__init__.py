@@ -57,6 +57,10 @@ def read_options(environ: dict[str, str] | None = None) -> dict[str, Any]:
     }
 
 
+#: What `fsm-agent plugins` lists as this plugin's kind(s).
+FSM_AGENT_KINDS = ("event recording",)
+
+
 @hookimpl
 def fsm_agent_configure(config, agent):
     """Register a StateSpans recorder for this run (INIT's span starts now).

@@ -67,6 +67,10 @@ def __getattr__(name):  # prometheus_client is imported only when the exporter i
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+#: What `fsm-agent plugins` lists as this plugin's kind(s).
+FSM_AGENT_KINDS = ("metrics",)
+
+
 @hookimpl
 def fsm_agent_configure(config, agent):
     """Start the exporter for this run when ``FSM_AGENT_PROMETHEUS_PORT`` is set.
