@@ -140,6 +140,7 @@ class ElasticAgent:
         self._worker_store = None
         self._hang = HangDetector(spec.hang_timeout)
         self._hung: dict[int, str] = {}
+        self._exits: dict[int, int] | None = None  # the launcher's last answer to poll()
         self._decision: RestartDecision | None = None
         self._error: str | None = None
         self._signal: int | None = None
@@ -257,12 +258,14 @@ class ElasticAgent:
             self._collect_hang_failures()
             self._decide_restart()
             return "workers_failed"
-        now = time.monotonic()
-        timeout = max(0.0, self._next_tick - now)
+        tick = self._tick_interval
+        timeout = None if tick is None else max(0.0, self._next_tick - time.monotonic())
         # A backend's membership fd stays readable until the next rendezvous: watch it only in HEALTHY.
         membership = [self._membership_fd] if self.state == S.HEALTHY and self._membership_fd is not None else []
-        ready, _, _ = select.select([self._wake_r, *self._launcher.wait_fds(), *self._hang.wait_fds(), *membership],
+        launcher_fds = list(self._launcher.wait_fds())
+        ready, _, _ = select.select([self._wake_r, *launcher_fds, *self._hang.wait_fds(), *membership],
                                     [], [], timeout)
+        ticked = tick is not None and time.monotonic() >= self._next_tick
         if self._wake_r in ready:
             try:
                 while os.read(self._wake_r, 512):
@@ -276,7 +279,9 @@ class ElasticAgent:
             # A lost peer usually fails our workers too (their collectives break); the cause is the
             # membership change, which is not counted as a restart.
             return "membership_changed"
-        exits = self._launcher.poll()
+        if self._exits is None or ticked or set(ready) & set(launcher_fds):  # else nothing can have exited
+            self._exits = self._launcher.poll()
+        exits = self._exits
         for local_rank in sorted(set(exits) - self._reported_exits):
             self._reported_exits.add(local_rank)
             self._on_worker_exit(local_rank, exits[local_rank])
@@ -289,8 +294,8 @@ class ElasticAgent:
             by_global = {w.local_rank: w.global_rank for w in self._worker_group.workers}
             self._return_values = {by_global[r]: v for r, v in self._launcher.return_values().items()}
             return "workers_succeeded"
-        if time.monotonic() >= self._next_tick:
-            self._next_tick = time.monotonic() + self._tick_interval
+        if ticked:
+            self._next_tick = time.monotonic() + tick
             if self._hang.enabled:
                 self._hung = self._hang.hung_workers(self._launcher.pids(), set(exits))
                 if self._hung:
@@ -321,9 +326,18 @@ class ElasticAgent:
         return self._decision.restart
 
     @property
-    def _tick_interval(self) -> float:
-        """Seconds between periodic checks: monitor_interval, but at most 0.5 s while watching for hangs."""
-        return min(self.spec.monitor_interval, 0.5) if self._hang.enabled else self.spec.monitor_interval
+    def _tick_interval(self) -> float | None:
+        """Seconds between periodic checks, or None when nothing needs polling.
+
+        Worker exits and (for backends with ``membership_fd``) membership changes wake the loop by
+        themselves; ticks remain for hang checks (at most 0.5 s apart) and for backends that can
+        only be asked (``num_nodes_waiting``, every ``monitor_interval`` as in torch).
+        """
+        if self._hang.enabled:
+            return min(self.spec.monitor_interval, 0.5)
+        if self._membership_fd is not None:
+            return None
+        return self.spec.monitor_interval
 
     def _decide_restart(self) -> None:
         decision = self.plugin_manager.hook.fsm_agent_restart_policy(
@@ -417,11 +431,11 @@ class ElasticAgent:
                 worker, group, restart_count=self.restart_count, run_id=self.run_id,
                 error_file=self._worker_logs[worker.local_rank].error_file,
                 use_agent_store=self._use_agent_store, extra=extra)
-        self._failures, self._reported_exits, self._return_values = {}, set(), {}
+        self._failures, self._reported_exits, self._return_values, self._exits = {}, set(), {}, None
         pids = self._launcher.start(spec, envs, self._worker_logs, self._logs.filtered_paths(self.restart_count))
         for worker in group.workers:
             worker.id = pids[worker.local_rank]
-        self._next_tick = time.monotonic() + spec.monitor_interval
+        self._next_tick = time.monotonic() + (self._tick_interval or 0.0)
         self._broadcast("fsm_agent_workers_started", worker_group=group, pids=dict(pids))
 
     def _stop_workers(self, event=None) -> None:

@@ -1200,12 +1200,25 @@ def configuration_reference() -> str:
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Console script ``fsm-agent {run,config,statechart,plugins,status} ...``; exits with the command's exit code."""
-    sys.exit(_exit_code(_dispatch, list(sys.argv[1:] if argv is None else argv)))
+    _exit(_exit_code(_dispatch, list(sys.argv[1:] if argv is None else argv)), from_console=argv is None)
 
 
 def fsmrun_main(argv: Sequence[str] | None = None) -> NoReturn:
     """Console script ``fsmrun``: the torchrun drop-in, same as ``fsm-agent run ARGS``."""
-    sys.exit(_exit_code(run_command, list(sys.argv[1:] if argv is None else argv), "fsmrun"))
+    _exit(_exit_code(run_command, list(sys.argv[1:] if argv is None else argv), "fsmrun"), from_console=argv is None)
+
+
+def _exit(code: int, from_console: bool) -> NoReturn:
+    """Exit with ``code``. From the console, skip the interpreter's teardown once output is flushed:
+    the agent's work (workers stopped, files closed, hooks unconfigured) is done by then, and
+    unloading modules and joining daemon threads only delays the exit a shell or scheduler waits for.
+    """
+    if from_console:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)
 
 
 def run_command(argv: list[str], prog: str = "fsm-agent run") -> int:

@@ -309,8 +309,8 @@ def _names(value: Any) -> tuple[str, ...]:
 def _conf(value: Any) -> dict[str, Any]:
     _need(isinstance(value, dict))
     for key, item in value.items():
-        if not key or isinstance(item, (dict, list)):
-            raise _Invalid(f"key {key!r}" if key else "empty key")
+        if not key or not isinstance(item, (str, int, float, bool)):
+            raise _Invalid(f"key {key!r}: expected a string, number or boolean" if key else "empty key")
         if key in RENDEZVOUS_OPTIONS:
             raise _Invalid(f"set {key!r} as rendezvous.{key}, where its type is checked")
     return dict(value)

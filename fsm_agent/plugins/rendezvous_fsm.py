@@ -64,6 +64,7 @@ import errno
 import ipaddress
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -229,9 +230,12 @@ def _convert(name: str, raw: Any, default: Any) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"--rdzv-conf {name}={raw!r}: must be an integer") from None
     try:
-        return float(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"--rdzv-conf {name}={raw!r}: must be a number of seconds (e.g. {name}={default})") from None
+        value = float(raw)
+    except (TypeError, ValueError, OverflowError):
+        value = math.nan
+    if not math.isfinite(value):
+        raise ConfigError(f"--rdzv-conf {name}={raw!r}: must be a finite number of seconds (e.g. {name}={default})")
+    return value
 
 
 def parse_endpoint(endpoint: str | None, default_port: int = DEFAULT_PORT) -> tuple[str, int]:

@@ -1,0 +1,1305 @@
+#!/usr/bin/env python3
+"""fsm-agent vs torchrun, side by side: startup, teardown, restarts, signals, idle cost, rendezvous,
+node loss and hang detection (scenarios a-h; see benchmarks/README.md).
+
+    python benchmarks/run.py                      # the full suite (< 40 min on 2 cores)
+    python benchmarks/run.py --quick              # CI: every scenario once, small; no timing asserted
+    python benchmarks/run.py --scenarios b,d --trials 3 --markdown /tmp/bench.md
+
+How it measures:
+
+- Both launchers run the same worker scripts (``benchmarks/workers``), interleaved trial by trial
+  (A B, B A, ...), each launcher as ``python -m fsm_agent run`` / ``python -m torch.distributed.run``
+  in its own session (process group), on loopback only.
+- Workers append ``{event, t, rank, attempt, pid, ...}`` lines to ``$FSMBENCH_EVENTS`` with
+  ``t = time.time()`` (CLOCK_REALTIME, shared by every process here). The harness takes its own
+  stamp just before ``Popen`` (or just before it sends a signal) and reads the file afterwards.
+  Launcher and worker exits are awaited on pidfds (``select``), never by sleep-polling; the harness
+  only polls the events file to decide *when* to act (e.g. "all workers are up: send SIGTERM now"),
+  which never enters a measured interval.
+- Every process started is killed at the end of its trial: the launcher's process group, each
+  worker pid the events name, and any process whose environment carries this run's marker
+  (``FSMBENCH_TOKEN``), all by pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import random
+import re
+import select
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+try:
+    import psutil
+except ImportError:  # psutil is an fsm-agent dependency; without it (e) and the leftover sweep fail
+    psutil = None
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORKERS = HERE / "workers"
+PLAIN = str(WORKERS / "plain.py")
+TORCH_WORKER = str(WORKERS / "torch_worker.py")
+FSM, TR = "fsm-agent", "torchrun"
+SCENARIOS = "abcdefgh"
+TITLES = {
+    "a": "startup and teardown",
+    "b": "restart latency, plain workers",
+    "c": "restart latency, torch workers",
+    "d": "SIGTERM to the agent",
+    "e": "idle cost of the agent",
+    "f": "multi-agent rendezvous on loopback",
+    "g": "node loss (--nnodes 2:3)",
+    "h": "hung worker",
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Sizes: quick (CI) and full. Every field can be overridden from the command line.
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sizes:
+    trials: int                    # default trial count (per launcher) for a-f and h
+    startup_p: list[int]           # (a) plain workers
+    startup_torch_p: list[int]     # (a) torch workers
+    startup_torch_trials: int      # (a) torch workers' trial count
+    restart_p: int                 # (b)
+    restart_intervals: list[float]  # (b) --monitor-interval values
+    torch_restart_p: int           # (c)
+    torch_restart_intervals: list[float]
+    torch_restart_trials: int      # (c)
+    sigterm_p: int                 # (d)
+    idle_p: int                    # (e)
+    idle_s: float                  # (e) measured window
+    idle_trials: int               # (e)
+    rdzv_k: list[int]              # (f)
+    rdzv_trials: int               # (f)
+    node_loss_nproc: int           # (g) workers per agent
+    node_loss_trials_fsm: int      # (g)
+    node_loss_trials_torchrun: int  # (g)
+    node_loss_cutoff_s: float      # (g) wait for the survivors after the kill
+    node_loss_goal_s: float        # (g) "running again within N s"
+    node_loss_rdzv_conf: str       # (g) --rdzv-conf for c10d runs ("" = torch's defaults)
+    hang_p: int                    # (h)
+    hang_timeout_s: float          # (h) fsm-agent --hang-timeout
+    hang_grace_s: float            # (h) torchrun: watch this long past the timeout, then give up
+    hang_trials_torchrun: int      # (h)
+    trial_timeout_s: float         # any single launch
+
+
+FULL = Sizes(
+    trials=5, startup_p=[1, 4, 8], startup_torch_p=[1, 4, 8], startup_torch_trials=3, restart_p=4, restart_intervals=[0.1, 5.0],
+    torch_restart_p=4, torch_restart_intervals=[0.1], torch_restart_trials=3, sigterm_p=4,
+    idle_p=4, idle_s=20.0, idle_trials=3, rdzv_k=[2, 4, 8, 16], rdzv_trials=3, node_loss_nproc=1,
+    node_loss_trials_fsm=10, node_loss_trials_torchrun=3, node_loss_cutoff_s=90.0, node_loss_goal_s=10.0,
+    node_loss_rdzv_conf="", hang_p=4, hang_timeout_s=3.0, hang_grace_s=10.0, hang_trials_torchrun=2,
+    trial_timeout_s=180.0,
+)
+QUICK = Sizes(
+    trials=1, startup_p=[4], startup_torch_p=[1], startup_torch_trials=1, restart_p=2, restart_intervals=[0.1],
+    torch_restart_p=1, torch_restart_intervals=[0.1], torch_restart_trials=1, sigterm_p=2,
+    idle_p=2, idle_s=3.0, idle_trials=1, rdzv_k=[2], rdzv_trials=1, node_loss_nproc=1,
+    node_loss_trials_fsm=1, node_loss_trials_torchrun=1, node_loss_cutoff_s=20.0, node_loss_goal_s=10.0,
+    # torch's defaults (keep-alive 5 s x 3, last call 30 s) cost >= 41 s per node-loss trial;
+    # quick mode checks that the scenario works, so it shortens them for every c10d run.
+    node_loss_rdzv_conf="last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2",
+    hang_p=2, hang_timeout_s=2.0, hang_grace_s=3.0, hang_trials_torchrun=1, trial_timeout_s=120.0,
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# Results: one Row per measured quantity, values per launcher, printed as a table.
+# ------------------------------------------------------------------------------------------------
+
+
+class TrialError(Exception):
+    """A trial did not produce its measurement (bad exit code, missing events, timeout)."""
+
+
+@dataclass
+class Row:
+    sid: str                 # scenario letter
+    label: str
+    unit: str                # "s", "MB", "CPU s"
+    goal: str = ""           # shown in the goal column, e.g. "≤ 0.35"
+    check: Callable[["Row"], bool] | None = None  # goal verdict (None: informational row)
+    fsm: list[float | None] = field(default_factory=list)   # None: did not happen within the cutoff
+    tr: list[float | None] = field(default_factory=list)
+    errors: dict[str, list[str]] = field(default_factory=lambda: {FSM: [], TR: []})
+    notes: list[str] = field(default_factory=list)
+    never: str = "never"     # how a None value reads
+    extra: dict[str, list[Any]] = field(default_factory=lambda: {FSM: [], TR: []})  # per-trial details
+
+    def values(self, who: str) -> list[float | None]:
+        return self.fsm if who == FSM else self.tr
+
+    def add(self, who: str, value: float | None, **extra: Any) -> None:
+        self.values(who).append(value)
+        if extra:
+            self.extra[who].append(extra)
+
+    def fail(self, who: str, message: str) -> None:
+        self.errors[who].append(message)
+
+    def median(self, who: str) -> float | None:
+        ok = [v for v in self.values(who) if v is not None]
+        return statistics.median(ok) if ok else None
+
+    def ratio(self) -> float | None:
+        a, b = self.median(FSM), self.median(TR)
+        if a is None or b is None or b <= 0:
+            return None
+        return a / b
+
+    def complete(self) -> bool:
+        """Both launchers produced at least one result (a number or a 'never')."""
+        return bool(self.fsm) and bool(self.tr)
+
+    def verdict(self) -> str:
+        if not self.goal:
+            return ""
+        if self.check is None:
+            return self.goal
+        try:
+            met = self.check(self)
+        except Exception:
+            met = None
+        mark = {True: "met", False: "MISSED", None: "not measured"}[met]
+        return f"{self.goal} ({mark})"
+
+    def cell(self, who: str) -> str:
+        values = self.values(who)
+        ok = [v for v in values if v is not None]
+        parts = []
+        if ok:
+            parts.append(f"{fmt(statistics.median(ok))} [{fmt(min(ok))}–{fmt(max(ok))}]")
+            if len(ok) < len(values):
+                parts.append(f"{len(values) - len(ok)}/{len(values)} {self.never}")
+        elif values:
+            parts.append(f"{self.never} ({len(values)}/{len(values)})")
+        if self.errors[who]:
+            parts.append(f"{len(self.errors[who])} failed")
+        return ", ".join(parts) if parts else "—"
+
+    def ratio_cell(self) -> str:
+        r = self.ratio()
+        if r is None:
+            return "—"
+        return f"{r:.3f}" if r < 0.1 else f"{r:.2f}"
+
+    def to_json(self) -> dict:
+        return {"scenario": self.sid, "label": self.label, "unit": self.unit, "goal": self.goal,
+                "verdict": self.verdict(), "fsm_agent": self.fsm, "torchrun": self.tr, "ratio": self.ratio(),
+                "errors": self.errors, "notes": self.notes, "extra": self.extra}
+
+
+def fmt(value: float) -> str:
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
+def ratio_le(limit: float) -> Callable[[Row], bool]:
+    return lambda row: row.ratio() is not None and row.ratio() <= limit
+
+
+HEADER = ["scenario", "fsm-agent median [min–max]", "torchrun median [min–max]", "ratio fsm/torchrun",
+          "goal", "notes"]
+
+
+def table_rows(rows: list[Row]) -> list[list[str]]:
+    return [[f"({r.sid}) {r.label} [{r.unit}]", r.cell(FSM), r.cell(TR), r.ratio_cell(), r.verdict(),
+             "; ".join(r.notes)] for r in rows]
+
+
+def markdown_table(rows: list[Row]) -> str:
+    def esc(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(esc(c) for c in cells) + " |" for cells in table_rows(rows)]
+    return "\n".join(lines)
+
+
+def text_table(rows: list[Row]) -> str:
+    data = [HEADER, *table_rows(rows)]
+    widths = [min(max(len(r[i]) for r in data), 90) for i in range(len(HEADER) - 1)]
+    out = []
+    for n, cells in enumerate(data):
+        out.append(" | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " | " + cells[-1])
+        if n == 0:
+            out.append("-+-".join("-" * w for w in widths) + "-+-" + "-" * 5)
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# Processes: launchers in their own session, exits seen on pidfds, cleanup by pid/process group.
+# ------------------------------------------------------------------------------------------------
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def pidfd_open(pid: int) -> int | None:
+    """A pidfd for ``pid`` (readable once it has exited), or None if it is already gone."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+
+
+def wait_fds(fds: Iterable[int], timeout: float) -> dict[int, float]:
+    """Block until each fd is readable or ``timeout`` s pass; {fd: time.time() it became readable}."""
+    pending, seen = set(fds), {}
+    deadline = time.monotonic() + timeout
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        ready, _, _ = select.select(list(pending), [], [], remaining)
+        now = time.time()
+        for fd in ready:
+            seen[fd] = now
+            pending.discard(fd)
+    return seen
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Proc:
+    """One launcher process: the session leader of its own process group."""
+
+    def __init__(self, trial: "Trial", cmd: list[str], name: str, env: dict[str, str]):
+        self.trial, self.cmd, self.name, self.env = trial, cmd, name, env
+        self.log_path = trial.dir / f"{name}.log"
+        self.popen: subprocess.Popen | None = None
+        self.pidfd: int | None = None
+        self.t_launch = self.t_exit = None
+        self.rc: int | None = None
+
+    def start(self) -> "Proc":
+        with open(self.log_path, "wb") as log_file:
+            self.t_launch = time.time()
+            self.popen = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log_file,
+                                          stderr=subprocess.STDOUT, env=self.env, cwd=self.trial.dir,
+                                          start_new_session=True)
+        self.pidfd = pidfd_open(self.popen.pid)
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def running(self) -> bool:
+        return self.popen is not None and self.rc is None
+
+    def reaped(self, t_exit: float) -> None:
+        self.t_exit = t_exit
+        self.rc = self.popen.wait()
+        self._close_fd()
+
+    def _close_fd(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+    def kill(self) -> None:
+        if self.popen is None:
+            return
+        try:  # the whole group, even after the leader exited (a pgid is not reused while it has members)
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.rc is None:
+            try:
+                self.rc = self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self._close_fd()
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(f"    {line}" for line in text[-lines:])
+
+
+def wait_exits(procs: list[Proc], timeout: float) -> bool:
+    """Wait (pidfds, no polling) until every proc has exited or ``timeout`` s passed; True if all did."""
+    live = {p.pidfd: p for p in procs if p.running and p.pidfd is not None}
+    seen = wait_fds(live, timeout)
+    for fd, t in seen.items():
+        live[fd].reaped(t)
+    return all(not p.running for p in procs)
+
+
+def watch_worker_exits(trial: "Trial", proc: Proc, timeout: float) -> dict[int, float | None]:
+    """Wait for ``proc`` to exit while recording when each worker process exits: {pid: time or None}.
+
+    Worker pids are learnt from their ``started`` events (the file is re-read every 20 ms: that
+    only bounds how soon a pidfd is opened); exits are stamped when ``select`` wakes on the pidfd.
+    A worker that was gone before its pid was seen maps to None.
+    """
+    exits: dict[int, float | None] = {}
+    fds: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    while proc.running and time.monotonic() < deadline:
+        for event in by_event(trial.events(), "started"):
+            if event["pid"] not in exits:
+                fd = pidfd_open(event["pid"])
+                exits[event["pid"]] = None
+                if fd is not None:
+                    fds[fd] = event["pid"]
+        ready, _, _ = select.select([proc.pidfd, *fds], [], [], 0.02)
+        now = time.time()
+        for fd in ready:
+            if fd == proc.pidfd:
+                proc.reaped(now)
+            else:
+                exits[fds.pop(fd)] = now
+                os.close(fd)
+    for fd in fds:
+        os.close(fd)
+    return exits
+
+
+class Trial:
+    """One launch of one launcher (possibly K agents): a directory, an events file, cleanup."""
+
+    def __init__(self, bench: "Bench", tag: str):
+        self.bench = bench
+        self.name = tag
+        self.dir = bench.tmp / tag
+        self.dir.mkdir(parents=True)
+        self.events_path = self.dir / "events.jsonl"
+        self.procs: list[Proc] = []
+        self.env = dict(os.environ)
+        self.env.update(FSMBENCH_EVENTS=str(self.events_path), FSMBENCH_TOKEN=bench.token, FSMBENCH_RUN=tag,
+                        PYTHONPYCACHEPREFIX=str(bench.pycache))
+        self.env.pop("PYTHONDONTWRITEBYTECODE", None)  # bytecode goes to the bench's own cache (see Bench)
+        self.env.pop("LOGLEVEL", None)
+
+    def launch(self, launcher: str, argv: list[str], name: str = "agent", restarts_pg: bool = False) -> Proc:
+        """Start one launcher. ``restarts_pg``: its workers re-create a process group after a
+        restart, which torchrun's shared store breaks (see ``Bench.torchrun_restart_env``)."""
+        own = []
+        if launcher == FSM and "--events-file" not in argv:  # kept beside the logs, for diagnosis
+            own = ["--events-file", str(self.dir / f"{name}.agent_events.jsonl")]
+        env = dict(self.env)
+        if launcher == TR and restarts_pg:
+            env.update(self.bench.torchrun_restart_env)
+        proc = Proc(self, [*self.bench.commands[launcher], *own, *map(str, argv)], name, env)
+        self.procs.append(proc)
+        self.bench.live.append(proc)
+        return proc.start()
+
+    def events(self) -> list[dict]:
+        return read_events(self.events_path)
+
+    def poll_events(self, ready: Callable[[list[dict]], bool], timeout: float, what: str) -> list[dict]:
+        """Set-up only (never inside a measured interval): wait until ``ready(events)``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            events = self.events()
+            if ready(events):
+                return events
+            dead = [p for p in self.procs if p.running and p.popen.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                why = f"{dead[0].name} exited with {dead[0].popen.returncode}" if dead else f"{timeout:g} s passed"
+                raise TrialError(f"waiting for {what}: {why}" + self.tails())
+            time.sleep(0.05)
+
+    def tails(self) -> str:
+        return "".join(f"\n  --- {p.name} log ({p.log_path}):\n{p.tail()}" for p in self.procs)
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+        for event in self.events():  # workers live in their own sessions under fsm-agent
+            kill_pid(event.get("pid"))
+        self.bench.sweep(run=self.name)
+        for proc in self.procs:
+            if proc in self.bench.live:
+                self.bench.live.remove(proc)
+
+    def __enter__(self) -> "Trial":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
+
+
+def kill_pid(pid: Any) -> None:
+    if not isinstance(pid, int) or pid <= 1 or pid == os.getpid():
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def read_events(path: Path) -> list[dict]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    events = []
+    for line in text.splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            pass  # a line being written
+    return events
+
+
+def by_event(events: list[dict], name: str, **where: Any) -> list[dict]:
+    return [e for e in events if e.get("event") == name and all(e.get(k) == v for k, v in where.items())]
+
+
+def all_ranks_t(events: list[dict], name: str, world: int, after: float = float("-inf"), **where: Any) -> float:
+    """max over ranks 0..world-1 of the earliest ``name`` event (after ``after``); TrialError if a rank is missing."""
+    first: dict[int, float] = {}
+    for e in by_event(events, name, **where):
+        if e["t"] > after and (e["rank"] not in first or e["t"] < first[e["rank"]]):
+            first[e["rank"]] = e["t"]
+    missing = sorted(set(range(world)) - set(first))
+    if missing:
+        raise TrialError(f"no {name!r} event ({where or ''}) from rank(s) {missing}")
+    return max(first[r] for r in range(world))
+
+
+# ------------------------------------------------------------------------------------------------
+# The bench: launch commands, fsm-agent capabilities, trial bookkeeping, final cleanup.
+# ------------------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, sizes: Sizes):
+        self.args, self.sizes = args, sizes
+        self.tmp = Path(tempfile.mkdtemp(prefix="fsmbench_", dir=args.tmp_dir))
+        self.token = uuid.uuid4().hex[:12]
+        self.rng = random.Random(args.seed)
+        self.commands = {FSM: shlex.split(args.fsm_agent_cmd), TR: shlex.split(args.torchrun_cmd)}
+        self.fsm_single = shlex.split(args.fsm_single_node_args)
+        # Bytecode: an editable checkout under PYTHONDONTWRITEBYTECODE=1 has no .pyc files, so each
+        # fsm-agent start would compile its modules again (~0.3 CPU s here) while torch's are
+        # compiled at install. Every launch uses one cache of its own (PYTHONPYCACHEPREFIX; nothing
+        # is written into the repository), filled by an untimed warm-up launch of each launcher.
+        self.pycache = Path(args.pycache_prefix) if args.pycache_prefix else self.tmp / "pycache"
+        self.live: list[Proc] = []
+        self._count = 0
+        self.notes: list[str] = []
+        self.backends: dict[str, list[str]] = {}
+        self.fast_backend = "c10d"
+        self.preimport: list[str] | None = None
+        self.single_backend = "?"  # the rendezvous backend fsm-agent's single-node flags end up using
+        # torch 2.13's torchrun shares its rendezvous TCPStore with the workers across attempts, and
+        # a restarted gloo group then reads the previous attempt's addresses and fails to connect
+        # (pytorch/pytorch#135712). Unless --torchrun-shared-store, torchrun runs whose workers
+        # rebuild a process group after a restart ((c), (g)) use torch's own opt-out.
+        self.torchrun_restart_env = {} if args.torchrun_shared_store else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        if self.torchrun_restart_env:
+            self.notes.append("(c) and (g): torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (workers host "
+                              "a fresh store per attempt); with torch's default shared store the restarted gloo "
+                              "group fails to connect (stale keys, pytorch/pytorch#135712) — see "
+                              "--torchrun-shared-store")
+
+    # -- fsm-agent capabilities ------------------------------------------------------------------
+    def preflight(self) -> None:
+        done = subprocess.run([*self.commands[FSM], "--help"], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:  # torchrun is not probed: importing torch costs seconds here
+            raise SystemExit(f"fsm-agent ({shlex.join(self.commands[FSM])}) does not start:\n{done.stderr[-3000:]}")
+        self.backends = self.detect_backends()
+        rdzv, launchers = self.backends.get("rendezvous", []), self.backends.get("launcher", [])
+        wanted = self.args.fsm_backend
+        if wanted == "auto":
+            self.fast_backend = "fsm" if "fsm" in rdzv else "c10d"
+        else:
+            if rdzv and wanted not in rdzv:
+                raise SystemExit(f"--fsm-backend {wanted}: fsm-agent knows {', '.join(rdzv)}")
+            self.fast_backend = wanted
+        pre = self.args.fsm_preimport_launcher
+        if pre == "auto":
+            hits = [n for n in launchers if n != "subprocess" and re.search(r"preload|pre.?import|fork|zygote|warm", n)]
+            pre = hits[0] if hits else ""
+        if pre and pre != "none":
+            self.preimport = ["--launcher", pre, *shlex.split(self.args.fsm_preimport_args)]
+        self.warm_up()
+        log(f"fsm-agent backends: rendezvous={rdzv or '?'} launchers={launchers or '?'}; single-node "
+            f"({shlex.join(self.fsm_single)}) backend: {self.single_backend}; "
+            f"multi-node backend for fsm-agent: {self.fast_backend}; pre-importing launcher: "
+            f"{shlex.join(self.preimport) if self.preimport else 'none'}")
+
+    def warm_up(self) -> None:
+        """One untimed launch of each launcher with a torch worker: fills the bytecode cache."""
+        started = time.monotonic()
+        for who in (FSM, TR):
+            with self.trial(f"warmup_{who}") as t:
+                proc = t.launch(who, [*self.single(who), "--nproc-per-node", 1, TORCH_WORKER, "allreduce"])
+                if not wait_exits([proc], self.sizes.trial_timeout_s) or proc.rc != 0:
+                    raise SystemExit(f"warm-up launch of {who} failed (exit code {proc.rc})" + t.tails())
+                if who == FSM:
+                    used = {e.get("rdzv_backend") for e in read_events(t.dir / "agent.agent_events.jsonl")}
+                    self.single_backend = ", ".join(sorted(b for b in used if b)) or "?"
+        log(f"warm-up (bytecode cache {self.pycache}) took {time.monotonic() - started:.0f} s")
+
+    def detect_backends(self) -> dict[str, list[str]]:
+        """Registered rendezvous backends and launchers: the plugin registry, else a failed launch's message."""
+        code = ("import json; from fsm_agent.plugins.manager import build_registry, get_plugin_manager; "
+                "r = build_registry(get_plugin_manager()); "
+                "print(json.dumps({k: r.names(k) for k in ('rendezvous', 'launcher')}))")
+        try:
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+            if done.returncode == 0:
+                return json.loads(done.stdout.strip().splitlines()[-1])
+        except (subprocess.SubprocessError, ValueError, IndexError):
+            pass
+        found: dict[str, list[str]] = {}
+        probes = {"rendezvous": ["--rdzv-backend", "fsmbench-probe", "--rdzv-endpoint", "127.0.0.1:1"],
+                  "launcher": ["--standalone", "--launcher", "fsmbench-probe"]}
+        for kind, flags in probes.items():
+            done = subprocess.run([*self.commands[FSM], *flags, PLAIN], capture_output=True, text=True, timeout=120)
+            match = re.search(r"known backends are (.+?); fix", done.stderr)
+            found[kind] = [n.strip() for n in match.group(1).split(",")] if match else []
+        return found
+
+    # -- trials ----------------------------------------------------------------------------------
+    def trial(self, tag: str) -> Trial:
+        self._count += 1
+        return Trial(self, f"{self._count:04d}_{re.sub(r'[^A-Za-z0-9_.-]+', '_', tag)}")
+
+    def single(self, who: str) -> list[str]:
+        """Single-node rendezvous flags: ``--standalone`` (fsm-agent: ``--fsm-single-node-args``)."""
+        return list(self.fsm_single) if who == FSM else ["--standalone"]
+
+    def marked(self, run: str | None = None) -> list:
+        """Live (non-zombie) processes that carry this bench's marker (and ``run``'s, if given)."""
+        found = []
+        if psutil is None:
+            return found
+        for proc in psutil.process_iter():
+            if proc.pid == os.getpid():
+                continue
+            try:
+                env = proc.environ()
+                if env.get("FSMBENCH_TOKEN") != self.token or (run and env.get("FSMBENCH_RUN") != run):
+                    continue
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+            except (psutil.Error, OSError):
+                continue
+            found.append(proc)
+        return found
+
+    def sweep(self, run: str | None = None) -> int:
+        victims = self.marked(run)
+        for proc in victims:
+            kill_pid(proc.pid)
+        return len(victims)
+
+    def close(self) -> None:
+        for proc in list(self.live):
+            proc.kill()
+        left = self.sweep()
+        if left:
+            log(f"killed {left} leftover process(es)")
+        if self.args.keep_tmp:
+            log(f"run directories kept in {self.tmp}")
+        else:
+            import shutil
+
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def interleaved(trial: int, variants: list) -> list:
+    """A B, B A, A B, ...: alternate the order so neither launcher always runs first."""
+    return list(variants) if trial % 2 == 0 else list(reversed(variants))
+
+
+def attempt(row_fn: Callable[[], None], rows: list[Row], who: str, what: str) -> None:
+    """Run one measurement; a TrialError (or any bug) is recorded as a failure in ``rows``."""
+    try:
+        row_fn()
+    except TrialError as exc:
+        log(f"    {who}: FAILED: {exc}")
+        for row in rows:
+            row.fail(who, str(exc).splitlines()[0])
+    except Exception as exc:  # a harness bug must not lose the other scenarios
+        log(f"    {who}: ERROR in {what}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        for row in rows:
+            row.fail(who, f"{type(exc).__name__}: {exc}")
+
+
+# ------------------------------------------------------------------------------------------------
+# (a) startup: launch -> all P workers running; workers returned -> launcher exited
+# ------------------------------------------------------------------------------------------------
+
+
+def scenario_a(bench: Bench) -> list[Row]:
+    sz, rows = bench.sizes, []
+    for kind, counts in (("plain", sz.startup_p), ("torch", sz.startup_torch_p)):
+        for p in counts:
+            running = Row("a", f"startup, {kind} workers, P={p}: launch → all workers running", "s")
+            exited = Row("a", f"teardown, {kind} workers, P={p}: last worker returned → launcher exited", "s")
+            reduced = Row("a", f"startup, torch workers, P={p}: launch → all_reduce done", "s")
+            proc_exit = Row("a", f"teardown, torch workers, P={p}: last worker process exited → launcher exited", "s")
+            proc_exit.notes.append("a torch worker's own interpreter exit after returning takes seconds here; "
+                                   "this row leaves it out (worker exits seen on pidfds)")
+            if kind == "plain" and p == 4:
+                running.goal, running.check = "≤ 0.35", ratio_le(0.35)
+            if p == 4 and kind == "plain":
+                exited.goal, exited.check = "≤ 0.2", ratio_le(0.2)
+            if p == 4 and kind == "torch":  # "returned" there includes the worker's own seconds-long exit
+                proc_exit.goal, proc_exit.check = "≤ 0.2", ratio_le(0.2)
+            group = [running, exited] + ([reduced, proc_exit] if kind == "torch" else [])
+            for i in range(sz.trials if kind == "plain" else sz.startup_torch_trials):
+                for who in interleaved(i, [FSM, TR]):
+                    def measure(who=who, p=p, kind=kind):
+                        script = [PLAIN, "exit"] if kind == "plain" else [TORCH_WORKER, "allreduce"]
+                        with bench.trial(f"a_{kind}_p{p}_{who}") as t:
+                            proc = t.launch(who, [*bench.single(who), "--nproc-per-node", p, *script])
+                            worker_exits = {}
+                            if kind == "torch":  # torch workers take seconds to start: their pids are seen in time
+                                worker_exits = watch_worker_exits(t, proc, sz.trial_timeout_s)
+                            if not wait_exits([proc], sz.trial_timeout_s):
+                                raise TrialError(f"still running after {sz.trial_timeout_s:g} s" + t.tails())
+                            if proc.rc != 0:
+                                raise TrialError(f"exit code {proc.rc}" + t.tails())
+                            ev = t.events()
+                            r = all_ranks_t(ev, "started", p) - proc.t_launch
+                            x = proc.t_exit - all_ranks_t(ev, "returning", p)
+                            running.add(who, r)
+                            exited.add(who, x)
+                            line = f"running {r:.3f} s, exit after return {x:.3f} s"
+                            if kind == "torch":
+                                ar = all_ranks_t(ev, "allreduce_done", p) - proc.t_launch
+                                reduced.add(who, ar)
+                                line += f", all_reduce done {ar:.3f} s"
+                                if len(worker_exits) == p and None not in worker_exits.values():
+                                    pe = proc.t_exit - max(worker_exits.values())
+                                    proc_exit.add(who, pe)
+                                    line += f", exit after worker exits {pe:.3f} s"
+                                else:
+                                    proc_exit.fail(who, "a worker exited before its pid was seen")
+                            log(f"  (a) {kind} P={p} #{i + 1} {who}: {line}")
+                    attempt(measure, group, who, "a")
+            rows += group
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# (b)/(c) restart latency: one rank crashes in attempt 0 at a random moment
+# ------------------------------------------------------------------------------------------------
+
+
+def restart_rows(bench: Bench, sid: str, kind: str, p: int, intervals: list[float], trials: int) -> list[Row]:
+    sz, rows = bench.sizes, []
+    fsm_variants = [("subprocess launcher", [])]
+    if kind == "torch" and bench.preimport:
+        fsm_variants.append((f"{shlex.join(bench.preimport)}", list(bench.preimport)))
+    for mi in intervals:
+        target = "all_reduce done" if kind == "torch" else "all workers running"
+        made: dict[str, Row] = {}
+        for name, _ in fsm_variants:
+            label = f"restart, {kind} workers, P={p}, --monitor-interval {mi:g}: crash → attempt 1 {target}"
+            if len(fsm_variants) > 1 or kind == "torch":
+                label += f" (fsm-agent: {name})"
+            made[name] = Row(sid, label, "s")
+        if kind == "plain" and p == 4 and mi in (0.1, 5.0):
+            limit = 0.4 if mi == 0.1 else 0.05
+            made["subprocess launcher"].goal, made["subprocess launcher"].check = f"≤ {limit:g}", ratio_le(limit)
+        if kind == "torch" and len(fsm_variants) > 1:
+            row = made[fsm_variants[1][0]]
+            row.goal, row.check = "≤ 0.5", ratio_le(0.5)
+        elif kind == "torch":
+            row = made["subprocess launcher"]
+            row.goal, row.check = "≤ 0.5 with a pre-importing launcher", lambda r: None
+            row.notes.append("no pre-importing fsm-agent launcher registered: the goal's row cannot be measured")
+        variants = [(FSM, name, extra) for name, extra in fsm_variants] + [(TR, "", [])]
+        for i in range(trials):
+            crash_rank = bench.rng.randrange(p)
+            delay = round(bench.rng.uniform(0.3, 0.3 + max(1.0, min(mi, 5.0))), 3)
+            torch_values: list[float] = []
+            for who, name, extra in interleaved(i, variants):
+                targets = list(made.values()) if who == TR else [made[name]]
+
+                def measure(who=who, name=name, extra=extra):
+                    if kind == "plain":
+                        script, done_event = [PLAIN, "crash", crash_rank, delay], "started"
+                    else:
+                        script, done_event = [TORCH_WORKER, "crash", crash_rank, delay], "allreduce_done"
+                    with bench.trial(f"{sid}_{kind}_mi{mi:g}_{who}_{name}") as t:
+                        proc = t.launch(who, [*bench.single(who), *extra, "--nproc-per-node", p,
+                                              "--max-restarts", 1, "--monitor-interval", mi, *script],
+                                        restarts_pg=kind == "torch")
+                        limit = sz.trial_timeout_s + 3 * mi
+                        if not wait_exits([proc], limit):
+                            raise TrialError(f"still running after {limit:g} s" + t.tails())
+                        if proc.rc != 0:
+                            raise TrialError(f"exit code {proc.rc}" + t.tails())
+                        ev = t.events()
+                        crash = by_event(ev, "crash", attempt=0)
+                        if len(crash) != 1:
+                            raise TrialError(f"expected one crash event, got {len(crash)}" + t.tails())
+                        value = all_ranks_t(ev, done_event, p, attempt=1) - crash[0]["t"]
+                        for row in targets:
+                            row.add(who, value)
+                        log(f"  ({sid}) {kind} P={p} mi={mi:g} #{i + 1} {who} {name}: crash → attempt 1 "
+                            f"{target}: {value:.3f} s (rank {crash_rank} after {delay} s)")
+                attempt(measure, targets, who, sid)
+        rows += made.values()
+    return rows
+
+
+def scenario_b(bench: Bench) -> list[Row]:
+    sz = bench.sizes
+    return restart_rows(bench, "b", "plain", sz.restart_p, sz.restart_intervals, sz.trials)
+
+
+def scenario_c(bench: Bench) -> list[Row]:
+    sz = bench.sizes
+    return restart_rows(bench, "c", "torch", sz.torch_restart_p, sz.torch_restart_intervals, sz.torch_restart_trials)
+
+
+# ------------------------------------------------------------------------------------------------
+# (d) SIGTERM to the agent -> agent and all workers gone
+# ------------------------------------------------------------------------------------------------
+
+
+def scenario_d(bench: Bench) -> list[Row]:
+    sz, p = bench.sizes, bench.sizes.sigterm_p
+    row = Row("d", f"SIGTERM to the agent, P={p} sleeping workers → agent and all workers gone", "s",
+              goal="≤ 1.0, exit 143, 0 left")
+
+    def check(r: Row) -> bool:
+        fsm = r.extra[FSM]
+        return (ratio_le(1.0)(r) and bool(fsm) and all(x["rc"] == 143 for x in fsm)
+                and all(x["left"] == 0 for x in fsm) and not r.errors[FSM])
+
+    row.check = check
+    cutoff = 45.0
+    row.never = f"not all gone within {cutoff:g} s"
+    for i in range(sz.trials):
+        for who in interleaved(i, [FSM, TR]):
+            def measure(who=who):
+                with bench.trial(f"d_{who}") as t:
+                    proc = t.launch(who, [*bench.single(who), "--nproc-per-node", p, PLAIN, "sleep", 3600])
+                    ev = t.poll_events(lambda ev: len({e["rank"] for e in by_event(ev, "started")}) >= p,
+                                       sz.trial_timeout_s, f"{p} workers")
+                    time.sleep(0.5)
+                    fds = {proc.pidfd: "agent"}
+                    for e in by_event(ev, "started"):
+                        fd = pidfd_open(e["pid"])
+                        if fd is None:
+                            raise TrialError(f"worker {e['pid']} gone before the signal")
+                        fds[fd] = e["pid"]
+                    agent_fd = proc.pidfd
+                    t0 = time.time()
+                    os.kill(proc.pid, signal.SIGTERM)
+                    seen = wait_fds(fds, cutoff)
+                    for fd in fds:
+                        if fd != agent_fd:
+                            os.close(fd)
+                    if agent_fd in seen:
+                        proc.reaped(seen[agent_fd])
+                    gone = max(seen.values()) - t0 if len(seen) == len(fds) else None
+                    agent_gone = seen[agent_fd] - t0 if agent_fd in seen else None
+                    workers_gone = [seen[fd] - t0 for fd in fds if fd != agent_fd and fd in seen]
+                    last_worker = max(workers_gone) if len(workers_gone) == len(fds) - 1 else None
+                    time.sleep(1.0)  # leftovers: anything of this run still alive 1 s after
+                    left = len(bench.marked(run=t.name))
+                    rc = proc.rc if proc.rc is not None else "still running"
+                    row.add(who, gone, rc=rc, left=left, agent_gone=agent_gone, last_worker_gone=last_worker)
+                    show = lambda v: f"{v:.3f} s" if v is not None else row.never  # noqa: E731
+                    log(f"  (d) #{i + 1} {who}: all gone {show(gone)} (workers {show(last_worker)}, agent "
+                        f"{show(agent_gone)}), exit code {rc}, {left} process(es) left after 1 s")
+            attempt(measure, [row], who, "d")
+    for who in (FSM, TR):
+        extra = row.extra[who]
+        if extra:
+            codes = sorted({str(x["rc"]) for x in extra})
+            row.notes.append(f"{who}: exit code {'/'.join(codes)}, left {max(x['left'] for x in extra)}")
+    return [row]
+
+
+# ------------------------------------------------------------------------------------------------
+# (e) idle cost: agent (+ helpers, workers excluded) CPU and RSS while workers sleep
+# ------------------------------------------------------------------------------------------------
+
+
+def agent_side(agent_pid: int, worker_pids: set[int]) -> list:
+    """The agent process and its descendants that are neither workers nor below a worker."""
+    agent = psutil.Process(agent_pid)
+    procs = [agent]
+    for child in agent.children(recursive=True):
+        try:
+            if child.pid in worker_pids or any(a.pid in worker_pids for a in child.parents()):
+                continue
+        except psutil.Error:
+            continue
+        procs.append(child)
+    return procs
+
+
+def scenario_e(bench: Bench) -> list[Row]:
+    sz, p, window = bench.sizes, bench.sizes.idle_p, bench.sizes.idle_s
+    cpu = Row("e", f"idle CPU, agent + helpers, {p} workers sleeping {window:g} s", "CPU s",
+              goal="≤ 0.5", check=ratio_le(0.5))
+    rss = Row("e", f"RSS, agent + helpers (max over the {window:g} s window), {p} workers", "MB",
+              goal="≤ 0.25", check=ratio_le(0.25))
+    if psutil is None:
+        raise SystemExit("scenario (e) needs psutil")
+    for i in range(sz.idle_trials):
+        for who in interleaved(i, [FSM, TR]):
+            def measure(who=who):
+                with bench.trial(f"e_{who}") as t:
+                    proc = t.launch(who, [*bench.single(who), "--nproc-per-node", p,
+                                          PLAIN, "sleep", window + 6])
+                    ev = t.poll_events(lambda ev: len({e["rank"] for e in by_event(ev, "started")}) >= p,
+                                       sz.trial_timeout_s, f"{p} workers")
+                    workers = {e["pid"] for e in by_event(ev, "started")}
+                    time.sleep(1.0)  # let the agent settle after spawning
+                    first: dict[int, float] = {}
+                    last: dict[int, float] = {}
+                    peak, helpers = 0.0, set()
+                    end = time.monotonic() + window
+                    while True:
+                        total = 0
+                        for q in agent_side(proc.pid, workers):
+                            try:
+                                times, mem = q.cpu_times(), q.memory_info()
+                            except psutil.Error:
+                                continue
+                            used = times.user + times.system
+                            first.setdefault(q.pid, used)
+                            last[q.pid] = used
+                            total += mem.rss
+                            if q.pid != proc.pid:
+                                helpers.add(q.pid)
+                        peak = max(peak, total / 2**20)
+                        if time.monotonic() >= end:
+                            break
+                        time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+                    if not proc.running or proc.popen.poll() is not None:
+                        raise TrialError("the launcher exited during the idle window" + t.tails())
+                    spent = sum(last[k] - first[k] for k in last)
+                    cpu.add(who, spent, helpers=len(helpers))
+                    rss.add(who, peak, helpers=len(helpers))
+                    log(f"  (e) #{i + 1} {who}: {spent:.3f} CPU s over {window:g} s, RSS {peak:.0f} MB, "
+                        f"{len(helpers)} helper process(es)")
+            attempt(measure, [cpu, rss], who, "e")
+    for who in (FSM, TR):
+        if cpu.extra[who]:
+            cpu.notes.append(f"{who}: {max(x['helpers'] for x in cpu.extra[who])} helper process(es)")
+    return [cpu, rss]
+
+
+# ------------------------------------------------------------------------------------------------
+# (f) K agents rendezvous on loopback: first launch -> all K workers running
+# ------------------------------------------------------------------------------------------------
+
+
+def multi_node_args(backend: str, port: int, run_id: str, nnodes: str) -> list:
+    return ["--nnodes", nnodes, "--rdzv-backend", backend, "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", run_id, "--local-addr", "127.0.0.1"]
+
+
+def scenario_f(bench: Bench) -> list[Row]:
+    sz, rows = bench.sizes, []
+    fast = bench.fast_backend
+    for k in sz.rdzv_k:
+        variants = [(TR, "c10d"), (FSM, "c10d")] + ([(FSM, fast)] if fast != "c10d" else [])
+        made = {b: Row("f", f"rendezvous of K={k} agents, fsm-agent --rdzv-backend {b} vs torchrun c10d: "
+                            f"first launch → all workers running", "s")
+                for b in dict.fromkeys(b for w, b in variants if w == FSM)}
+        if k == 16:
+            made[fast].goal, made[fast].check = "≤ 0.6", ratio_le(0.6)
+        for i in range(sz.rdzv_trials):
+            for who, backend in interleaved(i, variants):
+                targets = list(made.values()) if who == TR else [made[backend]]
+
+                def measure(who=who, backend=backend):
+                    with bench.trial(f"f_k{k}_{who}_{backend}") as t:
+                        port, run_id = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
+                        argv = [*multi_node_args(backend, port, run_id, str(k)), "--nproc-per-node", 1,
+                                PLAIN, "exit"]
+                        procs = [t.launch(who, argv, f"agent{j}") for j in range(k)]
+                        if not wait_exits(procs, sz.trial_timeout_s + 5 * k):
+                            raise TrialError(f"agents still running after {sz.trial_timeout_s + 5 * k:g} s" + t.tails())
+                        bad = [p for p in procs if p.rc != 0]
+                        if bad:
+                            raise TrialError(f"{bad[0].name} exit code {bad[0].rc}" + t.tails())
+                        value = all_ranks_t(t.events(), "started", k) - procs[0].t_launch
+                        for row in targets:
+                            row.add(who, value)
+                        log(f"  (f) K={k} #{i + 1} {who} {backend}: all running {value:.3f} s")
+                attempt(measure, targets, who, "f")
+        rows += made.values()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# (g) node loss: 3 agents (--nnodes 2:3), one SIGKILLed with its workers -> survivors running again
+# ------------------------------------------------------------------------------------------------
+
+
+def listening_on(pid: int, port: int) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        conns = proc.net_connections(kind="tcp") if hasattr(proc, "net_connections") else proc.connections("tcp")
+    except psutil.Error:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns)
+
+
+def scenario_g(bench: Bench) -> list[Row]:
+    sz, fast = bench.sizes, bench.fast_backend
+    nproc, world = sz.node_loss_nproc, 3 * sz.node_loss_nproc
+    goal_s, cutoff = sz.node_loss_goal_s, sz.node_loss_cutoff_s
+    fsm_trials = sz.node_loss_trials_fsm if fast != "c10d" else min(sz.node_loss_trials_fsm,
+                                                                     sz.node_loss_trials_torchrun)
+    what = (f"node loss, --nnodes 2:3, {nproc} torch worker(s)/agent, fsm-agent --rdzv-backend {fast} vs torchrun "
+            f"c10d: SIGKILL agent+workers → survivors' workers")
+    running = Row("g", f"{what} running again (new world)", "s", goal=f"all ≤ {goal_s:g} s ({fsm_trials}/{fsm_trials})")
+    running.check = lambda r: (len(r.fsm) == fsm_trials and all(v is not None and v <= goal_s for v in r.fsm)
+                               and not r.errors[FSM])
+    reduced = Row("g", f"{what}' first all_reduce in the new world done", "s")
+    for row in (running, reduced):
+        row.never = f"not within {cutoff:g} s"
+    if fast == "c10d":
+        running.notes.append(f"fsm-agent has no 'fsm' rendezvous backend here: c10d used, {fsm_trials} trials")
+    conf = sz.node_loss_rdzv_conf
+    if conf:
+        running.notes.append(f"c10d runs use --rdzv-conf {conf}")
+    counts = {FSM: fsm_trials, TR: sz.node_loss_trials_torchrun}
+    for i in range(max(counts.values())):
+        for who in interleaved(i, [FSM, TR]):
+            if i >= counts[who]:
+                continue
+            backend = fast if who == FSM else "c10d"
+
+            def measure(who=who, backend=backend):
+                with bench.trial(f"g_{who}_{backend}") as t:
+                    port, run_id = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
+                    argv = [*multi_node_args(backend, port, run_id, "2:3"), "--nproc-per-node", nproc,
+                            "--max-restarts", 3]
+                    if conf and backend == "c10d":
+                        argv += ["--rdzv-conf", conf]
+                    argv += [TORCH_WORKER, "loop", world]
+                    procs = [t.launch(who, argv, f"agent{j}", restarts_pg=True) for j in range(3)]
+                    ev = t.poll_events(
+                        lambda ev: len({e["rank"] for e in by_event(ev, "allreduce_done", world_size=world)}) >= world,
+                        sz.trial_timeout_s + 60, f"{world} workers in one world")
+                    time.sleep(bench.rng.uniform(0.2, 1.2))  # a random moment relative to keep-alives
+                    by_agent: dict[int, list[dict]] = {p.pid: [] for p in procs}
+                    for e in by_event(ev, "started", world_size=world):
+                        try:
+                            parent = psutil.Process(e["pid"]).ppid()
+                        except psutil.Error:
+                            continue
+                        if parent in by_agent:
+                            by_agent[parent].append(e)
+                    hosts = {p.pid for p in procs if listening_on(p.pid, port)}
+                    candidates = [p for p in procs if p.pid not in hosts and by_agent[p.pid]] or \
+                                 [p for p in procs if by_agent[p.pid]]
+                    if not candidates:
+                        raise TrialError("cannot tell which workers belong to which agent" + t.tails())
+                    victim = max(candidates, key=lambda p: max(e["group_rank"] for e in by_agent[p.pid]))
+                    t_kill = time.time()
+                    os.kill(victim.pid, signal.SIGKILL)
+                    for e in by_agent[victim.pid]:
+                        kill_pid(e["pid"])
+                    survivors = [p for p in procs if p is not victim]
+                    wait_exits([victim], 10)
+                    wait_exits(survivors, cutoff)  # they exit once their new world has done its all_reduce
+                    ev = t.events()
+                    values = []
+                    for name in ("started", "allreduce_done"):
+                        try:
+                            values.append(all_ranks_t(ev, name, 2 * nproc, after=t_kill, world_size=2 * nproc) - t_kill)
+                        except TrialError:
+                            values.append(None)
+                    ended = "survivors exited" if all(not p.running for p in survivors) else f"cutoff {cutoff:g} s"
+                    info = dict(victim_group_rank=max(e["group_rank"] for e in by_agent[victim.pid]),
+                                rdzv_host_killed=victim.pid in hosts)
+                    running.add(who, values[0], **info)
+                    reduced.add(who, values[1], **info)
+                    show = lambda v: f"{v:.3f} s" if v is not None else "never"  # noqa: E731
+                    log(f"  (g) #{i + 1} {who} {backend}: survivors' workers running again {show(values[0])}, "
+                        f"all_reduce {show(values[1])} ({ended}; killed group rank {info['victim_group_rank']}"
+                        f"{', the rendezvous host' if info['rdzv_host_killed'] else ''})")
+            attempt(measure, [running, reduced], who, "g")
+    for who in (FSM, TR):
+        values = running.values(who)
+        if values:
+            within = sum(1 for v in values if v is not None and v <= goal_s)
+            running.notes.append(f"{who}: running again ≤ {goal_s:g} s in {within}/{len(values)}")
+    return [running, reduced]
+
+
+# ------------------------------------------------------------------------------------------------
+# (h) hung worker: detected (fsm-agent --hang-timeout) and restarted
+# ------------------------------------------------------------------------------------------------
+
+
+def scenario_h(bench: Bench) -> list[Row]:
+    sz, p, timeout = bench.sizes, bench.sizes.hang_p, bench.sizes.hang_timeout_s
+    watch = timeout + sz.hang_grace_s
+    detected = Row("h", f"hung worker, P={p}, --hang-timeout {timeout:g}: hang → detected", "s",
+                   goal=f"≤ {timeout + 1:g} s; torchrun never")
+    detected.check = lambda r: (bool(r.fsm) and all(v is not None and v <= timeout + 1 for v in r.fsm)
+                                and not r.errors[FSM] and bool(r.tr) and all(v is None for v in r.tr))
+    restarted = Row("h", f"hung worker, P={p}, --hang-timeout {timeout:g}: hang → attempt 1 all workers running", "s")
+    for row in (detected, restarted):
+        row.never = f"never (watched {watch:g} s)"
+    counts = {FSM: sz.trials, TR: sz.hang_trials_torchrun}
+    for i in range(max(counts.values())):
+        hang_rank, delay = bench.rng.randrange(p), round(bench.rng.uniform(0.5, 1.5), 3)
+        for who in interleaved(i, [FSM, TR]):
+            if i >= counts[who]:
+                continue
+
+            def measure(who=who):
+                with bench.trial(f"h_{who}") as t:
+                    agent_events = t.dir / "agent_events.jsonl"
+                    own = ["--hang-timeout", timeout, "--events-file", agent_events] if who == FSM else []
+                    proc = t.launch(who, [*bench.single(who), *own, "--nproc-per-node", p, "--max-restarts", 1,
+                                          PLAIN, "hang", hang_rank, delay])
+                    ev = t.poll_events(lambda ev: bool(by_event(ev, "hang")), sz.trial_timeout_s, "the hang")
+                    t_hang = by_event(ev, "hang")[0]["t"]
+                    limit = watch if who == TR else watch + sz.trial_timeout_s
+                    wait_exits([proc], max(0.0, t_hang + limit - time.time()))
+                    if not proc.running and proc.rc != 0:
+                        raise TrialError(f"exit code {proc.rc}" + t.tails())
+                    hung = [e for e in read_events(agent_events)
+                            if e.get("kind") == "transition" and e.get("trigger") == "workers_hung"]
+                    seen = hung[0]["ts"] - t_hang if hung else None
+                    try:
+                        again = all_ranks_t(t.events(), "started", p, attempt=1) - t_hang
+                    except TrialError:
+                        again = None
+                    if who == FSM and again is None:
+                        raise TrialError("fsm-agent did not restart the hung group" + t.tails())
+                    detected.add(who, seen)
+                    restarted.add(who, again)
+                    show = lambda v: f"{v:.3f} s" if v is not None else "never"
+                    log(f"  (h) #{i + 1} {who}: detected {show(seen)}, attempt 1 running {show(again)}")
+            attempt(measure, [detected, restarted], who, "h")
+    return [detected, restarted]
+
+
+RUNNERS = {"a": scenario_a, "b": scenario_b, "c": scenario_c, "d": scenario_d, "e": scenario_e,
+           "f": scenario_f, "g": scenario_g, "h": scenario_h}
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, str]:
+    info = {"python": platform.python_version(), "os": f"{platform.system()} {platform.release()}",
+            "cpus": str(os.cpu_count())}
+    try:
+        info["cpus_usable"] = str(len(os.sched_getaffinity(0)))
+    except AttributeError:
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if psutil is not None:
+        info["memory"] = f"{psutil.virtual_memory().total / 2**30:.1f} GiB"
+    try:
+        info["load_average"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        pass
+    from importlib import metadata
+
+    for dist in ("torch", "fsm-agent"):
+        try:
+            info[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            info[dist] = "?"
+    try:
+        git = ["git", "-C", str(REPO), "describe", "--always", "--dirty"]
+        info["fsm-agent"] += f" (git {subprocess.run(git, capture_output=True, text=True, timeout=30).stdout.strip()})"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def render_markdown(bench: Bench, rows: list[Row], command: str, wall: float, info: dict[str, str],
+                    started: str) -> str:
+    mode = "quick (CI smoke run: sizes cut down, timings not meaningful)" if bench.args.quick else "full"
+    lines = [
+        "# fsm-agent vs torchrun benchmarks",
+        "",
+        f"Mode: {mode}. Started {started}, wall time {wall / 60:.1f} min.",
+        "",
+        "Command (from the repository root):",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + ".",
+        "",
+        f"Launchers: fsm-agent = `{shlex.join(bench.commands[FSM])} {shlex.join(bench.fsm_single)}` for "
+        f"single-node scenarios (rendezvous backend `{bench.single_backend}`); torchrun = `{shlex.join(bench.commands[TR])} --standalone`. fsm-agent "
+        f"rendezvous backends: {', '.join(bench.backends.get('rendezvous', [])) or '?'}; launchers: "
+        f"{', '.join(bench.backends.get('launcher', [])) or '?'}. Fastest multi-node backend used for "
+        f"fsm-agent: `{bench.fast_backend}`.",
+        "",
+        "Each cell: median [min–max] over the trials (seconds unless the scenario says otherwise); ratio = "
+        "median fsm-agent / median torchrun. Trials alternate the launcher order (A B, B A, ...).",
+        "",
+        markdown_table(rows),
+        "",
+    ]
+    if bench.notes:
+        lines += ["Notes:", ""] + [f"- {n}" for n in bench.notes] + [""]
+    failures = [(r, who, msg) for r in rows for who in (FSM, TR) for msg in r.errors[who]]
+    if failures:
+        lines += ["Failed trials:", ""] + [f"- ({r.sid}) {r.label}, {who}: {msg}" for r, who, msg in failures] + [""]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Sizes]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="CI mode: every scenario once, small; no goals asserted")
+    parser.add_argument("--scenarios", default=SCENARIOS, help="which scenarios to run, e.g. a,b,d (default: all)")
+    parser.add_argument("--markdown", metavar="PATH", help="also write the report as Markdown to PATH")
+    parser.add_argument("--json", metavar="PATH", help="write every value, per trial, as JSON to PATH")
+    parser.add_argument("--seed", type=int, default=1234, help="random crash ranks/moments (default 1234)")
+    parser.add_argument("--keep-tmp", action="store_true", help="keep the per-trial directories (logs, events)")
+    parser.add_argument("--tmp-dir", default=None, help="where the per-trial directories go (default: $TMPDIR)")
+    parser.add_argument("--pycache-prefix", default=None, metavar="DIR",
+                        help="bytecode cache (PYTHONPYCACHEPREFIX) for every launch; keep one across runs to skip "
+                             "the warm-up's compiling (default: a fresh one in the run's temporary directory)")
+    parser.add_argument("--fsm-agent-cmd", default=f"{shlex.quote(sys.executable)} -m fsm_agent run",
+                        help="how to start fsm-agent (default: %(default)s)")
+    parser.add_argument("--torchrun-cmd", default=f"{shlex.quote(sys.executable)} -m torch.distributed.run",
+                        help="how to start torchrun (default: %(default)s)")
+    parser.add_argument("--torchrun-shared-store", action="store_true",
+                        help="keep torch's shared rendezvous store in (c)/(g) (restarted gloo groups then fail, "
+                             "pytorch/pytorch#135712); default: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 there")
+    parser.add_argument("--fsm-single-node-args", default="--standalone",
+                        help="fsm-agent's rendezvous flags for single-node scenarios (default: %(default)s)")
+    parser.add_argument("--fsm-backend", default="auto",
+                        help="fsm-agent's backend for (f)/(g): auto = 'fsm' if registered, else c10d")
+    parser.add_argument("--fsm-preimport-launcher", default="auto",
+                        help="fsm-agent --launcher that pre-imports torch, for (c); auto = a registered launcher "
+                             "named like preload/preimport/fork/zygote/warm; 'none' to skip")
+    parser.add_argument("--fsm-preimport-args", default="", help="extra fsm-agent flags for that launcher")
+    sizes = parser.add_argument_group("sizes (defaults: full mode, or quick mode with --quick)")
+    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
+    floats = lambda s: [float(x) for x in s.split(",") if x.strip()]  # noqa: E731
+    for name, kind in (("trials", int), ("startup_p", ints), ("startup_torch_p", ints), ("startup_torch_trials", int), ("restart_p", int),
+                       ("restart_intervals", floats), ("torch_restart_p", int), ("torch_restart_intervals", floats),
+                       ("torch_restart_trials", int), ("sigterm_p", int), ("idle_p", int), ("idle_s", float),
+                       ("idle_trials", int), ("rdzv_k", ints), ("rdzv_trials", int), ("node_loss_nproc", int),
+                       ("node_loss_trials_fsm", int), ("node_loss_trials_torchrun", int),
+                       ("node_loss_cutoff_s", float), ("node_loss_goal_s", float), ("node_loss_rdzv_conf", str),
+                       ("hang_p", int), ("hang_timeout_s", float), ("hang_grace_s", float),
+                       ("hang_trials_torchrun", int), ("trial_timeout_s", float)):
+        show = lambda v: ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v) if isinstance(v, list) \
+            else (f"{v:g}" if isinstance(v, float) else repr(v) if v == "" else str(v))  # noqa: E731
+        sizes.add_argument("--" + name.replace("_", "-"), type=kind, default=None, dest=name, metavar="V",
+                           help=f"full: {show(getattr(FULL, name))}; quick: {show(getattr(QUICK, name))}")
+    args = parser.parse_args(argv)
+    base = QUICK if args.quick else FULL
+    chosen = {k: getattr(args, k) for k in base.__dataclass_fields__ if getattr(args, k, None) is not None}
+    if args.quick and args.trials is not None:
+        chosen.setdefault("torch_restart_trials", args.trials)
+    if not args.quick and args.trials is not None:
+        for k in ("startup_torch_trials", "torch_restart_trials", "idle_trials", "rdzv_trials"):
+            chosen.setdefault(k, min(args.trials, getattr(FULL, k)))
+    unknown = set(args.scenarios.replace(",", "")) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"--scenarios: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SCENARIOS)}")
+    return args, Sizes(**{**base.__dict__, **chosen})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, sizes = parse_args(argv)
+    command = shlex.join(["python", "benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)])
+    wanted = [s for s in SCENARIOS if s in args.scenarios]
+    started_at = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    t0 = time.monotonic()
+    info = machine()
+    bench = Bench(args, sizes)
+
+    def on_signal(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    rows: list[Row] = []
+    try:
+        bench.preflight()
+        for sid in wanted:
+            log(f"== ({sid}) {TITLES[sid]} ==")
+            started = time.monotonic()
+            try:
+                new = RUNNERS[sid](bench)
+            except Exception as exc:
+                log(f"scenario ({sid}) crashed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+                new = [Row(sid, f"{TITLES[sid]}: harness error {type(exc).__name__}: {exc}", "s")]
+            rows += new
+            log(f"   ({sid}) took {time.monotonic() - started:.0f} s")
+            print(text_table(new), flush=True)
+            print(flush=True)
+    finally:
+        bench.close()
+    wall = time.monotonic() - t0
+    print(f"== fsm-agent vs torchrun ({'quick' if args.quick else 'full'} mode, wall {wall:.0f} s) ==")
+    print(text_table(rows))
+    if args.markdown:
+        Path(args.markdown).write_text(render_markdown(bench, rows, command, wall, info, started_at))
+        print(f"\nMarkdown written to {args.markdown}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": command, "machine": info, "wall_s": wall,
+                                               "quick": args.quick, "sizes": sizes.__dict__,
+                                               "fast_backend": bench.fast_backend,
+                                               "rows": [r.to_json() for r in rows]}, indent=1))
+    incomplete = [r for r in rows if not r.complete()]
+    missing = [s for s in wanted if not any(r.sid == s for r in rows)]
+    for r in incomplete:
+        print(f"INCOMPLETE: ({r.sid}) {r.label}: fsm-agent {r.cell(FSM)}, torchrun {r.cell(TR)}", file=sys.stderr)
+    return 1 if incomplete or missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

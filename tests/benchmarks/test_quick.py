@@ -1,0 +1,47 @@
+"""The benchmark suite's quick mode works: every scenario runs and reports both launchers.
+
+No timing is asserted (CI machines are noisy); ``benchmarks/run.py`` and its full mode are
+described in ``benchmarks/README.md``.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCENARIOS = "abcdefgh"
+#: A cell with a result: a median, or "never"/"not ..." for an event that did not happen in time.
+RESULT = re.compile(r"\d|never|not ")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quick_mode_runs_every_scenario_with_both_launchers(tmp_path):
+    markdown = tmp_path / "bench.md"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--markdown", str(markdown)],
+        cwd=REPO, capture_output=True, text=True, timeout=840,
+    )
+    report = f"stdout:\n{done.stdout[-6000:]}\nstderr:\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, report
+
+    # The final table on stdout names every scenario.
+    final = done.stdout.split("== fsm-agent vs torchrun", 1)
+    assert len(final) == 2, report
+    for sid in SCENARIOS:
+        assert f"({sid}) " in final[1], f"scenario ({sid}) missing from the table\n{report}"
+
+    # Every row of the Markdown table has a result for fsm-agent and for torchrun.
+    rows = [line for line in markdown.read_text().splitlines() if re.match(r"\| \([a-h]\) ", line)]
+    assert {row[3] for row in rows} == set(SCENARIOS), report
+    for row in rows:
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]]
+        scenario, fsm_cell, torchrun_cell = cells[:3]
+        assert RESULT.search(fsm_cell), f"no fsm-agent result in {scenario!r}: {fsm_cell!r}\n{report}"
+        assert RESULT.search(torchrun_cell), f"no torchrun result in {scenario!r}: {torchrun_cell!r}\n{report}"
+        assert "failed" not in fsm_cell + torchrun_cell, f"failed trials in {scenario!r}\n{report}"
