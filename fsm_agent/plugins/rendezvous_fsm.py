@@ -592,9 +592,13 @@ class FsmRendezvousHandler:
         # The first connection may wait join_timeout for a host that starts later; once the store
         # was reached, losing it for read_timeout fails the rendezvous.
         self._client.connect_timeout = min(self._client.connect_timeout, s.read_timeout)
-        self._hb_client.set(self._alive_key, self.node_id, ttl=s.keep_alive_timeout, ephemeral=True)
+        # A one-node job has no peer to lose or admit: its lease lives as long as its connection,
+        # and no keep-alive or membership thread wakes the idle agent.
+        single = self.max_nodes == 1
+        self._hb_client.set(self._alive_key, self.node_id, ttl=None if single else s.keep_alive_timeout,
+                            ephemeral=True)
         self._started = True
-        for name, target in (("keep-alive", self._heartbeat_loop), ("membership", self._watch_loop)):
+        for name, target in () if single else (("keep-alive", self._heartbeat_loop), ("membership", self._watch_loop)):
             t = threading.Thread(target=target, name=f"fsm-rdzv-{name}-{self.run_id}", daemon=True)
             t.start()
             self._threads.append(t)
