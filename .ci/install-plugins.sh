@@ -8,5 +8,6 @@ cd "$(dirname "$0")/.."
 pip install --disable-pip-version-check -q 'torch==2.13.0' -e . \
     -e plugins/fsm-agent-prometheus \
     -e plugins/fsm-agent-etcd \
-    -e 'plugins/fsm-agent-otel[otlp]'
+    -e 'plugins/fsm-agent-otel[otlp]' \
+    -e plugins/fsm-agent-example
 bash .ci/install-etcd.sh

@@ -247,10 +247,15 @@ class ElasticAgent:
             self.trigger(trigger)
         except BaseException as exc:  # the error path itself failed: land in UNKNOWN, keep both errors
             self._error = f"{self._error}; then {trigger} failed: {type(exc).__name__}: {exc}"
+            try:  # a last attempt, without grace, to leave no worker running
+                self._launcher.stop(signal.SIGKILL, 0.0)
+            except Exception as stop_exc:
+                log.error("could not stop the workers: %s", stop_exc)
             self._launcher.close()
             source = self.state
+            # Recorded as agent_errored, the table's edge from every live state to UNKNOWN.
             self.machine.set_state(S.UNKNOWN, model=self)
-            self._on_state_changed(source.value, S.UNKNOWN.value, trigger)
+            self._on_state_changed(source.value, S.UNKNOWN.value, "agent_errored")
 
     def _wait_for_fact(self) -> str | None:
         """Block until something happens to the running workers; return the trigger it means."""

@@ -58,6 +58,7 @@ _DELEGATES = {
     "statechart": ("fsm_agent.states.statechart", "render the agent's statechart (docs/statechart.md)"),
     "plugins": ("fsm_agent.plugins.manager", "list the installed plugins and backends"),
     "status": ("fsm_agent.status_cli", "show a running agent's live status (fsm-agent run --status-port)"),
+    "replay": ("fsm_agent.replay", "re-drive the statechart through a recorded events file and compare the trace"),
 }
 #: Subcommands implemented here: name -> help.
 _LOCAL_COMMANDS = {

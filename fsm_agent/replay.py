@@ -1,0 +1,454 @@
+"""``fsm-agent replay EVENTS.jsonl``: re-drive the statechart through the triggers a run recorded.
+
+The events file of a real run (docs/events.md) holds every state change with its trigger. Replay
+builds a fresh ``ElasticAgent`` on fakes (``fsm_agent.testing``'s FakeRendezvous, a launcher
+without processes), fires the recorded triggers one by one and compares, at every transition,
+the state the machine reaches (and the restart count) with the recorded one. The verdict is
+either "identical trace" or the first divergence: the event number, what was expected and what
+the machine did. This is how a production incident becomes a regression test::
+
+    from fsm_agent.replay import replay
+
+    def test_incident_1234_still_replays():
+        replay("tests/incidents/1234-events.jsonl").assert_identical()
+
+What the replay reproduces, so that it is the table, the guards and the steps of today's code
+that are checked against the recorded run:
+
+- ``start``/``restart``: a rendezvous round with the recorded group rank and size (and, for
+  several nodes, peers reporting the recorded restart count, which the agent adopts);
+- ``workers_failed``: the restart policy (built-in plugins; ``--load-plugins`` adds the installed
+  ones) decides on the failures the ``worker_exit`` records of the attempt show (exit code 78
+  included), a hang when the group was UNHEALTHY; backoff delays are skipped;
+- a transition the agent made through its last resort (its error path failed: the recorded error
+  reads ``...; then <trigger> failed: ...``) is replayed the same way, with a failing stop.
+
+Replayed transitions are not counted by ``pytest --statechart-coverage`` (the plugin
+``statechart-coverage`` is disabled here): they are the recorded run's, not the run loop's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import signal
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from fsm_agent.errors import ConfigError, FsmAgentError
+
+__all__ = ["Divergence", "ReplayResult", "RunReplay", "cli_main", "read_events", "replay"]
+
+#: Built-in plugins a replay never loads: coverage counts only the run loop's own transitions.
+NOT_REPLAYED_PLUGINS = ("statechart-coverage",)
+HANG_EXIT_CODE = 124
+
+
+@attrs.frozen
+class Divergence:
+    """Where the replayed machine first parted from the recorded run.
+
+    Attributes:
+        event: the record's number in the file (1-based, blank lines not counted).
+        line: its line number.
+        transition: the transition's number in its run (1-based).
+        what: ``state`` (another destination), ``restart_count``, ``source`` (the record starts
+            from another state than the machine is in), ``refused`` (the trigger cannot fire
+            there), ``error`` (a step raised), ``end`` (the run ended in another state).
+        source / trigger / dest: the recorded transition (for ``end``: the final state and "run_end").
+        expected / actual: the recorded value and the replayed one (states, or restart counts).
+        detail: more words, when there are any.
+    """
+
+    event: int
+    line: int
+    transition: int
+    what: str
+    source: str
+    trigger: str
+    expected: str
+    actual: str
+    detail: str = ""
+    dest: str = ""
+
+    def __str__(self) -> str:
+        where = f"first divergence at event {self.event} (line {self.line}, transition {self.transition})"
+        if self.what == "state":
+            text = f"{self.source} --{self.trigger}--> expected {self.expected}, actual {self.actual}"
+        elif self.what == "restart_count":
+            text = (f"{self.source} --{self.trigger}--> {self.dest}: expected restart_count "
+                    f"{self.expected}, actual {self.actual}")
+        elif self.what == "source":
+            text = f"{self.trigger} recorded from {self.expected}, but the replayed group is in {self.actual}"
+        elif self.what == "refused":
+            text = (f"{self.source} --{self.trigger}--> expected {self.expected}, actual: {self.trigger} cannot "
+                    f"fire in {self.actual}")
+        elif self.what == "end":
+            text = f"the run ended in {self.expected}, the replay in {self.actual}"
+        else:
+            text = f"{self.source} --{self.trigger}--> expected {self.expected}, actual: {self.actual}"
+        return f"{where}: {text}" + (f" ({self.detail})" if self.detail else "")
+
+
+@attrs.frozen
+class RunReplay:
+    """The replay of one agent's run (an events file may hold several: one per run, appended)."""
+
+    run_id: str
+    node: str
+    pid: Any
+    transitions: int
+    recorded: tuple[str, ...]
+    replayed: tuple[str, ...]
+    divergence: Divergence | None
+
+    @property
+    def identical(self) -> bool:
+        return self.divergence is None
+
+
+@attrs.frozen
+class ReplayResult:
+    """What ``replay`` found: one RunReplay per run in the file."""
+
+    path: str
+    runs: tuple[RunReplay, ...]
+
+    @property
+    def identical(self) -> bool:
+        return all(run.identical for run in self.runs)
+
+    @property
+    def divergence(self) -> Divergence | None:
+        return next((run.divergence for run in self.runs if run.divergence is not None), None)
+
+    def assert_identical(self) -> None:
+        """AssertionError naming the first divergence, unless the trace is identical."""
+        if not self.identical:
+            raise AssertionError(f"replay of {self.path}: {self.divergence}")
+
+    def format(self, verbose: bool = False) -> str:
+        lines = []
+        for run in self.runs:
+            lines.append(f"{self.path}: run {run.run_id} on {run.node} (agent pid {run.pid}): "
+                         f"{run.transitions} transitions")
+            if verbose or not run.identical:
+                lines.append("  recorded: " + _chain(run.recorded))
+                lines.append("  replayed: " + _chain(run.replayed))
+            else:
+                lines.append("  " + _chain(run.recorded))
+            if not run.identical:
+                lines.append(str(run.divergence))
+                break
+        if self.identical:
+            lines.append("identical trace")
+        return "\n".join(lines)
+
+
+def _chain(trace: Sequence[str]) -> str:
+    if not trace:
+        return "(no transition)"
+    states = [trace[0].split(" ")[0]] + [t.split(" ")[-1] for t in trace]
+    return " -> ".join(states)
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading
+# ------------------------------------------------------------------------------------------------
+
+
+def read_events(path: str) -> list[tuple[int, int, dict[str, Any]]]:
+    """``(event number, line number, record)`` for every record of an events file.
+
+    Raises:
+        ConfigError: the file is missing, or a line is not an fsm-agent event record.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise ConfigError(f"events file {path!r}: no such file (an agent writes it with --events-file PATH, "
+                          f"or events.jsonl in its log directory)") from None
+    except OSError as exc:
+        raise ConfigError(f"events file {path!r}: cannot read it: {exc}") from None
+    records = []
+    for number, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"events file {path!r} line {number}: not JSON ({exc}); an events file has one "
+                              f"JSON object per line (docs/events.md)") from None
+        if not isinstance(record, dict) or "kind" not in record:
+            raise ConfigError(f"events file {path!r} line {number}: not an fsm-agent event (no 'kind' field; "
+                              f"see docs/events.md)")
+        if record["kind"] == "transition" and not {"source", "dest", "trigger"} <= set(record):
+            raise ConfigError(f"events file {path!r} line {number}: a transition record needs source, dest and "
+                              f"trigger")
+        records.append((len(records) + 1, number, record))
+    return records
+
+
+def _split_runs(records: list[tuple[int, int, dict]]) -> list[list[tuple[int, int, dict]]]:
+    """One list per agent run: a new run starts when node or run_id change, after run_end, or at a
+    transition out of INIT once the run has transitions (a file appended to by a rerun).
+
+    (``pid`` cannot tell runs apart: in ``worker_exit`` records it is the worker's.)
+    """
+    runs: list[list[tuple[int, int, dict]]] = []
+    key, ended, moved = None, True, False
+    for item in records:
+        record = item[2]
+        this = (record.get("node"), record.get("run_id"))
+        restarted = record["kind"] == "transition" and record.get("source") == "INIT" and moved
+        if ended or this != key or restarted:
+            runs.append([])
+            key, ended, moved = this, False, False
+        runs[-1].append(item)
+        ended = record["kind"] == "run_end"
+        moved = moved or record["kind"] == "transition"
+    return [run for run in runs if any(r["kind"] == "transition" for _, _, r in run)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Replaying
+# ------------------------------------------------------------------------------------------------
+
+
+class _ReplayLauncher:
+    """The launcher interface without processes; ``fail_next_stop`` makes the next stop raise."""
+
+    PID_BASE = 2**22 + 500_000  # beyond Linux's PID_MAX_LIMIT: no real process
+
+    def __init__(self):
+        self.fail_next_stop = False
+        self._pids: dict[int, int] = {}
+        self._starts = 0
+
+    def start(self, spec, envs, logs, filtered=(None, None)):
+        self._pids = {rank: self.PID_BASE + 100 * self._starts + rank for rank in sorted(envs)}
+        self._starts += 1
+        return dict(self._pids)
+
+    def wait_fds(self):
+        return {}
+
+    def poll(self):
+        return {}
+
+    def exit_times(self):
+        return {}
+
+    def pids(self):
+        return dict(self._pids)
+
+    def signal_worker(self, local_rank, sig):
+        pass
+
+    def return_values(self):
+        return {}
+
+    def stop(self, sig=signal.SIGTERM, timeout=30.0):
+        if self.fail_next_stop:
+            self.fail_next_stop = False
+            raise RuntimeError("replayed: the recorded error path failed here")
+
+    def close(self):
+        pass
+
+
+def _failures(agent: Any, exits: list[dict], hung: bool) -> dict[int, Any]:
+    """The WorkerFailures the restart policy saw, rebuilt from the attempt's worker_exit records."""
+    import time
+
+    from fsm_agent.worker import WorkerFailure
+
+    workers = agent.get_worker_group().workers
+    failures = {}
+    for record in exits:
+        code = int(record.get("exit_code", 1))
+        if code == 0:
+            continue
+        rank = int(record.get("local_rank", 0))
+        worker = workers[rank] if rank < len(workers) else workers[0]
+        global_rank = int(record.get("global_rank", worker.global_rank))
+        failures[global_rank] = WorkerFailure(
+            local_rank=rank, global_rank=global_rank, role_rank=int(record.get("role_rank", worker.role_rank)),
+            pid=int(record.get("pid") or 0), exitcode=code, timestamp=float(record.get("ts", time.time())),
+            failure_class="signal" if code < 0 else "exit_code")
+    if not failures:  # a hang, or a failure whose exit records are missing: one failed worker
+        worker = workers[0]
+        failures[worker.global_rank] = WorkerFailure(
+            local_rank=0, global_rank=worker.global_rank, role_rank=worker.role_rank, pid=worker.id or 0,
+            exitcode=HANG_EXIT_CODE if hung else 1, timestamp=time.time(),
+            failure_class="hang" if hung else "exit_code")
+    return failures
+
+
+def _last_resort(record: dict) -> bool:
+    return record.get("dest") == "UNKNOWN" and f"; then {record['trigger']} failed:" in str(record.get("error") or "")
+
+
+def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disabled: Iterable[str]) -> RunReplay:
+    from transitions.core import MachineError
+
+    from fsm_agent.plugins.manager import get_plugin_manager
+    from fsm_agent.testing.fakes import FakeRendezvous, Round
+    from fsm_agent.testing.scenario import build_agent
+
+    first = run[0][2]
+    transitions = [(e, n, r) for e, n, r in run if r["kind"] == "transition"]
+    agent_pid = transitions[0][2].get("pid")
+    recorded = tuple(f"{r['source']} --{r['trigger']}--> {r['dest']}" for _, _, r in transitions)
+    rendezvous = FakeRendezvous(run_id=str(first.get("run_id") or "replay"), store_timeout=10.0)
+    launcher = _ReplayLauncher()
+    pm = get_plugin_manager(disabled=(*NOT_REPLAYED_PLUGINS, *disabled), load_entry_points=load_plugins)
+    agent = build_agent(rendezvous, launcher, plugin_manager=pm, local_world_size=int(first.get("local_world_size") or 1),
+                        max_restarts=int(first.get("max_restarts") or 0), role=str(first.get("role") or "default"),
+                        entrypoint=str(first.get("entrypoint") or "replay"), exit_barrier_timeout=10.0)
+    replayed: list[str] = []
+    divergence = None
+    exits: list[dict] = []
+    count = 0
+
+    def diverged(event, line, what, record, expected, actual, detail=""):
+        return Divergence(event=event, line=line, transition=count, what=what, source=str(record.get("source")),
+                          trigger=str(record.get("trigger")), expected=str(expected), actual=str(actual),
+                          detail=detail, dest=str(record.get("dest")))
+
+    try:
+        for event, line, record in run:
+            kind = record["kind"]
+            if kind == "worker_exit":
+                exits.append(record)
+                continue
+            if kind == "run_end":
+                if record.get("state") and record["state"] != agent.state.value:
+                    divergence = Divergence(event=event, line=line, transition=count, what="end",
+                                            source=agent.state.value, trigger="run_end",
+                                            expected=record["state"], actual=agent.state.value)
+                    break
+                continue
+            if kind != "transition":
+                continue  # a record kind this version does not know: not part of the trace
+            count += 1
+            source, trigger, dest = record["source"], record["trigger"], record["dest"]
+            if agent.state.value != source:
+                divergence = diverged(event, line, "source", record, source, agent.state.value)
+                break
+            if trigger in ("start", "restart"):
+                world = int(record.get("group_world_size") or 1)
+                rank = int(record.get("group_rank") or 0)
+                rendezvous.rounds = [Round(rank=rank if 0 <= rank < world else 0, world_size=world,
+                                           peer_restart_count=record.get("restart_count") if world > 1 else None)]
+                exits = []
+            if trigger == "workers_failed":
+                agent._failures = _failures(agent, exits, hung=source == "UNHEALTHY")
+                agent._decide_restart()
+                agent._decision = attrs.evolve(agent._decision, delay_s=0.0)
+            try:
+                if _last_resort(record):
+                    agent._error = str(record.get("error"))
+                    launcher.fail_next_stop = True
+                    agent._fire_error(trigger)
+                else:
+                    agent.trigger(trigger)
+            except MachineError:
+                divergence = diverged(event, line, "refused", record, dest, agent.state.value)
+                break
+            except Exception as exc:
+                divergence = diverged(event, line, "error", record, dest, f"{type(exc).__name__}: {exc}",
+                                      f"a step of {trigger} raised in the replay")
+                break
+            replayed.append(f"{source} --{trigger}--> {agent.state.value}")
+            if agent.state.value != dest:
+                detail = ""
+                if dest == "UNKNOWN" and "; then " in str(record.get("error") or ""):
+                    detail = "the recorded run took the agent's last resort"
+                divergence = diverged(event, line, "state", record, dest, agent.state.value, detail)
+                break
+            if "restart_count" in record and int(record["restart_count"]) != agent.restart_count:
+                divergence = diverged(event, line, "restart_count", record, record["restart_count"],
+                                      agent.restart_count)
+                break
+    finally:
+        agent._release()
+    return RunReplay(run_id=str(first.get("run_id")), node=str(first.get("node")), pid=agent_pid,
+                     transitions=len(transitions), recorded=recorded, replayed=tuple(replayed),
+                     divergence=divergence)
+
+
+@contextlib.contextmanager
+def _quiet_agent_logs():
+    logger = logging.getLogger("fsm_agent")
+    previous = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+def replay(path: str, *, load_plugins: bool = False, disabled: Iterable[str] = ()) -> ReplayResult:
+    """Replay the events file ``path``; see the module docstring.
+
+    Args:
+        load_plugins: also load the installed plugins (entry points), e.g. the restart policy the
+            recorded run used; by default only fsm-agent's built-ins decide.
+        disabled: plugin names not to load.
+
+    Raises:
+        ConfigError: the file is missing, is not an events file, or records no transition.
+    """
+    runs = _split_runs(read_events(path))
+    if not runs:
+        raise ConfigError(f"events file {path!r} records no transition: nothing to replay")
+    return ReplayResult(path=path, runs=tuple(_replay_run(run, load_plugins=load_plugins, disabled=disabled)
+                                              for run in runs))
+
+
+def cli_main(argv: Sequence[str] | None = None) -> int:
+    """``fsm-agent replay EVENTS.jsonl``: 0 if the trace is identical, 1 at the first divergence."""
+    parser = argparse.ArgumentParser(
+        prog="fsm-agent replay",
+        description="Re-drive the worker-group statechart through the triggers an events file recorded "
+                    "(fakes, no processes) and report 'identical trace' or the first divergence.")
+    parser.add_argument("events", metavar="EVENTS.jsonl", help="an agent's events file (docs/events.md)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the recorded and the replayed trace")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--load-plugins", action="store_true",
+                        help="also load the installed plugins (e.g. the restart policy the run used)")
+    parser.add_argument("--disable-plugin", action="append", default=[], metavar="NAME",
+                        help="do not load this plugin (repeatable)")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    with _quiet_agent_logs():
+        result = replay(args.events, load_plugins=args.load_plugins, disabled=args.disable_plugin)
+    if args.json:
+        print(json.dumps({"path": result.path, "identical": result.identical,
+                          "divergence": attrs.asdict(result.divergence) if result.divergence else None,
+                          "runs": [{"run_id": r.run_id, "node": r.node, "pid": r.pid, "recorded": list(r.recorded),
+                                    "replayed": list(r.replayed), "identical": r.identical} for r in result.runs]},
+                         indent=2))
+    else:
+        print(result.format(verbose=args.verbose))
+    return 0 if result.identical else 1
+
+
+def main() -> None:
+    """``python -m fsm_agent.replay``: as ``fsm-agent replay``, errors as one line on stderr."""
+    try:
+        code = cli_main()
+    except FsmAgentError as exc:
+        print(f"fsm-agent: error: {exc}", file=sys.stderr)
+        code = exc.exit_code
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
