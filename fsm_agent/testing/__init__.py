@@ -14,6 +14,7 @@ Public names (imported lazily: ``import fsm_agent.testing`` does not import torc
 - fakes: ``FakeRendezvous``, ``Round``, ``FakeLauncher``, ``Attempt``, ``StartRecord``,
   ``StopRecord``, ``FakeLauncherError``, ``send_signal``
 - hooks: ``HookRecorder``, ``HookCall``, ``TransitionHooks``
+- real processes: ``AgentProcesses`` (fixture ``agent_processes``)
 - running: ``build_agent``, ``AgentFactory``, ``Scenario``, ``ScenarioResult``, ``trace``,
   ``assert_trace``, ``format_transition``, ``PHRASES``
 
@@ -37,6 +38,7 @@ _EXPORTS = {
     "fsm_agent.testing.fakes": ("FakeRendezvous", "Round", "FakeLauncher", "Attempt", "StartRecord", "StopRecord",
                                 "FakeLauncherError", "send_signal"),
     "fsm_agent.testing.recorder": ("HookRecorder", "HookCall", "TransitionHooks"),
+    "fsm_agent.testing.processes": ("AgentProcesses",),
     "fsm_agent.testing.scenario": ("build_agent", "AgentFactory", "Scenario", "ScenarioResult", "trace",
                                    "assert_trace", "format_transition", "PHRASES"),
 }

@@ -3,7 +3,8 @@
 Loaded for every pytest run where fsm-agent is installed, so it imports nothing heavy until a
 fixture or an option is used.
 
-Fixtures: ``plugin_manager``, ``hook_recorder``, ``make_agent`` (alias ``agent_factory``).
+Fixtures: ``plugin_manager``, ``hook_recorder``, ``make_agent`` (alias ``agent_factory``),
+``agent_processes`` (real ``fsm-agent run`` processes in ``tmp_path``, killed by process group).
 
 Options (docs/testing.md): ``--statechart-coverage`` reports which (source, trigger, dest) edges
 of the statechart the agents of the run took (agents in the test process and agents started as
@@ -66,6 +67,16 @@ def agent_factory(make_agent):
 # ------------------------------------------------------------------------------------------------
 
 COVERAGE_PLUGIN_NAME = "fsm_agent_statechart_coverage"
+
+
+@pytest.fixture
+def agent_processes(tmp_path):
+    """An AgentProcesses in ``tmp_path``; every agent's process group is killed after the test."""
+    from fsm_agent.testing.processes import AgentProcesses
+
+    group = AgentProcesses(tmp_path)
+    yield group
+    group.kill_all()
 
 
 def pytest_addoption(parser):

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -60,30 +57,11 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
-class Processes:
-    """Starts ``python -m fsm_agent ...`` in new sessions; kills their process groups at the end."""
-
-    def __init__(self, cwd: Path):
-        self.cwd, self.procs = cwd, []
-
-    def start(self, *args: str) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "fsm_agent", *args], cwd=self.cwd, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                env=subprocess_env())
-        self.procs.append(proc)
-        return proc
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.communicate()
-
-
 @pytest.fixture
 def processes(tmp_path):
-    group = Processes(tmp_path)
+    """``python -m fsm_agent ...`` processes (any subcommand) with a clean env; groups killed after."""
+    from fsm_agent.testing import AgentProcesses
+
+    group = AgentProcesses(tmp_path, command=(), env=subprocess_env())
     yield group
     group.kill_all()

@@ -14,12 +14,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from fsm_agent.testing import AgentProcesses
 
 ETCD_BINARY = os.environ.get("FSM_AGENT_TEST_ETCD", shutil.which("etcd") or "/usr/bin/etcd")
 
@@ -28,17 +29,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.communicate(timeout=30)
-    except (ValueError, OSError):  # pipes already consumed by the test
-        proc.wait(timeout=30)
 
 
 class EtcdServer:
@@ -102,22 +92,8 @@ def etcd_server(tmp_path_factory):
     server.stop()
 
 
-class Agents:
-    """Starts ``python -m fsm_agent run ...`` processes, each in its own process group; kills the groups."""
-
-    def __init__(self, cwd: Path):
-        self.cwd, self.procs = cwd, []
-
-    def start(self, *args: str, env: dict | None = None) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "fsm_agent", "run", *args], cwd=self.cwd, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                env={**os.environ, **(env or {})})
-        self.procs.append(proc)
-        return proc
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            _kill_group(proc)
+class Agents(AgentProcesses):
+    """fsm-agent's AgentProcesses, plus readers for the agents' events files."""
 
     @staticmethod
     def read_events(path: Path) -> list[dict]:

@@ -8,12 +8,7 @@ crash-once worker.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 from opentelemetry import trace
@@ -55,31 +50,7 @@ def worker_script(tmp_path) -> str:
     return str(path)
 
 
-class Agents:
-    def __init__(self, cwd: Path):
-        self.cwd, self.procs = cwd, []
-
-    def start(self, *args: str, env: dict | None = None) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "fsm_agent", "run", *args], cwd=self.cwd, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                env={**os.environ, **(env or {})})
-        self.procs.append(proc)
-        return proc
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=30)
-            for pipe in (proc.stdout, proc.stderr):
-                if pipe:
-                    pipe.close()
-
-
 @pytest.fixture
-def agents(tmp_path):
-    group = Agents(tmp_path)
-    yield group
-    group.kill_all()
+def agents(agent_processes):
+    """Real ``fsm-agent run`` processes in tmp_path (fsm-agent's test kit, AgentProcesses)."""
+    return agent_processes

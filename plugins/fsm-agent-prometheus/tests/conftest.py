@@ -7,14 +7,9 @@ group at teardown.
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import sys
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -65,31 +60,7 @@ def prom():
     return Helpers
 
 
-class Agents:
-    def __init__(self, cwd: Path):
-        self.cwd, self.procs = cwd, []
-
-    def start(self, *args: str, env: dict | None = None) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "fsm_agent", "run", *args], cwd=self.cwd, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                env={**os.environ, **(env or {})})
-        self.procs.append(proc)
-        return proc
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=30)
-            for pipe in (proc.stdout, proc.stderr):
-                if pipe:
-                    pipe.close()
-
-
 @pytest.fixture
-def agents(tmp_path):
-    group = Agents(tmp_path)
-    yield group
-    group.kill_all()
+def agents(agent_processes):
+    """Real ``fsm-agent run`` processes in tmp_path (fsm-agent's test kit, AgentProcesses)."""
+    return agent_processes
