@@ -36,6 +36,7 @@ from fsm_agent.worker import RestartDecision, RunResult, Worker, WorkerFailure, 
 log = logging.getLogger(__name__)
 S = WorkerState
 EXIT_BARRIER_PREFIX = "torchelastic/agent/terminal_state"  # torch's key: torchrun peers share it
+STACK_DUMP_WAIT_S = 5.0  # at most this long for an aborted hung worker to write its stacks and exit
 HANG_EXIT_CODE = 124  # what a hung worker counts as: timeout(1)'s "timed out"
 
 
@@ -472,6 +473,10 @@ class ElasticAgent:
                         f.write(stacks)
             else:
                 self._launcher.signal_worker(local_rank, signal.SIGABRT)
+                # Let faulthandler finish writing before the group's SIGTERM can cut the dump short.
+                exit_fds = [fd for fd, rank in self._launcher.wait_fds().items() if rank == local_rank]
+                if exit_fds:
+                    select.select(exit_fds, [], [], STACK_DUMP_WAIT_S)
 
     def _collect_hang_failures(self) -> None:
         stacks = getattr(self, "_hung_stacks", {})
