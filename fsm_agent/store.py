@@ -629,6 +629,9 @@ class StoreClient:
         self._sock: socket.socket | None = None
         self._buf = bytearray()
         self._lock = threading.RLock()
+        # Guards only _sock and _closed, so abort() (which must not wait for a request in flight)
+        # and _open() agree: a socket opened after abort() is closed at once, never used.
+        self._sock_guard = threading.Lock()
         self._closed = False
         self.server_now: float | None = None  # the server clock at the last reply that carried it
 
@@ -679,12 +682,18 @@ class StoreClient:
                     raise StoreConnectionError(
                         f"fsm store at {self.endpoint}: could not connect within {self.connect_timeout:g} s: "
                         f"{exc.strerror or exc}") from None
+            if self._closed:  # abort() while the server is not up yet: stop retrying
+                raise StoreConnectionError(f"fsm store client for {self.endpoint} is closed")
             # The server is not listening yet (its host starts later): the one wait outside the server.
             time.sleep(min(delay, max(0.0, remaining)))
             delay = min(delay * 2, 0.25)
         del last
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock, self._buf = sock, bytearray()
+        with self._sock_guard:
+            if self._closed:  # aborted while connecting: do not hand a live socket to a dying client
+                sock.close()
+                raise StoreConnectionError(f"fsm store client for {self.endpoint} is closed")
+            self._sock, self._buf = sock, bytearray()
         try:
             self._send({"op": "hello", "proto": PROTO})
             reply = self._recv(time.monotonic() + self.handshake_timeout, handshake=True)
@@ -713,14 +722,18 @@ class StoreClient:
 
     def close(self) -> None:
         """Close the connection; the server drops this client's ephemeral keys."""
+        self.abort()  # a request in flight on another thread ends now instead of holding the lock
         with self._lock:
-            self._closed = True
             self._reset()
 
     def abort(self) -> None:
-        """Close the socket without taking the lock: wakes a thread blocked in a request on it."""
-        self._closed = True
-        sock = self._sock
+        """Shut the socket down without waiting for a request in flight: wakes a thread blocked on it.
+
+        The client stays closed: no later request reconnects.
+        """
+        with self._sock_guard:
+            self._closed = True
+            sock = self._sock
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)

@@ -395,6 +395,42 @@ def test_client_waits_for_a_server_that_starts_later():
         srv.close()
 
 
+def test_abort_stops_a_client_still_connecting_and_it_never_reconnects():
+    """abort() from another thread ends a connect that waits for a server, and the client stays closed.
+
+    Regression: a reconnect racing abort() left a live socket under a blocked request, so close()
+    waited forever for the request lock (the fsm backend's shutdown hung).
+    """
+    probe = StoreServer().bind()
+    port = probe.port
+    probe.close()
+    c = StoreClient("127.0.0.1", port, connect_timeout=30)
+    t, box = in_thread(c.set, "k", b"v")
+    time.sleep(0.3)
+    c.abort()
+    t.join(5)
+    assert not t.is_alive(), "abort() did not end the connect loop"
+    assert isinstance(box["error"], StoreConnectionError) and "closed" in str(box["error"])
+    srv = StoreServer("127.0.0.1", port).start()
+    try:
+        with pytest.raises(StoreConnectionError, match="closed"):
+            c.set("k", b"v")
+    finally:
+        srv.close()
+
+
+def test_close_from_another_thread_ends_a_blocked_request(server):
+    """close() does not wait for a request blocked on the server: it ends it, then returns."""
+    c = StoreClient("127.0.0.1", server.port)
+    t, box = in_thread(c.get, "never", timedelta(seconds=60))
+    time.sleep(0.2)
+    closer, closed = in_thread(c.close)
+    closer.join(5)
+    t.join(5)
+    assert not closer.is_alive() and not t.is_alive()
+    assert isinstance(box["error"], StoreConnectionError)
+
+
 def test_server_gone_raises_connection_error_naming_the_endpoint():
     srv = StoreServer().start()
     c = StoreClient("127.0.0.1", srv.port, connect_timeout=0.2)
