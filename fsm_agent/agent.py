@@ -31,13 +31,13 @@ from fsm_agent.logs import LogsLayout, WorkerLogs
 from fsm_agent.plugins.manager import reject_listener_wrappers
 from fsm_agent.ranks import assign_ranks
 from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine
-from fsm_agent.worker import RestartDecision, RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec
+from fsm_agent.worker import (HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, FailureClass, RestartDecision, RunResult,
+                              Worker, WorkerFailure, WorkerGroup, WorkerSpec, first_failure)
 
 log = logging.getLogger(__name__)
 S = WorkerState
 EXIT_BARRIER_PREFIX = "torchelastic/agent/terminal_state"  # torch's key: torchrun peers share it
 STACK_DUMP_WAIT_S = 5.0  # at most this long for an aborted hung worker to write its stacks and exit
-HANG_EXIT_CODE = 124  # what a hung worker counts as: timeout(1)'s "timed out"
 
 
 class SignalStop(BaseException):
@@ -141,8 +141,10 @@ class ElasticAgent:
         self._worker_store = None
         self._hang = HangDetector(spec.hang_timeout)
         self._hung: dict[int, str] = {}
+        self._health_problem: str | None = None  # what a health-check plugin reported
         self._exits: dict[int, int] | None = None  # the launcher's last answer to poll()
         self._decision: RestartDecision | None = None
+        self._decided_class: str | None = None  # the failure class of a decision not yet acted on
         self._error: str | None = None
         self._signal: int | None = None
         self._interruptible = False
@@ -192,9 +194,11 @@ class ElasticAgent:
         finally:
             self._restore_signal_handlers(previous)
             self._release()
+        gave_up = self.state == S.FAILED and self._decision is not None and not self._decision.restart
         result = RunResult(state=self.state, return_values=dict(self._return_values),
                            failures=dict(self._failures), error=self._error, signal=self._signal,
-                           restart_count=self.restart_count)
+                           restart_count=self.restart_count,
+                           verdict=(self._decision.reason or None) if gave_up else None)
         self._record_final_metrics(result)
         self._broadcast("fsm_agent_record_event", event=self._event("run_end", state=result.state.value,
                                                                     exit_code=result.exit_code, error=result.error))
@@ -260,8 +264,11 @@ class ElasticAgent:
 
     def _wait_for_fact(self) -> str | None:
         """Block until something happens to the running workers; return the trigger it means."""
-        if self.state == S.UNHEALTHY:  # entered through workers_hung: the hung ranks are the failure
-            self._collect_hang_failures()
+        if self.state == S.UNHEALTHY:  # entered through workers_hung or health_check_failed
+            if self._health_problem is not None:
+                self._collect_health_failures()
+            else:
+                self._collect_hang_failures()
             self._decide_restart()
             return "workers_failed"
         tick = self._tick_interval
@@ -281,9 +288,10 @@ class ElasticAgent:
         if self._signal is not None:
             return "stop_requested"
         self._hang.read_timer_requests()
-        if membership and membership[0] in ready and self._membership_changed():
+        if membership and membership[0] in ready and (change := self._membership_change()):
             # A lost peer usually fails our workers too (their collectives break); the cause is the
             # membership change, which is not counted as a restart.
+            self._decide_restart(change)
             return "membership_changed"
         if self._exits is None or ticked or set(ready) & set(launcher_fds):  # else nothing can have exited
             self._exits = self._launcher.poll()
@@ -306,7 +314,12 @@ class ElasticAgent:
                 self._hung = self._hang.hung_workers(self._launcher.pids(), set(exits))
                 if self._hung:
                     return "workers_hung"
-            if self.state == S.HEALTHY and self._membership_changed():
+            if self.state == S.HEALTHY and self._has_health_checks:
+                self._health_problem = self._check_health()
+                if self._health_problem is not None:
+                    return "health_check_failed"
+            if self.state == S.HEALTHY and (change := self._membership_change()):
+                self._decide_restart(change)
                 return "membership_changed"
         return None
 
@@ -316,13 +329,28 @@ class ElasticAgent:
         get_fd = getattr(self._rdzv_handler, "membership_fd", None)
         return get_fd() if get_fd is not None else None
 
-    def _membership_changed(self) -> bool:
+    def _membership_change(self) -> str | None:
+        """``node_lost`` (a peer stopped keeping the rendezvous alive), ``membership_change`` (nodes
+        wait to join), or None."""
         lost = getattr(self._rdzv_handler, "num_nodes_lost", lambda: 0)()
         waiting = self._rdzv_handler.num_nodes_waiting()
         if lost or waiting:
-            log.info("[%s] membership changed (%s node(s) lost, %s waiting): restarting the group (not counted)",
-                     self.spec.role, lost, waiting)
-        return bool(lost or waiting)
+            log.info("[%s] membership changed: %s node(s) lost, %s waiting", self.spec.role, lost, waiting)
+        if lost:
+            return FailureClass.NODE_LOST
+        return FailureClass.MEMBERSHIP_CHANGE if waiting else None
+
+    @property
+    def _has_health_checks(self) -> bool:
+        return bool(self.plugin_manager.hook.fsm_agent_health_check.get_hookimpls())
+
+    def _check_health(self) -> str | None:
+        """Ask every health-check plugin; their complaints joined, or None when all are content."""
+        answers = self.plugin_manager.hook.fsm_agent_health_check(worker_group=self._worker_group)
+        problems = [str(answer) for answer in answers if answer]
+        if problems:
+            log.warning("[%s] health check failed: %s", self.spec.role, "; ".join(problems))
+        return "; ".join(problems) or None
 
     # -- guards ---------------------------------------------------------------------------------
     def has_restarts_left(self, event=None) -> bool:
@@ -330,6 +358,10 @@ class ElasticAgent:
         if self._decision is None:
             return self.restart_count < self.spec.max_restarts
         return self._decision.restart
+
+    def excludes_this_node(self, event=None) -> bool:
+        """The restart policy took this node out of the job (``RestartDecision.exclude_node``)."""
+        return self._decision is not None and self._decision.exclude_node
 
     @property
     def _tick_interval(self) -> float | None:
@@ -341,15 +373,27 @@ class ElasticAgent:
         """
         if self._hang.enabled:
             return min(self.spec.monitor_interval, 0.5)
+        if self._has_health_checks:
+            return self.spec.monitor_interval
         if self._membership_fd is not None:
             return None
         return self.spec.monitor_interval
 
-    def _decide_restart(self) -> None:
+    def _decide_restart(self, membership_change: str | None = None) -> None:
+        """Ask the restart policy about the failed workers, or about a ``membership_change`` class."""
+        if membership_change is not None:
+            failure_class, default = membership_change, RestartDecision(True, reason="re-rendezvous (not counted)")
+        else:
+            failure_class = first_failure(self._failures).failure_class
+            default = RestartDecision(self.restart_count < self.spec.max_restarts)
         decision = self.plugin_manager.hook.fsm_agent_restart_policy(
-            failures=dict(self._failures), worker_group=self._worker_group, restart_count=self.restart_count)
-        self._decision = decision or RestartDecision(self.restart_count < self.spec.max_restarts)
-        log.warning("[%s] workers failed: %s", self.spec.role, self._decision.reason or self._decision)
+            failures=dict(self._failures), worker_group=self._worker_group, restart_count=self.restart_count,
+            failure_class=failure_class)
+        self._decision, self._decided_class = decision or default, failure_class
+        what = failure_class.replace("_", " ") if membership_change else "workers failed"
+        log.warning("[%s] %s: %s", self.spec.role, what, self._decision.reason or self._decision)
+        if membership_change is not None and not self._decision.restart:
+            self._error = f"{failure_class}: {self._decision.reason or 'the restart policy gave up'}"
 
     # -- steps named in the table ---------------------------------------------------------------
     def _rendezvous(self, event=None) -> None:
@@ -438,6 +482,7 @@ class ElasticAgent:
                 error_file=self._worker_logs[worker.local_rank].error_file,
                 use_agent_store=self._use_agent_store, extra=extra)
         self._failures, self._reported_exits, self._return_values, self._exits = {}, set(), {}, None
+        self._health_problem = None
         pids = self._launcher.start(spec, envs, self._worker_logs, self._logs.filtered_paths(self.restart_count))
         for worker in group.workers:
             worker.id = pids[worker.local_rank]
@@ -478,6 +523,15 @@ class ElasticAgent:
                 if exit_fds:
                     select.select(exit_fds, [], [], STACK_DUMP_WAIT_S)
 
+    def _collect_health_failures(self) -> None:
+        """A node found unhealthy fails every local worker (class ``health_check``)."""
+        for worker in self._worker_group.workers:
+            self._failures[worker.global_rank] = WorkerFailure(
+                local_rank=worker.local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank,
+                pid=worker.id, exitcode=HEALTH_CHECK_EXIT_CODE, timestamp=time.time(),
+                message=f"health check: {self._health_problem}", hostname=self.hostname,
+                failure_class=FailureClass.HEALTH_CHECK)
+
     def _collect_hang_failures(self) -> None:
         stacks = getattr(self, "_hung_stacks", {})
         for local_rank, why in self._hung.items():
@@ -489,7 +543,7 @@ class ElasticAgent:
             self._failures[worker.global_rank] = WorkerFailure(
                 local_rank=local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank, pid=worker.id,
                 exitcode=HANG_EXIT_CODE, timestamp=time.time(), message=f"hang: {why}", traceback=trace,
-                hostname=self.hostname, failure_class="hang")
+                hostname=self.hostname, failure_class=FailureClass.HANG)
 
     def _exit_barrier(self, event=None) -> None:
         """Wait (up to exit_barrier_timeout s) until every agent is done, as torch's ``_exit_barrier``.
@@ -555,7 +609,7 @@ class ElasticAgent:
                 local_rank=local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank,
                 pid=worker.id, exitcode=code, timestamp=times.get(local_rank, time.time()),
                 error_file=error_file if parsed is not None else "<N/A>", message=message, traceback=trace,
-                hostname=self.hostname, failure_class="signal" if code < 0 else "exit_code",
+                hostname=self.hostname, failure_class=FailureClass.SIGNAL if code < 0 else FailureClass.EXIT_CODE,
                 error_timestamp=error_ts)
 
     # -- hooks after every transition ------------------------------------------------------------
@@ -572,9 +626,12 @@ class ElasticAgent:
         self.transitions.append(record)
         role = self.spec.role
         self._broadcast("fsm_agent_state_changed", transition=record)
+        # The transition the restart policy just decided on records what it decided about.
+        decided = {"failure_class": self._decided_class} if self._decided_class else {}
+        self._decided_class = None
         self._broadcast("fsm_agent_record_event", event=self._event(
             "transition", source=record.source, dest=record.dest, trigger=trigger,
-            duration_s=round(record.duration_s, 6), error=record.error))
+            duration_s=round(record.duration_s, 6), error=record.error, **decided))
         self._put_metric("torchelastic", f"workers.{role}.remaining_restarts", self.remaining_restarts)
         self._put_metric("torchelastic", f"workers.{role}.{dest.lower()}", 1)
         self._put_metric("fsm_agent", f"state.{source}.duration_s", record.duration_s)
@@ -670,8 +727,10 @@ class ElasticAgent:
         self._hang.close()
         self._close_worker_store()
         # torch's shutdown() closes the rendezvous for everyone, so it is skipped on a signal (as
-        # torch does); a backend whose shutdown only leaves says so and always gets it.
-        if self._signal is None or not getattr(self._rdzv_handler, "shutdown_closes_rendezvous", True):
+        # torch does) and when this node was excluded (the others carry on without it); a backend
+        # whose shutdown only leaves says so and always gets it.
+        leaving_alone = self._signal is not None or self.excludes_this_node()
+        if not leaving_alone or not getattr(self._rdzv_handler, "shutdown_closes_rendezvous", True):
             try:
                 self._rdzv_handler.shutdown()
             except Exception as exc:

@@ -55,6 +55,8 @@ def format_summary(name: str, result: RunResult) -> str:
     """
     width = 72
     lines = ["=" * width, f"{name} FAILED", "-" * width]
+    if result.verdict:  # what the restart policy decided, e.g. "no restarts left (max_restarts=3)"
+        lines += [f"Verdict: {result.verdict}", "-" * width]
     cause = result.root_cause
     if cause is None:
         lines += ["Root Cause (first observed failure):", f"  {result.error or 'agent stopped'}"]

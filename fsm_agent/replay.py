@@ -46,7 +46,6 @@ __all__ = ["Divergence", "ReplayResult", "RunReplay", "cli_main", "read_events",
 
 #: Built-in plugins a replay never loads: coverage counts only the run loop's own transitions.
 NOT_REPLAYED_PLUGINS = ("statechart-coverage",)
-HANG_EXIT_CODE = 124
 
 
 @attrs.frozen
@@ -263,15 +262,17 @@ class _ReplayLauncher:
         pass
 
 
-def _failures(agent: Any, exits: list[dict], hung: bool) -> dict[int, Any]:
-    """The WorkerFailures the restart policy saw, rebuilt from the attempt's worker_exit records."""
+def _failures(agent: Any, exits: list[dict], failure_class: str | None) -> dict[int, Any]:
+    """The WorkerFailures the restart policy saw, rebuilt from the attempt's worker_exit records
+    and the ``failure_class`` the transition recorded (None in files from older versions)."""
     import time
 
-    from fsm_agent.worker import WorkerFailure
+    from fsm_agent.worker import HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, FailureClass, WorkerFailure
 
     workers = agent.get_worker_group().workers
     failures = {}
-    for record in exits:
+    from_exits = failure_class not in (FailureClass.HANG, FailureClass.HEALTH_CHECK)
+    for record in exits if from_exits else ():
         code = int(record.get("exit_code", 1))
         if code == 0:
             continue
@@ -281,13 +282,14 @@ def _failures(agent: Any, exits: list[dict], hung: bool) -> dict[int, Any]:
         failures[global_rank] = WorkerFailure(
             local_rank=rank, global_rank=global_rank, role_rank=int(record.get("role_rank", worker.role_rank)),
             pid=int(record.get("pid") or 0), exitcode=code, timestamp=float(record.get("ts", time.time())),
-            failure_class="signal" if code < 0 else "exit_code")
-    if not failures:  # a hang, or a failure whose exit records are missing: one failed worker
+            failure_class=FailureClass.SIGNAL if code < 0 else FailureClass.EXIT_CODE)
+    if not failures:  # a hang, a health check, or a failure whose exit records are missing: one failed worker
         worker = workers[0]
+        cls = failure_class if not from_exits else FailureClass.EXIT_CODE
+        code = {FailureClass.HANG: HANG_EXIT_CODE, FailureClass.HEALTH_CHECK: HEALTH_CHECK_EXIT_CODE}.get(cls, 1)
         failures[worker.global_rank] = WorkerFailure(
             local_rank=0, global_rank=worker.global_rank, role_rank=worker.role_rank, pid=worker.id or 0,
-            exitcode=HANG_EXIT_CODE if hung else 1, timestamp=time.time(),
-            failure_class="hang" if hung else "exit_code")
+            exitcode=code, timestamp=time.time(), failure_class=cls)
     return failures
 
 
@@ -349,9 +351,12 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
                                            peer_restart_count=record.get("restart_count") if world > 1 else None)]
                 exits = []
             if trigger == "workers_failed":
-                agent._failures = _failures(agent, exits, hung=source == "UNHEALTHY")
+                agent._failures = _failures(agent, exits, record.get("failure_class")
+                                            or ("hang" if source == "UNHEALTHY" else None))
                 agent._decide_restart()
                 agent._decision = attrs.evolve(agent._decision, delay_s=0.0)
+            elif trigger == "membership_changed":
+                agent._decide_restart(record.get("failure_class") or "membership_change")
             try:
                 if _last_resort(record):
                     agent._error = str(record.get("error"))

@@ -159,6 +159,36 @@ class WorkerGroup:
     master_port: int | None = None
 
 
+class FailureClass:
+    """Why an attempt ended badly: the ``failure_class`` the restart policy decides on.
+
+    Worker failures (one ``WorkerFailure`` per failed worker): ``EXIT_CODE``, ``SIGNAL``, ``HANG``
+    (no heartbeat or FileTimer expiry), ``HEALTH_CHECK`` (a ``fsm_agent_health_check`` plugin
+    reported the node unhealthy). Group-level causes (no worker failed): ``NODE_LOST`` (a peer
+    stopped keeping its rendezvous alive or left), ``MEMBERSHIP_CHANGE`` (nodes wait to join:
+    scale-up). ``AGENT_ERROR``: the agent or a plugin raised; the group lands in UNKNOWN
+    without asking the policy (the agent can no longer vouch for its workers).
+    """
+
+    EXIT_CODE = "exit_code"
+    SIGNAL = "signal"
+    HANG = "hang"
+    HEALTH_CHECK = "health_check"
+    NODE_LOST = "node_lost"
+    MEMBERSHIP_CHANGE = "membership_change"
+    AGENT_ERROR = "agent_error"
+    #: Every class, in documentation order.
+    ALL = (EXIT_CODE, SIGNAL, HANG, HEALTH_CHECK, NODE_LOST, MEMBERSHIP_CHANGE, AGENT_ERROR)
+    #: The classes the restart policy is asked about (an agent error never is).
+    DECIDED = ALL[:-1]
+
+
+#: The exit code a worker counts as when it did not exit but was found hung (timeout(1)'s "timed out").
+HANG_EXIT_CODE = 124
+#: The exit code the workers of a node found unhealthy count as (sysexits' EX_UNAVAILABLE).
+HEALTH_CHECK_EXIT_CODE = 69
+
+
 def signal_name(exitcode: int) -> str:
     """``-9`` -> ``"SIGKILL"``; a non-negative code gives ``"<N/A>"`` (as torch's ProcessFailure)."""
     if exitcode < 0:
@@ -182,7 +212,8 @@ class WorkerFailure:
         message: the error message from error.json, else a description of the exit.
         traceback: ``py_callstack`` from error.json, else the last lines of the worker's stderr log, else "".
         hostname: the node the worker ran on.
-        failure_class: why it failed: ``exit_code``, ``signal``, ``hang`` ...
+        failure_class: why it failed, a ``FailureClass`` value: ``exit_code``, ``signal``, ``hang``
+            or ``health_check``.
     """
 
     local_rank: int
@@ -216,11 +247,33 @@ class RestartDecision:
         restart: True to restart the worker group, False to give up (the group goes to FAILED).
         delay_s: seconds to wait before the next rendezvous (backoff); 0 for none.
         reason: one line for logs and the summary, e.g. ``"no restarts left (max_restarts=0)"``.
+        exclude_node: with ``restart=False``: take only this node out of the job. The agent stops
+            its workers and leaves the rendezvous without releasing the exit barrier, so the
+            other nodes see a lost node and carry on (if at least ``min_nodes`` remain); this
+            agent ends FAILED. False (the default) with ``restart=False``: the whole job gives up.
+
+    Raises:
+        ValueError: ``restart`` and ``exclude_node`` both True, or a negative ``delay_s``.
     """
 
     restart: bool
     delay_s: float = 0.0
     reason: str = ""
+    exclude_node: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.restart and self.exclude_node:
+            raise ValueError("RestartDecision: restart and exclude_node cannot both be True")
+        if self.delay_s < 0:
+            raise ValueError(f"RestartDecision: delay_s must be >= 0 seconds, got {self.delay_s}")
+
+
+def first_failure(failures: "dict[int, WorkerFailure]") -> WorkerFailure | None:
+    """The root cause among ``failures``: the earliest error (error.json time, else exit time),
+    then the lowest global rank; None when empty. Mirrors torch's ``get_first_failure``."""
+    if not failures:
+        return None
+    return min(failures.values(), key=lambda f: (f.error_timestamp or f.timestamp, f.timestamp, f.global_rank))
 
 
 @attrs.frozen
@@ -235,6 +288,8 @@ class RunResult:
         error: the agent-level error message (rendezvous failure, plugin exception), if any.
         signal: the signal number that stopped the agent, if one did.
         restart_count: restarts used.
+        verdict: the restart policy's reason when it gave up or took this node out of the job
+            (``RestartDecision.reason``), else None.
     """
 
     state: WorkerState
@@ -243,6 +298,7 @@ class RunResult:
     error: str | None = None
     signal: int | None = None
     restart_count: int = 0
+    verdict: str | None = None
 
     def is_failed(self) -> bool:
         """True unless the group SUCCEEDED (torch checks only FAILED and so misses UNHEALTHY)."""
@@ -251,9 +307,7 @@ class RunResult:
     @property
     def root_cause(self) -> WorkerFailure | None:
         """The first observed failure (smallest timestamp), as torch's ``get_first_failure``."""
-        if not self.failures:
-            return None
-        return min(self.failures.values(), key=lambda f: (f.error_timestamp or f.timestamp, f.timestamp, f.global_rank))
+        return first_failure(self.failures)
 
     @property
     def exit_code(self) -> int:

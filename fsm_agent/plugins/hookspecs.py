@@ -162,24 +162,54 @@ def fsm_agent_worker_exited(worker: "Worker", worker_group: "WorkerGroup", exitc
 
 @hookspec(firstresult=True)
 def fsm_agent_restart_policy(
-    failures: "dict[int, WorkerFailure]", worker_group: "WorkerGroup", restart_count: int
+    failures: "dict[int, WorkerFailure]", worker_group: "WorkerGroup", restart_count: int, failure_class: str
 ) -> "RestartDecision | None":
-    """Decide whether a failed attempt is restarted, after how long, or given up.
+    """Decide whether a failed attempt is restarted, after how long, given up, or this node leaves.
 
     Args:
-        failures: ``{global_rank: WorkerFailure}`` of this attempt; each has ``failure_class``
-            (``exit_code``, ``signal`` or ``hang``) and ``exitcode``.
-        worker_group: the failed group (``spec.max_restarts`` is the budget).
-        restart_count: restarts already used.
+        failures: ``{global_rank: WorkerFailure}`` of this attempt's failed workers on this node
+            (each has ``failure_class`` and ``exitcode``); empty for a membership change.
+        worker_group: the group (``spec.max_restarts`` is the budget).
+        restart_count: restarts already used (membership changes do not count, as in torch).
+        failure_class: a ``fsm_agent.worker.FailureClass`` value: the root cause's class
+            (``exit_code``, ``signal``, ``hang``, ``health_check``), or ``node_lost`` /
+            ``membership_change`` when the rendezvous membership changed.
 
     Returns:
-        A RestartDecision; the first non-None answer wins. The built-in ``restart-policy``
-        plugin answers last (``trylast``): torchrun's budget, the do-not-restart exit code, and
-        exponential backoff with jitter when ``FSM_AGENT_RESTART_BACKOFF`` (seconds) is set.
+        A RestartDecision (restart, ``delay_s`` backoff, give up, or ``exclude_node``); the first
+        non-None answer wins. The built-in ``restart-policy`` plugin answers last (``trylast``):
+        torchrun's budget, the do-not-restart exit code, per-class budgets, ``--exclude-node-on``,
+        and exponential backoff with jitter when ``--restart-backoff`` (seconds) is set.
 
     Called from:
-        The run loop while the group is HEALTHY or UNHEALTHY, when workers failed, before
-        ``workers_failed`` fires; its answer is what the guard ``has_restarts_left`` reads.
+        The run loop while the group is HEALTHY or UNHEALTHY, when workers failed (before
+        ``workers_failed`` fires) or the membership changed (before ``membership_changed``); its
+        answer is what the guards ``has_restarts_left`` and ``excludes_this_node`` read.
+    """
+
+
+@hookspec
+def fsm_agent_health_check(worker_group: "WorkerGroup") -> str | None:
+    """Check this node's health while its workers run (GPUs, disks, network, ...).
+
+    Implement it only when a check is configured: while any plugin implements it, the run loop
+    ticks every ``monitor_interval`` seconds to call it. A check that is slow or costly keeps
+    its own cadence (the built-in ``health-check`` plugin runs a command every
+    ``--health-check-interval`` seconds) and returns None between runs. It runs on the agent's
+    loop: keep it short and bounded.
+
+    Args:
+        worker_group: the running group.
+
+    Returns:
+        None when healthy; else one line saying what is wrong. Any such answer marks the node
+        unhealthy: every local worker is failed with ``failure_class`` ``health_check`` and the
+        restart policy decides (restart, give up, or take this node out with ``exclude_node``).
+        An exception is an agent error (the group lands in UNKNOWN).
+
+    Called from:
+        The run loop while the group is HEALTHY, every ``monitor_interval`` seconds; an answer
+        fires ``health_check_failed``.
     """
 
 

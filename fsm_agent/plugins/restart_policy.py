@@ -1,11 +1,19 @@
-"""Built-in restart policy: torchrun's budget, a do-not-restart exit code, optional backoff.
+"""Built-in restart policy: torchrun's budget, a do-not-restart exit code, per-class budgets,
+node exclusion, optional backoff.
+
+Worker failures (the root cause's class: ``exit_code``, ``signal``, ``hang``, ``health_check``):
 
 - A worker exiting with ``DO_NOT_RESTART_EXIT_CODE`` (78, ``EX_CONFIG``: "restarting will not
   help") makes the group give up at once, whatever restarts are left.
+- ``--exclude-node-on health_check,hang`` (``[plugins.restart-policy] exclude_node_on``): a failure
+  of one of those classes takes this node out of the job (``RestartDecision.exclude_node``): its
+  agent ends FAILED while the other nodes re-rendezvous without it (``--nnodes MIN:MAX`` permitting).
 - Otherwise restart while ``restart_count < max_restarts`` (torchrun's semantics).
-- ``--restart-budgets hang=1,signal=2`` (``[plugins.restart-policy] budgets``): per failure class
-  (``exit_code``, ``signal``, ``hang``; the root cause's class counts), at most that many restarts
-  of that class; ``--max-restarts`` stays the overall budget.
+- ``--restart-budgets hang=1,signal=2`` (``[plugins.restart-policy] budgets``): per failure class,
+  at most that many restarts of that class; ``--max-restarts`` stays the overall budget.
+
+Membership changes (``node_lost``, ``membership_change``): re-rendezvous without counting a
+restart, as torch does, unless a budget for that class is spent (``--restart-budgets node_lost=2``).
 - ``--restart-backoff S`` (``FSM_AGENT_RESTART_BACKOFF``, ``[plugins.restart-policy] backoff``)
   waits ``S * 2**restart_count`` seconds, capped by ``--restart-backoff-max`` (default 60), times
   a jitter factor in [0.5, 1.5), before restarting. 0 (the default): restart at once, as torchrun.
@@ -19,7 +27,7 @@ from __future__ import annotations
 import random
 
 from fsm_agent.plugins import hookimpl
-from fsm_agent.worker import RestartDecision
+from fsm_agent.worker import FailureClass, RestartDecision, first_failure
 
 PLUGIN_NAME = "restart-policy"
 DO_NOT_RESTART_EXIT_CODE = 78
@@ -37,7 +45,24 @@ def _non_negative(value: float) -> None:
         raise ValueError(f"expected seconds >= 0, got {value}")
 
 
-FAILURE_CLASSES = ("exit_code", "signal", "hang")
+#: Classes a budget can name: every class the policy is asked about.
+FAILURE_CLASSES = FailureClass.DECIDED
+#: Classes that can take a node out: failures of this node's own workers.
+EXCLUDABLE_CLASSES = (FailureClass.EXIT_CODE, FailureClass.SIGNAL, FailureClass.HANG, FailureClass.HEALTH_CHECK)
+MEMBERSHIP_CLASSES = (FailureClass.NODE_LOST, FailureClass.MEMBERSHIP_CHANGE)
+
+
+def parse_exclude_node_on(text: str) -> tuple[str, ...]:
+    """``"health_check,hang"`` -> ("health_check", "hang").
+
+    Raises:
+        ValueError: a name that is not one of ``EXCLUDABLE_CLASSES``.
+    """
+    names = tuple(filter(None, (part.strip() for part in (text or "").split(","))))
+    for name in names:
+        if name not in EXCLUDABLE_CLASSES:
+            raise ValueError(f"expected failure classes among {', '.join(EXCLUDABLE_CLASSES)}, got {name!r}")
+    return names
 
 
 def parse_budgets(text: str) -> dict[str, int]:
@@ -63,30 +88,50 @@ def fsm_agent_addoption(options):
                 check=_non_negative, help="seconds before the first restart, doubling each time (with jitter); 0: none")
     options.add("backoff_max", type=float, default=60.0, flag="--restart-backoff-max",
                 env="FSM_AGENT_RESTART_BACKOFF_MAX", check=_non_negative, help="cap on the restart backoff, seconds")
+    options.add("exclude_node_on", type=str, default="", flag="--exclude-node-on", env="FSM_AGENT_EXCLUDE_NODE_ON",
+                check=parse_exclude_node_on,
+                help="failure classes that take this node out of the job instead of restarting it, "
+                     "e.g. health_check,hang (default: none)")
 
 
 class RestartPolicy:
     """The default policy for one agent, with its backoff settings (seconds)."""
 
-    def __init__(self, backoff: float = 0.0, backoff_max: float = 60.0, budgets: dict[str, int] | None = None):
+    def __init__(self, backoff: float = 0.0, backoff_max: float = 60.0, budgets: dict[str, int] | None = None,
+                 exclude_node_on: tuple[str, ...] = ()):
         self.backoff, self.backoff_max = backoff, backoff_max
         self.budgets = dict(budgets or {})
+        self.exclude_node_on = tuple(exclude_node_on)
         self.spent: dict[str, int] = {}
 
+    def _spend(self, kind: str) -> RestartDecision | None:
+        """Count one restart of class ``kind``; a give-up decision when its budget is spent."""
+        if kind in self.budgets and self.spent.get(kind, 0) >= self.budgets[kind]:
+            return RestartDecision(False, reason=f"no {kind} restarts left (budget {kind}={self.budgets[kind]})")
+        self.spent[kind] = self.spent.get(kind, 0) + 1
+        return None
+
     @hookimpl(trylast=True)
-    def fsm_agent_restart_policy(self, failures, worker_group, restart_count):
+    def fsm_agent_restart_policy(self, failures, worker_group, restart_count, failure_class):
+        if failure_class in MEMBERSHIP_CLASSES:
+            return self._spend(failure_class) or RestartDecision(
+                True, reason=f"{failure_class.replace('_', ' ')}: re-rendezvous (not counted against max_restarts)")
         max_restarts = worker_group.spec.max_restarts
         refusing = sorted(r for r, f in failures.items() if f.exitcode == DO_NOT_RESTART_EXIT_CODE)
         if refusing:
             return RestartDecision(False, reason=f"rank {refusing[0]} exited with {DO_NOT_RESTART_EXIT_CODE} "
                                                  f"(do not restart)")
+        cause = first_failure(failures)
+        kind = cause.failure_class if cause is not None else failure_class
+        if kind in self.exclude_node_on:
+            return RestartDecision(False, exclude_node=True,
+                                   reason=f"{kind}{f' on rank {cause.global_rank}' if cause else ''}: this node leaves the job "
+                                          f"(exclude_node_on={','.join(self.exclude_node_on)})")
         if restart_count >= max_restarts:
             return RestartDecision(False, reason=f"no restarts left (max_restarts={max_restarts})")
-        cause = min(failures.values(), key=lambda f: (f.error_timestamp or f.timestamp, f.global_rank))
-        kind = cause.failure_class
-        if kind in self.budgets and self.spent.get(kind, 0) >= self.budgets[kind]:
-            return RestartDecision(False, reason=f"no {kind} restarts left (budget {kind}={self.budgets[kind]})")
-        self.spent[kind] = self.spent.get(kind, 0) + 1
+        spent = self._spend(kind)
+        if spent is not None:
+            return spent
         delay = backoff_delay(restart_count, self.backoff, self.backoff_max)
         return RestartDecision(True, delay_s=delay, reason=f"restart {restart_count + 1} of {max_restarts}"
                                                            + (f" after {delay:.2f}s backoff" if delay else ""))
@@ -96,5 +141,6 @@ class RestartPolicy:
 def fsm_agent_configure(config, agent):
     options = config.plugin_options(PLUGIN_NAME) if config is not None else {}
     policy = RestartPolicy(backoff=options.get("backoff") or 0.0, backoff_max=options.get("backoff_max") or 60.0,
-                           budgets=parse_budgets(options.get("budgets") or ""))
+                           budgets=parse_budgets(options.get("budgets") or ""),
+                           exclude_node_on=parse_exclude_node_on(options.get("exclude_node_on") or ""))
     agent.plugin_manager.register(policy, f"{PLUGIN_NAME}-{id(agent)}")

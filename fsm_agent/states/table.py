@@ -27,15 +27,25 @@ TRANSITIONS: list[dict] = [
     # -- while the workers run ------------------------------------------------------------------
     dict(trigger="workers_hung", source=S.HEALTHY, dest=S.UNHEALTHY,
          before="_dump_worker_stacks"),
+    # A health-check plugin found the node unhealthy: its workers count as failed (class health_check).
+    dict(trigger="health_check_failed", source=S.HEALTHY, dest=S.UNHEALTHY),
     dict(trigger="workers_succeeded", source=_RUNNING, dest=S.SUCCEEDED,
          before="_exit_barrier"),
+    # The restart policy decides: restart; take only this node out (it leaves without releasing
+    # the exit barrier, so the others re-rendezvous without it); or give up the job.
     dict(trigger="workers_failed", source=_RUNNING, dest=S.STOPPED,
          conditions="has_restarts_left", before="_stop_workers", after="_count_restart"),
     dict(trigger="workers_failed", source=_RUNNING, dest=S.FAILED,
-         unless="has_restarts_left", before=["_stop_workers", "_release_exit_barrier"]),
-    # A membership change restarts the group without spending a restart (torch semantics).
+         conditions="excludes_this_node", unless="has_restarts_left", before="_stop_workers"),
+    dict(trigger="workers_failed", source=_RUNNING, dest=S.FAILED,
+         unless=["has_restarts_left", "excludes_this_node"], before=["_stop_workers", "_release_exit_barrier"]),
+    # A node lost or waiting to join: by default a restart that is not counted (torch semantics).
     dict(trigger="membership_changed", source=S.HEALTHY, dest=S.STOPPED,
-         before="_stop_workers"),
+         conditions="has_restarts_left", before="_stop_workers"),
+    dict(trigger="membership_changed", source=S.HEALTHY, dest=S.FAILED,
+         conditions="excludes_this_node", unless="has_restarts_left", before="_stop_workers"),
+    dict(trigger="membership_changed", source=S.HEALTHY, dest=S.FAILED,
+         unless=["has_restarts_left", "excludes_this_node"], before=["_stop_workers", "_release_exit_barrier"]),
     # -- the ways out that are not the workers' doing -------------------------------------------
     # The rendezvous or its store failed: while joining, or while checking membership.
     dict(trigger="rendezvous_failed", source=_LIVE, dest=S.FAILED,

@@ -184,6 +184,7 @@ class FakeRendezvous(RendezvousHandler):
         self.shutdown_calls = 0
         self._closed = False
         self._waiting = 0
+        self._lost = 0
         self._current: Round | None = None
         self._peers: threading.Thread | None = None
         self._stop_peers = threading.Event()
@@ -197,6 +198,10 @@ class FakeRendezvous(RendezvousHandler):
     def add_waiting(self, count: int = 1) -> None:
         """Late nodes arrive: ``num_nodes_waiting()`` answers ``count`` more until the next round."""
         self._waiting += count
+
+    def add_lost(self, count: int = 1) -> None:
+        """Peers die: ``num_nodes_lost()`` answers ``count`` more until the next round."""
+        self._lost += count
 
     # -- RendezvousHandler ----------------------------------------------------------------------
     def get_backend(self) -> str:
@@ -218,7 +223,7 @@ class FakeRendezvous(RendezvousHandler):
             raise rendezvous_error(script.raises)
         if self._closed:
             raise rendezvous_error("closed", "the fake rendezvous is closed")
-        self._current, self._waiting = script, script.waiting
+        self._current, self._waiting, self._lost = script, script.waiting, 0
         store = PrefixStore(f"fake_rdzv/round_{index}/", self.store)
         if script.world_size > 1:
             self._stop_peers = threading.Event()
@@ -235,6 +240,10 @@ class FakeRendezvous(RendezvousHandler):
         if self._current is not None and self._current.waiting_raises is not None:
             raise rendezvous_error(self._current.waiting_raises)
         return self._waiting
+
+    def num_nodes_lost(self) -> int:
+        """Peers of the current round that stopped keeping the rendezvous alive (fsm-agent's optional API)."""
+        return self._lost
 
     def get_run_id(self) -> str:
         return self.run_id

@@ -188,6 +188,7 @@ PHRASES = {
     "worker N hangs": "local rank N stops making progress (hang detection: build with hang_timeout=...)",
     "wait": "one tick passes with no exit",
     "node joins | N nodes join": "late nodes are waiting (membership_changed at the next monitor check)",
+    "node lost | N nodes lost": "peers of this round die (membership_changed, class node_lost, at the next check)",
     "SIGTERM | signal SIGINT": "the agent receives the signal at this tick",
     "SIGTERM during rendezvous": "the agent receives the signal inside the next rendezvous call",
     "restart": "what follows happens in the next attempt (after the next rendezvous)",
@@ -352,6 +353,8 @@ class Scenario:
             pass
         elif match(r"(?:a )?node joins|(\d+) nodes join"):
             self._add_action(attempt, tick, ("join", int(m.group(1) or 1)))
+        elif match(r"(?:a )?node (?:is )?lost|(\d+) nodes (?:are )?lost"):
+            self._add_action(attempt, tick, ("lost", int(m.group(1) or 1)))
         elif match(rf"(?:signal |agent gets |agent receives )?{_SIG}"):
             self._add_action(attempt, tick, ("signal", _signum(m.group(1))))
         else:
@@ -399,6 +402,8 @@ class Scenario:
     def _bind(action: Any, rendezvous: FakeRendezvous) -> Any:
         if isinstance(action, tuple) and action and action[0] == "join":
             return functools.partial(rendezvous.add_waiting, action[1])
+        if isinstance(action, tuple) and action and action[0] == "lost":
+            return functools.partial(rendezvous.add_lost, action[1])
         if isinstance(action, tuple) and action and action[0] == "signal":
             return send_signal(action[1])
         return action

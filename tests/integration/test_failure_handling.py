@@ -226,3 +226,58 @@ def test_endpoint_held_by_another_program_fails_fast(tmp_path, agents):
         assert time.monotonic() - started < 60
     finally:
         squatter.close()
+
+
+def test_health_check_command_fails_the_node_and_the_group_restarts(tmp_path, agents):
+    """--health-check-command: a failing check fails every local worker (class health_check) and the
+    restart policy restarts the group; the check here fails once (it removes its flag file)."""
+    script = write(tmp_path / "w.py", """
+        import os, sys, time
+        open(f"started.{os.environ['TORCHELASTIC_RESTART_COUNT']}.{os.environ['LOCAL_RANK']}", "w").close()
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            time.sleep(120)
+    """)
+    events = tmp_path / "events.jsonl"
+    proc = agents.start("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--events-file", str(events),
+                        "--health-check-command", "! test -e sick || { rm sick; echo 'GPU 0 fell off the bus' >&2; false; }",
+                        "--health-check-interval", "0.2", script)
+    assert wait_for(lambda: all((tmp_path / f"started.0.{r}").exists() for r in (0, 1)))
+    (tmp_path / "sick").touch()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert transitions(events) == [("INIT", "HEALTHY", "start"), ("HEALTHY", "UNHEALTHY", "health_check_failed"),
+                                   ("UNHEALTHY", "STOPPED", "workers_failed"), ("STOPPED", "HEALTHY", "restart"),
+                                   ("HEALTHY", "SUCCEEDED", "workers_succeeded")]
+    failed = next(e for e in read_events(events) if e.get("trigger") == "workers_failed")
+    assert failed["failure_class"] == "health_check"
+    assert "health check failed: `! test -e sick" in err and "GPU 0 fell off the bus" in err
+
+
+def test_excluded_node_leaves_and_the_other_continues(tmp_path, agents):
+    """Two nodes (fsm backend, --nnodes 1:2); node B's health check fails with --exclude-node-on
+    health_check: B ends FAILED with the verdict and exit 69, A re-rendezvouses alone and succeeds
+    without spending a restart (the loss of a node is a membership change)."""
+    script = write(tmp_path / "w.py", """
+        import os, time
+        open(f"started.{os.environ['WORLD_SIZE']}.{os.environ['RANK']}", "w").close()
+        if os.environ["WORLD_SIZE"] == "2":
+            time.sleep(120)  # both nodes: train until one of them is taken out
+    """)
+    port = free_port()
+    common = ["--nnodes", "1:2", "--rdzv-backend", "fsm", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "ex",
+              "--local-addr", "127.0.0.1", "--rdzv-conf", "last_call_timeout=1"]
+    a = agents.start(*common, "--events-file", str(tmp_path / "a.jsonl"), script)
+    b = agents.start(*common, "--events-file", str(tmp_path / "b.jsonl"), "--exclude-node-on", "health_check",
+                     "--health-check-command", "! test -e sick", "--health-check-interval", "0.2", script)
+    assert wait_for(lambda: all((tmp_path / f"started.2.{r}").exists() for r in (0, 1)), timeout=90)
+    (tmp_path / "sick").touch()
+    out_b, err_b = b.communicate(timeout=60)
+    out_a, err_a = a.communicate(timeout=90)
+    assert b.returncode == 69, err_b
+    assert "Verdict: health_check on rank" in err_b and "this node leaves the job" in err_b
+    assert transitions(tmp_path / "b.jsonl")[-1] == ("UNHEALTHY", "FAILED", "workers_failed")
+    assert a.returncode == 0, err_a
+    a_events = read_events(tmp_path / "a.jsonl")
+    changed = [e for e in a_events if e["kind"] == "transition" and e["trigger"] in ("membership_changed", "workers_failed")]
+    assert changed and changed[0]["trigger"] == "membership_changed" and changed[0]["failure_class"] == "node_lost", changed
+    assert a_events[-1]["kind"] == "run_end" and a_events[-1]["restart_count"] == 0

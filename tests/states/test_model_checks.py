@@ -64,7 +64,7 @@ def test_undeclared_state_is_reported():
 
 
 def test_unreachable_state_is_reported():
-    broken = without("workers_hung")  # nothing enters UNHEALTHY any more
+    broken = without("health_check_failed", without("workers_hung"))  # nothing enters UNHEALTHY any more
     assert checks.check_reachable(broken) == [
         "state UNHEALTHY is unreachable from INIT: no chain of rows leads to it"]
 
@@ -103,7 +103,7 @@ def test_wildcard_source_leaves_every_terminal_state():
 
 
 def test_misspelled_callback_is_reported():
-    broken = replaced("membership_changed", before="_stop_wrokers")
+    broken = replaced("workers_hung", before="_stop_wrokers")
     problems = checks.check_callbacks_resolve(broken, ElasticAgent)
     assert len(problems) == 1
     assert "before='_stop_wrokers' is not an attribute of ElasticAgent" in problems[0]
@@ -133,12 +133,12 @@ def test_trigger_shadowed_by_a_model_attribute_is_reported():
 
 @pytest.mark.parametrize("broken, expected", [
     pytest.param(
-        [*TRANSITIONS, dict(trigger="membership_changed", source=S.HEALTHY, dest=S.FAILED)],
-        "HEALTHY --membership_changed--> is ambiguous when always",
+        [*TRANSITIONS, dict(trigger="health_check_failed", source=S.HEALTHY, dest=S.FAILED)],
+        "HEALTHY --health_check_failed--> is ambiguous when always",
         id="two-unguarded-rows"),
     pytest.param(
         [*TRANSITIONS, dict(trigger="workers_failed", source=S.UNHEALTHY, dest=S.FAILED)],
-        "UNHEALTHY --workers_failed--> is ambiguous when has_restarts_left=True",
+        "UNHEALTHY --workers_failed--> is ambiguous when excludes_this_node=True, has_restarts_left=True",
         id="unguarded-row-beside-guarded-rows"),
     pytest.param(
         replaced("workers_failed", conditions="has_restarts_left", unless=None),

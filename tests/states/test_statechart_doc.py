@@ -33,8 +33,8 @@ INSTALL_HINT = "run .ci/install-mermaid.sh (needs node >= 20 and npm)"
 
 
 def modified_table() -> list[dict]:
-    """A copy of the real table where a membership change stops the run instead of restarting it."""
-    return [dict(row, dest=S.FAILED) if row["trigger"] == "membership_changed" else dict(row)
+    """A copy of the real table where a failed health check ends the run instead of failing the workers."""
+    return [dict(row, dest=S.FAILED) if row["trigger"] == "health_check_failed" else dict(row)
             for row in TRANSITIONS]
 
 
@@ -69,7 +69,7 @@ def test_a_stale_doc_fails_naming_the_regenerate_command():
     problem = doc_drift(render("markdown").encode("utf-8"), render("markdown", modified_table()))
     assert problem is not None
     assert REGENERATE_COMMAND in problem
-    assert "`membership_changed` | FAILED |" in problem
+    assert "`health_check_failed` | FAILED |" in problem
 
 
 def _edge_label(mermaid: str, source: str, dest: str) -> str:
@@ -81,11 +81,11 @@ def _edge_label(mermaid: str, source: str, dest: str) -> str:
 def test_changing_one_row_changes_the_doc():
     changed = render("markdown", modified_table())
     assert changed != render("markdown")
-    assert "| `membership_changed` | FAILED |" in changed
-    assert "| `membership_changed` | FAILED |" not in render("markdown")
+    assert "| `health_check_failed` | FAILED |" in changed
+    assert "| `health_check_failed` | FAILED |" not in render("markdown")
     mermaid = render("mermaid", modified_table())
-    assert "membership_changed" in _edge_label(mermaid, "HEALTHY", "FAILED")
-    assert "membership_changed" not in _edge_label(mermaid, "HEALTHY", "STOPPED")
+    assert "health_check_failed" in _edge_label(mermaid, "HEALTHY", "FAILED")
+    assert "health_check_failed" not in _edge_label(mermaid, "HEALTHY", "UNHEALTHY")
     assert json.loads(render("json", modified_table())) != json.loads(render("json"))
 
 
@@ -105,7 +105,8 @@ def test_doc_has_one_table_line_per_row():
     cells = {(c[1], c[2]): c for c in (line.strip("|").split(" | ") for line in lines)}
     # Guards: conditions=X is written X, unless=X is !X.
     assert cells["`workers_failed`", "STOPPED"][3] == "`has_restarts_left`"
-    assert cells["`workers_failed`", "FAILED"][3] == "`!has_restarts_left`"
+    rows = {(c[1], c[3]) for c in (line.strip("|").split(" | ") for line in lines) if c[2] == "FAILED"}
+    assert ("`workers_failed`", "`!has_restarts_left and !excludes_this_node`") in rows
     assert "after: `_count_restart`" in cells["`workers_failed`", "STOPPED"][4]
     # Hooks: the steps' hooks in step order, then the hooks of every transition.
     assert cells["`start`", "HEALTHY"][5].strip() == (
@@ -185,7 +186,8 @@ def test_json_lists_states_and_transitions():
     assert len(doc["transitions"]) == len(TRANSITIONS)
     failed = [t for t in doc["transitions"] if t["trigger"] == "workers_failed"]
     assert [(t["dest"], t["conditions"], t["unless"]) for t in failed] == [
-        ("STOPPED", ["has_restarts_left"], []), ("FAILED", [], ["has_restarts_left"])]
+        ("STOPPED", ["has_restarts_left"], []), ("FAILED", ["excludes_this_node"], ["has_restarts_left"]),
+        ("FAILED", [], ["has_restarts_left", "excludes_this_node"])]
 
 
 def test_unknown_format_is_refused():

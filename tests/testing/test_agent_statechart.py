@@ -50,6 +50,40 @@ class ListenerBoom:
         raise ValueError("plugin cannot compute the env")
 
 
+class FailingHealthCheck:
+    """A health-check plugin that reports the node unhealthy on its first ``times`` calls."""
+
+    def __init__(self, times: int = 1):
+        self.times = times
+
+    @hookimpl
+    def fsm_agent_health_check(self, worker_group):
+        if self.times:
+            self.times -= 1
+            return "GPU 0: uncorrectable ECC error"
+        return None
+
+
+class PolicyOf:
+    """A restart policy plugin answering ``RestartDecision(**decision)`` for one failure class."""
+
+    def __init__(self, failure_class: str, **decision):
+        self.failure_class, self.decision = failure_class, decision
+        self.asked: list[str] = []
+
+    @hookimpl
+    def fsm_agent_restart_policy(self, failure_class):
+        from fsm_agent.worker import RestartDecision
+
+        self.asked.append(failure_class)
+        return RestartDecision(**self.decision) if failure_class == self.failure_class else None
+
+
+def _health_failures(run):
+    classes = {f.failure_class for f in run.result.failures.values()} or {"health_check"}
+    assert classes == {"health_check"}, run.result
+
+
 # -- one case per way through the table ------------------------------------------------------------
 # (id, scenario, exact trace with triggers, extra check(run))
 
@@ -87,6 +121,27 @@ CASES = [
      ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (membership_changed)", "STOPPED->HEALTHY (restart)",
       "HEALTHY->SUCCEEDED (workers_succeeded)"],
      lambda run: (run.result.restart_count == 0) or pytest.fail("a membership change spent a restart")),
+    ("node_lost", Scenario("wait -> node lost -> restart -> all succeed"),
+     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (membership_changed)", "STOPPED->HEALTHY (restart)",
+      "HEALTHY->SUCCEEDED (workers_succeeded)"],
+     lambda run: (run.result.restart_count == 0) or pytest.fail("a lost node spent a restart")),
+    ("node_lost_policy_gives_up",
+     Scenario("wait -> node lost", plugins=[PolicyOf("node_lost", restart=False, reason="no spare nodes")]),
+     ["INIT->HEALTHY (start)", "HEALTHY->FAILED (membership_changed)"],
+     lambda run: (run.result.error == "node_lost: no spare nodes" and run.result.verdict == "no spare nodes")
+     or pytest.fail(str(run.result))),
+    ("health_check_then_restart", Scenario("wait -> restart -> all succeed", max_restarts=1,
+                                           plugins=[FailingHealthCheck()]),
+     ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (health_check_failed)", "UNHEALTHY->STOPPED (workers_failed)",
+      "STOPPED->HEALTHY (restart)", "HEALTHY->SUCCEEDED (workers_succeeded)"], _ok),
+    ("health_check_excludes_this_node",
+     Scenario("wait", max_restarts=3, plugins=[FailingHealthCheck(),
+                                                PolicyOf("health_check", restart=False, exclude_node=True,
+                                                         reason="unhealthy: leaving the job")]),
+     ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (health_check_failed)", "UNHEALTHY->FAILED (workers_failed)"],
+     lambda run: (_health_failures(run), run.result.verdict == "unhealthy: leaving the job"
+                  and run.result.exit_code == 69 and run.rendezvous.shutdown_calls == 0
+                  or pytest.fail(str(run.result)))),
     ("rendezvous_failed_in_init", Scenario("rendezvous times out"),
      ["INIT->FAILED (rendezvous_failed)"], _error_contains("RendezvousTimeoutError", "backend=fake")),
     ("rendezvous_failed_while_healthy",
@@ -324,3 +379,30 @@ def test_wrapper_listener_is_refused_by_name(make_agent):
 
     with pytest.raises(PluginError, match="fsm_agent_state_changed is a listener hook"):
         Scenario("all succeed", plugins=[Timing()]).run(make_agent)
+
+
+def test_policy_hears_each_failure_class_and_the_events_record_it(make_agent):
+    """membership_change, node_lost and signal reach the policy; the events file keeps them for replay."""
+    from fsm_agent.replay import replay
+
+    policy = PolicyOf("none")  # answers nothing: the built-in policy decides, the plugin only listens
+    run = Scenario("wait -> 2 nodes join -> restart -> wait -> node lost -> restart -> worker 1 is killed",
+                   plugins=[policy]).run(make_agent)
+    assert policy.asked == ["membership_change", "node_lost", "signal"]
+    with open(run.agent.events_path) as f:
+        events = [json.loads(line) for line in f]
+    transitions = [(e["trigger"], e.get("failure_class")) for e in events if e["kind"] == "transition"]
+    assert transitions == [("start", None), ("membership_changed", "membership_change"), ("restart", None),
+                           ("membership_changed", "node_lost"), ("restart", None), ("workers_failed", "signal")]
+    assert run.result.restart_count == 0 and run.result.verdict == "no restarts left (max_restarts=0)"
+    replay(run.agent.events_path).assert_identical()
+
+
+def test_health_check_failure_is_replayed_identically(make_agent):
+    from fsm_agent.replay import replay
+
+    run = Scenario("wait -> restart -> worker 0 exits 1", max_restarts=1, plugins=[FailingHealthCheck()]).run(make_agent)
+    run.assert_trace(["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (health_check_failed)",
+                      "UNHEALTHY->STOPPED (workers_failed)", "STOPPED->HEALTHY (restart)",
+                      "HEALTHY->FAILED (workers_failed)"])
+    replay(run.agent.events_path).assert_identical()

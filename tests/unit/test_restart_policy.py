@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from fsm_agent.plugins.restart_policy import RestartPolicy, backoff_delay, parse_budgets
-from fsm_agent.worker import RendezvousSpec, WorkerFailure, WorkerGroup, WorkerSpec
+from fsm_agent.plugins.restart_policy import RestartPolicy, backoff_delay, parse_budgets, parse_exclude_node_on
+from fsm_agent.worker import RendezvousSpec, RestartDecision, WorkerFailure, WorkerGroup, WorkerSpec, first_failure
 
 
 def group(max_restarts: int) -> WorkerGroup:
@@ -20,23 +20,63 @@ def failure(rank: int, code: int, kind: str, at: float = 1.0) -> dict[int, Worke
                                 timestamp=at, failure_class=kind)}
 
 
+def decide(policy: RestartPolicy, failures: dict, max_restarts: int, restart_count: int,
+           failure_class: str | None = None) -> RestartDecision:
+    """Ask the policy as the agent does: the class is the root cause's unless given (membership)."""
+    failure_class = failure_class or first_failure(failures).failure_class
+    return policy.fsm_agent_restart_policy(failures=failures, worker_group=group(max_restarts),
+                                           restart_count=restart_count, failure_class=failure_class)
+
+
 def test_torchrun_budget():
     policy = RestartPolicy()
-    assert policy.fsm_agent_restart_policy(failure(0, 1, "exit_code"), group(1), 0).restart
-    assert not policy.fsm_agent_restart_policy(failure(0, 1, "exit_code"), group(1), 1).restart
+    assert decide(policy, failure(0, 1, "exit_code"), 1, 0).restart
+    assert not decide(policy, failure(0, 1, "exit_code"), 1, 1).restart
 
 
 def test_exit_code_78_gives_up_at_once():
-    decision = RestartPolicy().fsm_agent_restart_policy(failure(1, 78, "exit_code"), group(5), 0)
-    assert not decision.restart and "do not restart" in decision.reason
+    decision = decide(RestartPolicy(), failure(1, 78, "exit_code"), 5, 0)
+    assert not decision.restart and not decision.exclude_node and "do not restart" in decision.reason
 
 
 def test_per_class_budget_counts_the_root_cause_class():
     policy = RestartPolicy(budgets={"hang": 1})
-    assert policy.fsm_agent_restart_policy(failure(0, 124, "hang"), group(5), 0).restart
-    assert policy.fsm_agent_restart_policy(failure(0, 1, "exit_code"), group(5), 1).restart  # other class: free
-    second_hang = policy.fsm_agent_restart_policy(failure(0, 124, "hang"), group(5), 2)
+    assert decide(policy, failure(0, 124, "hang"), 5, 0).restart
+    assert decide(policy, failure(0, 1, "exit_code"), 5, 1).restart  # other class: free
+    second_hang = decide(policy, failure(0, 124, "hang"), 5, 2)
     assert not second_hang.restart and "hang" in second_hang.reason
+
+
+def test_membership_changes_restart_uncounted_until_their_budget_is_spent():
+    policy = RestartPolicy(budgets={"node_lost": 1})
+    scale_up = decide(policy, {}, 0, 0, "membership_change")  # max_restarts=0 does not stop a re-rendezvous
+    assert scale_up.restart and "not counted" in scale_up.reason
+    assert decide(policy, {}, 0, 0, "node_lost").restart
+    second_loss = decide(policy, {}, 0, 0, "node_lost")
+    assert not second_loss.restart and "node_lost" in second_loss.reason
+
+
+def test_exclude_node_on_takes_this_node_out_whatever_restarts_are_left():
+    policy = RestartPolicy(exclude_node_on=("health_check",))
+    decision = decide(policy, failure(1, 69, "health_check"), 5, 0)
+    assert not decision.restart and decision.exclude_node
+    assert "health_check on rank 1" in decision.reason and "leaves the job" in decision.reason
+    assert decide(policy, failure(0, 1, "exit_code"), 5, 0).restart  # other classes: the budget as usual
+    refusing = decide(policy, {**failure(0, 69, "health_check"), **failure(1, 78, "exit_code", at=2.0)}, 5, 0)
+    assert not refusing.exclude_node and "do not restart" in refusing.reason  # exit 78 gives up the job
+
+
+@pytest.mark.parametrize("text", ["node_lost", "membership_change", "agent_error", "gpu"])
+def test_only_this_nodes_failures_can_exclude_it(text):
+    with pytest.raises(ValueError, match="exit_code, signal, hang, health_check"):
+        parse_exclude_node_on(text)
+
+
+def test_restart_decision_refuses_contradictions():
+    with pytest.raises(ValueError, match="cannot both"):
+        RestartDecision(True, exclude_node=True)
+    with pytest.raises(ValueError, match="delay_s"):
+        RestartDecision(True, delay_s=-1.0)
 
 
 @pytest.mark.parametrize("text", ["hang", "nope=1", "hang=-1", "hang=x"])
