@@ -21,14 +21,30 @@ class StaticRendezvous:
         self._round = 0
 
     def next_rendezvous(self):
-        from torch.distributed import PrefixStore
-        from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+        """torch's round, prefixed; raises RendezvousTimeoutError when the nodes do not all come.
 
-        info = self._handler.next_rendezvous()
-        store = PrefixStore(f"round_{self._round}", info.store)
-        self._round += 1
-        addr = self._local_addr or info.bootstrap_store_info.master_addr
-        bootstrap = RendezvousStoreInfo.build(info.rank, store, local_addr=addr)
+        torch's StaticTCPRendezvous lets the store's ``DistStoreError`` ("Timed out after N seconds
+        waiting for clients") escape, which is no rendezvous error: the agent would call it an
+        agent error. Here it becomes ``RendezvousTimeoutError`` naming the endpoint.
+        """
+        from torch.distributed import DistStoreError, PrefixStore
+        from torch.distributed.elastic.rendezvous.api import (RendezvousInfo, RendezvousStoreInfo,
+                                                              RendezvousTimeoutError)
+
+        try:
+            info = self._handler.next_rendezvous()
+            store = PrefixStore(f"round_{self._round}", info.store)
+            self._round += 1
+            addr = self._local_addr or info.bootstrap_store_info.master_addr
+            bootstrap = RendezvousStoreInfo.build(info.rank, store, local_addr=addr)
+        except DistStoreError as exc:
+            handler = self._handler
+            where = f"{getattr(handler, 'master_addr', '?')}:{getattr(handler, 'master_port', '?')}"
+            timeout = getattr(handler, "timeout", None)
+            within = f"{timeout.total_seconds():g} s" if hasattr(timeout, "total_seconds") else "the timeout"
+            raise RendezvousTimeoutError(
+                f"static rendezvous at {where}: not all {getattr(handler, 'world_size', '?')} nodes came "
+                f"within {within}: {str(exc).splitlines()[0]}") from None
         return RendezvousInfo(store, info.rank, info.world_size, bootstrap)
 
     def __getattr__(self, name):

@@ -40,14 +40,6 @@ class TestStaticRendezvous(RendezvousConformance):
         return backend("rendezvous", "static")(torch_parameters("static", setup, rank=node,
                                                                 timeout=setup.join_timeout))
 
-    @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "known gap: when too few nodes come, torch's StaticTCPRendezvous raises DistStoreError "
-        "('Timed out after N seconds waiting for clients'), which is no rendezvous error, so the agent "
-        "ends in UNKNOWN (agent_errored) instead of FAILED (rendezvous_failed); fix: wrap it in "
-        "RendezvousTimeoutError in fsm_agent/plugins/rendezvous_static.py, then drop this override"))
-    def test_join_timeout_is_a_rendezvous_error(self, rendezvous):
-        super().test_join_timeout_is_a_rendezvous_error(rendezvous)
-
 
 class TestSubprocessLauncher(LauncherConformance):
     def make_launcher(self):
