@@ -580,7 +580,14 @@ def config_from_args(args: argparse.Namespace, *, set_omp_num_threads: bool = Tr
     """
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     entrypoint, entrypoint_args = _entrypoint(args) if args.training_script is not None else (None, ())
-    nproc_per_node = resolve_nproc_per_node(args.nproc_per_node)
+    try:
+        nproc_per_node = resolve_nproc_per_node(args.nproc_per_node)
+    except ConfigError as exc:
+        var = getattr(args, "from_env", {}).get("nproc_per_node")
+        if var is None:
+            raise
+        flag = f"--nproc-per-node {args.nproc_per_node!r}: "
+        raise ConfigError(f"{var}={args.nproc_per_node!r}: {str(exc).removeprefix(flag)}; fix or unset it") from None
     rdzv_backend, rdzv_endpoint, run_id = _rendezvous(args, max_nodes)
     rdzv_configs: dict[str, Any] = {**getattr(args, "rdzv_conf_file", {}), **parse_rdzv_conf(args.rdzv_conf)}
     if rdzv_backend == "static":
@@ -848,6 +855,9 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
     rdzv_file.update({k.name: v for name, v in file_values.values.items()
                       if (k := KEYS_BY_KEY[name]).dest is None})
     args.rdzv_conf_file = rdzv_file
+    # Which values came from the environment, so a late check (--nproc-per-node names a device)
+    # names the variable to fix rather than a flag the user never typed.
+    args.from_env = {dest: var for dest, var in env_sources.items() if dest not in given}
     conf_source = sources["rendezvous.conf"]
     for name in rdzv_file:
         sources[f"rendezvous.{name}"] = Source("file", label)

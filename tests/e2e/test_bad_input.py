@@ -38,7 +38,7 @@ BAD = {
     "log-dir-is-a-file": (["--log-dir", "{probe}"], {}, "--log-dir"),
     "logs-specs-unknown": (["--logs-specs", "nope"], {}, "--logs-specs"),
     # (the line names --nproc-per-node rather than the variable the value came from)
-    "pet-env-not-a-number": ([], {"PET_NPROC_PER_NODE": "abc"}, "'abc'"),
+    "pet-env-not-a-number": ([], {"PET_NPROC_PER_NODE": "abc"}, "PET_NPROC_PER_NODE='abc': unknown value"),
     "pet-env-not-a-bool": ([], {"PET_STANDALONE": "maybe"}, "PET_STANDALONE"),
     "missing-script": (["{missing}"], {}, "not found"),
     "no-script": (None, {}, "training_script"),
