@@ -105,7 +105,7 @@ class LogsLayout:
         """Create this attempt's directories and return each local rank's WorkerLogs."""
         attempt = self.attempt_dir(restart_count)
         if attempt is not None:
-            shutil.rmtree(attempt, ignore_errors=True)
+            _keep_superseded(attempt)
             os.makedirs(attempt)
         result = {}
         for local_rank in range(local_world_size):
@@ -143,6 +143,21 @@ class LogsLayout:
 
             return Template(self.prefix_template).safe_substitute(role_name=role, rank=rank, local_rank=local_rank)
         return f"[{role}{local_rank}]:"
+
+
+def _keep_superseded(attempt: str) -> None:
+    """Move an existing ``attempt_N`` aside as ``attempt_N.1``, ``attempt_N.2``, ...
+
+    A re-rendezvous after a membership change is not a counted restart, so the next round
+    reuses ``attempt_N``. torch deletes the directory (and the round's logs with it); we keep
+    it under the next free suffix, so ``attempt_N`` is always the latest round of restart N.
+    """
+    if not os.path.exists(attempt):
+        return
+    suffix = 1
+    while os.path.exists(f"{attempt}.{suffix}"):
+        suffix += 1
+    os.rename(attempt, f"{attempt}.{suffix}")
 
 
 def _path(directory: str | None, name: str) -> str | None:

@@ -633,6 +633,7 @@ class StoreClient:
         # and _open() agree: a socket opened after abort() is closed at once, never used.
         self._sock_guard = threading.Lock()
         self._closed = False
+        self._was_connected = False  # a handshake succeeded once: a refusal now means the server is gone
         self.server_now: float | None = None  # the server clock at the last reply that carried it
 
     @property
@@ -674,6 +675,10 @@ class StoreClient:
                     f"fsm store at {self.endpoint}: cannot resolve {self.host!r}: {exc}") from None
             except OSError as exc:
                 last = exc
+                if self._was_connected and isinstance(exc, ConnectionRefusedError):
+                    raise StoreConnectionError(
+                        f"fsm store at {self.endpoint}: connection refused: the store this client used is "
+                        f"gone (the agent hosting it exited?)") from None
                 if self.fail_fast_refused and isinstance(exc, ConnectionRefusedError) and remaining <= 0:
                     raise StoreProtocolError(
                         f"fsm store at {self.endpoint}: the port is taken but nothing accepts connections on it "
@@ -711,6 +716,7 @@ class StoreClient:
             raise StoreProtocolError(f"fsm store at {self.endpoint}: the peer is not an {PROTO} server "
                                      f"(hello answered with {str(reply)[:120]!r})")
         self.server_now = reply.get("now")
+        self._was_connected = True
 
     def _reset(self) -> None:
         if self._sock is not None:

@@ -446,6 +446,25 @@ def test_server_gone_raises_connection_error_naming_the_endpoint():
     c.close()
 
 
+def test_a_server_gone_after_use_fails_at_once_not_as_a_squatter():
+    """Once a handshake worked, a refused reconnect means the server is gone: no retrying for the
+    connect timeout, and not the "another program holds the port" message meant for first contact."""
+    srv = StoreServer().start()
+    c = StoreClient("127.0.0.1", srv.port, connect_timeout=30, fail_fast_refused=True)
+    c.set("k", b"v")
+    srv.close()
+    started = time.monotonic()
+    with pytest.raises(StoreConnectionError) as info:
+        for _ in range(2):  # the first request may still see the old connection close
+            c.get("k", timedelta(seconds=1))
+    assert time.monotonic() - started < 10
+    assert "gone" in str(info.value) or "closed the connection" in str(info.value)
+    assert "another program" not in str(info.value)
+    with pytest.raises(StoreConnectionError, match="is gone"):
+        c.get("k", timedelta(seconds=1))
+    c.close()
+
+
 def test_store_imports_no_torch():
     code = "import sys, fsm_agent.store; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

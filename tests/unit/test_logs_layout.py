@@ -1,0 +1,36 @@
+"""LogsLayout: torch's attempt_N layout, and no round's logs lost to a re-rendezvous."""
+
+from __future__ import annotations
+
+import os
+
+from fsm_agent.logs import ALL, LogsLayout
+
+
+def write_round(layout: LogsLayout, restart_count: int, text: str) -> None:
+    for wlogs in layout.reify(restart_count, 2, "trainer", {0: 0, 1: 1}).values():
+        with open(wlogs.stdout, "a") as f:
+            f.write(text)
+        with open(wlogs.error_file, "w") as f:
+            f.write("{}")
+
+
+def test_a_reused_attempt_keeps_the_earlier_rounds_logs(tmp_path):
+    """Membership changes are not counted restarts: rounds 2 and 3 reuse attempt_0 (torch deletes it)."""
+    layout = LogsLayout(log_dir=str(tmp_path), run_id="job", redirects=ALL)
+    write_round(layout, 0, "world 4\n")
+    write_round(layout, 0, "world 2\n")
+    write_round(layout, 0, "world 3\n")
+    write_round(layout, 1, "restarted\n")
+    run = layout.run_log_dir
+    assert sorted(os.listdir(run)) == ["attempt_0", "attempt_0.1", "attempt_0.2", "attempt_1"]
+    read = lambda name: open(os.path.join(run, name, "1", "stdout.log")).read()  # noqa: E731
+    assert [read(n) for n in ("attempt_0.1", "attempt_0.2", "attempt_0", "attempt_1")] == [
+        "world 4\n", "world 2\n", "world 3\n", "restarted\n"]
+
+
+def test_each_round_starts_without_the_previous_error_file(tmp_path):
+    layout = LogsLayout(log_dir=str(tmp_path), run_id="job", redirects=ALL)
+    write_round(layout, 0, "first\n")
+    logs = layout.reify(0, 2, "trainer", {0: 0, 1: 1})
+    assert not any(os.path.exists(w.error_file) for w in logs.values())  # a stale error.json would be misread
