@@ -9,6 +9,7 @@ process groups find the previous attempt's keys (pytorch/pytorch#135712).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -18,10 +19,42 @@ from fsm_agent.errors import RendezvousFailed
 from fsm_agent.plugins import hookimpl
 
 
+#: torch reads this switch from the environment at the end of ``next_rendezvous``, after a
+#: blocking join. Handlers running at once in one process (tests, several agents) share one
+#: setting: the first to enter sets it, the last to leave restores it.
+_SHARE_SWITCH = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_switch_lock = threading.Lock()
+_switch_users = 0
+_switch_previous: str | None = None
+
+
+@contextlib.contextmanager
+def _fresh_store_per_round():
+    global _switch_users, _switch_previous
+    with _switch_lock:
+        if _switch_users == 0:
+            _switch_previous = os.environ.get(_SHARE_SWITCH)
+            os.environ[_SHARE_SWITCH] = "1"
+        _switch_users += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_users -= 1
+            if _switch_users == 0:
+                if _switch_previous is None:
+                    os.environ.pop(_SHARE_SWITCH, None)
+                else:
+                    os.environ[_SHARE_SWITCH] = _switch_previous
+
+
 class FreshStoreHandler:
     """Wraps a torch ``RendezvousHandler``: every round publishes a new MASTER_PORT.
 
-    All other calls go to the wrapped handler unchanged.
+    Public for third-party backends built on torch's ``DynamicRendezvousHandler`` (the
+    ``fsm-agent-etcd`` package wraps its handler with it): with ``agent_hosts_worker_store``
+    the group-rank-0 agent hosts a new, empty TCPStore for every attempt's workers. All other
+    calls go to the wrapped handler unchanged.
     """
 
     #: The agent with group_rank 0 hosts the workers' TCPStore at MASTER_ADDR:MASTER_PORT.
@@ -31,15 +64,8 @@ class FreshStoreHandler:
         self._handler = handler
 
     def next_rendezvous(self):
-        previous = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        try:
+        with _fresh_store_per_round():
             return self._handler.next_rendezvous()
-        finally:
-            if previous is None:
-                del os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
-            else:
-                os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = previous
 
     def __getattr__(self, name):
         return getattr(self._handler, name)

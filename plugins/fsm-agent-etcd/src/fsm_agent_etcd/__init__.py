@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 from fsm_agent.plugins import hookimpl
+from fsm_agent.plugins.rendezvous_c10d import FreshStoreHandler
 
 BACKEND_NAME = "etcd-v3"
 DEFAULT_PORT = 2379
@@ -120,40 +121,12 @@ def create_backend(params):
     return backend, store
 
 
-class FreshWorkerStoreHandler:
-    """Wraps torch's handler: each round publishes a new MASTER_PORT for the workers' store.
-
-    With ``agent_hosts_worker_store = True`` fsm-agent's group-rank-0 agent hosts a new, empty
-    TCPStore there for every attempt (the contract of fsm-agent's built-in ``c10d``). Every
-    other call goes to the wrapped handler.
-    """
-
-    agent_hosts_worker_store = True
-
-    def __init__(self, handler):
-        self._handler = handler
-
-    def next_rendezvous(self):
-        previous = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        try:
-            return self._handler.next_rendezvous()
-        finally:
-            if previous is None:
-                os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-            else:
-                os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = previous
-
-    def __getattr__(self, name):
-        return getattr(self._handler, name)
-
-
 def create_etcd_v3_handler(params):
     """``RendezvousParameters -> RendezvousHandler`` for ``--rdzv-backend etcd-v3``."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
     backend, store = create_backend(params)
-    return FreshWorkerStoreHandler(create_handler(store, backend, params))
+    return FreshStoreHandler(create_handler(store, backend, params))
 
 
 @hookimpl
