@@ -3,14 +3,16 @@
 Started by ``fsm_agent.plugins.launcher_preload`` as ``python -m fsm_agent.zygote MODULES FD``
 where FD is its end of a ``SOCK_SEQPACKET`` socket pair. One JSON object per packet:
 
-- agent -> zygote: ``{"op": "spawn", "local_rank", "argv", "env", "cwd", "mode"}`` with two fds
-  (stdout, stderr) attached by SCM_RIGHTS; ``mode`` is ``script`` | ``module`` | ``exec``.
+- agent -> zygote: ``{"op": "spawn", "local_rank", "argv", "env", "cwd", "mode", "cgroup"}`` with two
+  fds (stdout, stderr) attached by SCM_RIGHTS; ``mode`` is ``script`` | ``module`` | ``exec``;
+  ``cgroup`` is the directory of the workers' cgroup (``fsm_agent.containment``) or null.
 - zygote -> agent: ``{"spawned": local_rank, "pid": pid}`` and, when a worker ends,
   ``{"exited": pid, "code": exitcode}`` (``-N`` for death by signal N, as subprocess).
 
 The zygote is single-threaded (forking a threaded process can deadlock the child): one
 selector loop on the socket and on a SIGCHLD wakeup pipe. It has ``PR_SET_PDEATHSIG`` set, and
-so does each worker (towards the zygote), so the chain dies with the agent.
+so does each worker (towards the zygote), so the chain dies with the agent. The zygote itself
+stays out of the workers' cgroup (it outlives attempts); each worker enters it right after fork.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import signal
 import socket
 import sys
 
+from fsm_agent.containment import enter_cgroup
+
 _PR_SET_PDEATHSIG = 1
 MAX_FDS = 2
 
@@ -40,6 +44,8 @@ def _send(sock: socket.socket, message: dict) -> None:
 
 def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
     """In the forked child: become the worker. Returns the exit code (never returns for exec)."""
+    if request.get("cgroup"):
+        enter_cgroup(request["cgroup"])
     os.setsid()
     _pdeathsig()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -122,7 +122,8 @@ class PreloadLauncher(SubprocessLauncher):
                 fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
             else:
                 fds.append(os.dup(index + 1))  # inherit the agent's stdout/stderr
-        request = {"op": "spawn", "local_rank": local_rank, "argv": argv, "env": env, "cwd": os.getcwd(), "mode": mode}
+        request = {"op": "spawn", "local_rank": local_rank, "argv": argv, "env": env, "cwd": os.getcwd(), "mode": mode,
+                   "cgroup": self._cgroup_path}
         socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
         for fd in fds:
             os.close(fd)
@@ -175,7 +176,7 @@ class PreloadLauncher(SubprocessLauncher):
         super().close()
 
     def shutdown(self) -> None:
-        """End the zygote (called when the agent is done)."""
+        """End the zygote, then remove the workers' cgroup (called when the agent is done)."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -185,6 +186,7 @@ class PreloadLauncher(SubprocessLauncher):
             except subprocess.TimeoutExpired:
                 self._zygote.kill()
                 self._zygote.wait()
+        super().shutdown()
 
 
 def _command(entrypoint: str, args: tuple) -> tuple[list[str], str]:

@@ -4,13 +4,15 @@ Programs (``python -u script``, ``python -m mod``, ``--no-python`` binaries) run
 ``subprocess.Popen``; Python callables (``--run-path``, ``elastic_launch(fn)``) with
 ``multiprocessing`` and return their values through a file. Each worker leads its own process
 group (so grandchildren are signalled with it) and gets SIGKILL if the agent dies
-(``PR_SET_PDEATHSIG``). Exits are noticed when the worker's pidfd/sentinel becomes readable:
-no sleep-polling.
+(``PR_SET_PDEATHSIG``). Where cgroup v2 is writable, every worker and all it starts live in one
+cgroup per launcher, emptied and removed even if the agent is SIGKILLed (``fsm_agent.containment``).
+Exits are noticed when the worker's pidfd/sentinel becomes readable: no sleep-polling.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import multiprocessing
 import os
@@ -26,6 +28,7 @@ from typing import Any, Callable
 
 import attrs
 
+from fsm_agent.containment import Keeper, WorkerCgroup, enter_cgroup, keeper_pids
 from fsm_agent.env import substitute_local_rank
 from fsm_agent.logs import WorkerLogs
 from fsm_agent.plugins import hookimpl
@@ -58,8 +61,8 @@ def become_subreaper() -> bool:
 
 
 def _helper_pids() -> set[int]:
-    """Our own helper processes that are not workers (multiprocessing's resource tracker)."""
-    pids = set()
+    """Our own helper processes that are not workers (multiprocessing's resource tracker, cgroup keepers)."""
+    pids = keeper_pids()
     try:
         from multiprocessing import resource_tracker
 
@@ -92,17 +95,27 @@ def sweep_orphans(keep: set[int] = frozenset()) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(victims, timeout=5)
-    for proc in me.children():  # reap zombies that are our direct children (reparented orphans)
+    _reap_children(skip)
+    return [p.pid for p in victims]
+
+
+def _reap_children(skip: set[int]) -> None:
+    """Reap the zombies among our direct children (reparented orphans), except ``skip``."""
+    import psutil
+
+    for proc in psutil.Process().children():
         if proc.pid not in skip:
             try:
                 os.waitpid(proc.pid, os.WNOHANG)
             except ChildProcessError:
                 pass
-    return [p.pid for p in victims]
 
 
-def _child_preexec() -> None:
-    # Runs in the forked child before exec: new session (own process group) + death signal.
+def _child_preexec(cgroup: str | None = None) -> None:
+    # Runs in the forked child before exec: into the worker cgroup, new session (own process
+    # group) + death signal.
+    if cgroup:
+        enter_cgroup(cgroup)
     os.setsid()
     set_parent_death_signal()
 
@@ -146,6 +159,9 @@ class SubprocessLauncher:
         self._handles: dict[int, _Handle] = {}
         self._filtered: list = []
         self._not_ours: set[int] = set()
+        self._cgroup: WorkerCgroup | None = None
+        self._keeper: Keeper | None = None
+        self._cgroup_tried = False
         become_subreaper()
 
     # -- start ----------------------------------------------------------------------------------
@@ -159,6 +175,7 @@ class SubprocessLauncher:
         self._filtered = [_FilteredSink(path, filters) if path and filters else None for path, filters in
                           zip(filtered, (getattr(spec, "duplicate_stdout_filters", ()),
                                          getattr(spec, "duplicate_stderr_filters", ())))]
+        self._ensure_cgroup()
         for local_rank in sorted(envs):
             if callable(spec.entrypoint):
                 handle = self._start_callable(spec, local_rank, envs[local_rank], logs[local_rank])
@@ -167,13 +184,35 @@ class SubprocessLauncher:
             self._handles[local_rank] = handle
         return self.pids()
 
+    def _ensure_cgroup(self) -> None:
+        """On the first start: the workers' cgroup and its keeper (none where cgroup v2 is not writable)."""
+        if self._cgroup_tried:
+            return
+        self._cgroup_tried = True
+        self._cgroup = WorkerCgroup.create()
+        if self._cgroup is None:
+            return
+        try:
+            self._keeper = Keeper(self._cgroup)  # no wait: it only has to read its stdin eventually
+        except OSError as exc:  # a cgroup nobody removes if we are SIGKILLed: rather none
+            log.warning("workers are not put in a cgroup: its keeper did not start: %s", exc)
+            self._cgroup.remove(0.0)
+            self._cgroup = None
+            return
+        log.debug("workers are contained in %s (keeper pid %s)", self._cgroup.path, self._keeper.pid)
+
+    @property
+    def _cgroup_path(self) -> str | None:
+        return self._cgroup.path if self._cgroup is not None else None
+
     def _start_program(self, spec, local_rank: int, env: dict[str, str], wlogs: WorkerLogs) -> _Handle:
         args = [spec.entrypoint, *map(str, substitute_local_rank(tuple(spec.args), local_rank))]
         args = _numa_wrap(args, spec.numa_binding, local_rank)
         streams = [self._stream_target(path, tee) for path, tee in
                    ((wlogs.stdout, wlogs.tee_stdout), (wlogs.stderr, wlogs.tee_stderr))]
+        preexec = functools.partial(_child_preexec, self._cgroup_path)
         popen = subprocess.Popen(args, env=env, stdout=streams[0][0], stderr=streams[1][0],
-                                 stdin=subprocess.DEVNULL, preexec_fn=_child_preexec, close_fds=True)
+                                 stdin=subprocess.DEVNULL, preexec_fn=preexec, close_fds=True)
         for target in streams:
             if target[1] is not None:
                 target[1].close()
@@ -207,7 +246,7 @@ class SubprocessLauncher:
         process = ctx.Process(
             target=_callable_worker,
             args=(spec.entrypoint, substitute_local_rank(tuple(spec.args), local_rank), env, wlogs.stdout,
-                  wlogs.stderr, result_path),
+                  wlogs.stderr, result_path, self._cgroup_path),
             name=f"{spec.role}{local_rank}", daemon=False)
         process.start()
         handle = _Handle(local_rank=local_rank, pid=process.pid, wait_fd=process.sentinel,
@@ -276,6 +315,12 @@ class SubprocessLauncher:
         swept = sweep_orphans(keep=live | self._not_ours) if self._handles else []
         if swept:
             log.warning("stopped %d leftover process(es) of the workers: %s", len(swept), swept)
+        if self._cgroup is not None and not live and (escaped := self._cgroup.pids()):
+            # Descendants the process groups and the sweep missed (e.g. forked during the sweep).
+            log.warning("stopped %d process(es) left in the worker cgroup: %s", len(escaped), escaped)
+            self._cgroup.kill()
+            self._cgroup.wait_empty(5.0)
+            _reap_children(live | self._not_ours | _helper_pids())
         for h in self._handles.values():
             for reader in h.readers:
                 reader.join(2.0)
@@ -289,6 +334,17 @@ class SubprocessLauncher:
         for sink in self._filtered:
             if sink is not None:
                 sink.close()
+
+    def shutdown(self) -> None:
+        """Remove the workers' cgroup and reap its keeper (called when the agent is done)."""
+        if self._keeper is not None:
+            if not self._keeper.close():
+                log.warning("the worker cgroup keeper (pid %s) did not end cleanly", self._keeper.pid)
+            self._keeper = None
+        if self._cgroup is not None:
+            self._cgroup.kill()  # a no-op after the keeper, unless the keeper was lost
+            self._cgroup.remove()
+            self._cgroup = None
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -394,8 +450,12 @@ class _FileTailer(threading.Thread):
 
 
 def _callable_worker(fn: Callable, args: tuple, env: dict[str, str], stdout: str | None,
-                     stderr: str | None, result_path: str) -> None:
-    """Body of a callable worker process: environment, redirects, ``@record``, return value."""
+                     stderr: str | None, result_path: str, cgroup: str | None = None) -> None:
+    """Body of a callable worker process: cgroup, environment, redirects, ``@record``, return value."""
+    # The child enters the cgroup itself, before any user code: had the parent moved it after
+    # start(), a fork-started worker could already have forked children that would stay outside.
+    if cgroup:
+        enter_cgroup(cgroup)
     os.setsid()
     set_parent_death_signal()
     os.environ.clear()

@@ -1,0 +1,258 @@
+"""Worker containment with cgroup v2: nothing a worker starts outlives the agent, even a SIGKILLed one.
+
+A launcher puts its workers in a child cgroup ``fsm-agent-<agent pid>-<random>`` of the agent's
+own cgroup v2 directory: each worker enters it between fork and exec, so every process it starts
+later (a double-forked, ``setsid`` daemon included) is in it too. A *keeper* process, in its own
+session and outside that cgroup, blocks reading a pipe whose only write end the agent holds;
+when the pipe closes (the agent closed it on its way out, or died, SIGKILL included) the keeper
+kills the cgroup (``cgroup.kill``), waits until it is empty, removes it and exits.
+
+Without a writable cgroup v2 hierarchy (or with ``FSM_AGENT_WORKER_CGROUP=off``; the default is
+``auto``) there is no cgroup and no keeper: workers still get the parent-death signal and the
+agent's subreaper sweep (``fsm_agent.plugins.launcher_subprocess``).
+
+The keeper runs this file as ``python -I -S containment.py --keep DIR``: module-level imports
+must stay in the standard library, and light.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import sys
+import time
+import weakref
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "FSM_AGENT_WORKER_CGROUP"
+PREFIX = "fsm-agent-"
+REMOVE_TIMEOUT = 10.0  # seconds for a killed cgroup to empty before it is removed
+
+
+def cgroup_dir(pid: int | str = "self") -> str | None:
+    """The cgroup v2 directory of process ``pid`` (from ``/proc/PID/cgroup`` and our mountinfo), or None."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            path = next((line[3:].rstrip("\n") for line in f if line.startswith("0::")), None)
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    if not path or not path.startswith("/"):
+        return None
+    for fields in mounts:  # ID PARENT DEV ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER
+        if "-" not in fields or fields[fields.index("-") + 1] != "cgroup2":
+            continue
+        relative = os.path.relpath(path, _unescape(fields[3]))
+        if relative.split(os.sep)[0] == os.pardir:
+            continue  # mounted from below our cgroup
+        found = os.path.normpath(os.path.join(_unescape(fields[4]), relative))
+        if os.path.isdir(found):
+            return found
+    return None
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes (``\\040``)."""
+    import re
+
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def cgroup_unavailable() -> str | None:
+    """Why workers cannot be put in a cgroup of their own here; None when they can."""
+    parent = cgroup_dir()
+    if parent is None:
+        return "no cgroup v2 hierarchy is mounted for this process"
+    if not (os.access(parent, os.W_OK) and os.access(os.path.join(parent, "cgroup.procs"), os.W_OK)):
+        return f"this process's cgroup {parent} is not writable"
+    return None
+
+
+def enter_cgroup(path: str) -> bool:
+    """Move the calling process into the cgroup at ``path``; best effort (False if it failed).
+
+    Called in a worker's forked child before it execs or forks anything, so that everything it
+    starts is born inside. A failure leaves the worker uncontained rather than failing its start.
+    """
+    try:
+        fd = os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+
+
+class WorkerCgroup:
+    """A cgroup v2 directory that holds one launcher's workers and all their descendants."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @classmethod
+    def create(cls) -> WorkerCgroup | None:
+        """A new child of this process's cgroup; None (logged at debug level) when that is not possible."""
+        off = os.environ.get(ENV_VAR, "auto").strip().lower() == "off"
+        reason = f"{ENV_VAR}=off" if off else cgroup_unavailable()
+        if reason is None:
+            path = os.path.join(cgroup_dir(), f"{PREFIX}{os.getpid()}-{os.urandom(4).hex()}")
+            try:
+                os.mkdir(path)
+                return cls(path)
+            except OSError as exc:
+                reason = f"cannot create {path}: {exc}"
+        log.debug("workers are not put in a cgroup: %s", reason)
+        return None
+
+    def pids(self) -> list[int]:
+        """The processes in the cgroup now (none once it is removed)."""
+        try:
+            with open(os.path.join(self.path, "cgroup.procs")) as f:
+                return [int(pid) for pid in f.read().split()]
+        except FileNotFoundError:
+            return []
+
+    def kill(self) -> None:
+        """SIGKILL every process in the cgroup (``cgroup.kill``; pid by pid on kernels before 5.14)."""
+        try:
+            with open(os.path.join(self.path, "cgroup.kill"), "w") as f:
+                f.write("1")
+        except FileNotFoundError:
+            self._kill_each()
+
+    def _kill_each(self, rounds: int = 100) -> None:
+        # Without cgroup.kill a process may fork between our read and our kill: repeat until empty.
+        for _ in range(rounds):
+            pids = self.pids()
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.wait_empty(0.1)
+
+    def wait_empty(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until no live process is left in the cgroup; True if none is."""
+        deadline = time.monotonic() + timeout
+        try:
+            fd = os.open(os.path.join(self.path, "cgroup.events"), os.O_RDONLY)
+        except FileNotFoundError:
+            return True
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLPRI)  # the kernel signals each change of cgroup.events
+            while b"populated 1" in os.pread(fd, 4096, 0):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                poller.poll(min(remaining, 0.1) * 1000)  # 0.1 s: never rely on the notification alone
+            return True
+        finally:
+            os.close(fd)
+
+    def remove(self, timeout: float = REMOVE_TIMEOUT) -> bool:
+        """Wait (bounded) until the cgroup is empty, then remove it and any cgroups under it; True if gone."""
+        if not self.wait_empty(timeout):
+            log.warning("the worker cgroup %s still has processes after %.0fs: not removed", self.path, timeout)
+            return False
+        for root, dirs, _files in os.walk(self.path, topdown=False):  # e.g. a nested agent's cgroup
+            for name in dirs:
+                try:
+                    os.rmdir(os.path.join(root, name))
+                except OSError:
+                    pass
+        try:
+            os.rmdir(self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove the worker cgroup %s: %s", self.path, exc)
+            return False
+        return True
+
+
+_keepers: weakref.WeakSet[Keeper] = weakref.WeakSet()
+
+
+class Keeper:
+    """The process that kills and removes a cgroup once the agent is gone, however it went.
+
+    Its stdin is a pipe whose write end only this process holds (``close_fds`` for everything we
+    exec; ``_drop_pipes_in_child`` for forks that do not exec), so its EOF means we closed it.
+    """
+
+    def __init__(self, cgroup: WorkerCgroup):
+        import subprocess
+
+        read_end, write_end = os.pipe()  # both close-on-exec
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", "-S", os.path.abspath(__file__), "--keep", cgroup.path],
+                stdin=read_end, stdout=subprocess.DEVNULL, close_fds=True, start_new_session=True)
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        self._pipe = open(write_end, "wb", buffering=0)  # closed when dropped: the keeper then cleans up
+        _keepers.add(self)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def close(self, timeout: float = REMOVE_TIMEOUT + 5.0) -> bool:
+        """Close the pipe and reap the keeper (it empties and removes the cgroup); True if it did."""
+        import subprocess
+
+        _keepers.discard(self)
+        self._pipe.close()
+        try:
+            return self.process.wait(timeout) == 0
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            return False
+
+
+def keeper_pids() -> set[int]:
+    """The keepers this process started and has not closed (the orphan sweep spares them)."""
+    return {keeper.pid for keeper in _keepers}
+
+
+def _drop_pipes_in_child() -> None:
+    # A fork that does not exec (multiprocessing's fork start method, a plugin's os.fork) would
+    # hold the write ends: a daemon started from it would keep the keepers waiting forever.
+    for keeper in list(_keepers):
+        keeper._pipe.close()
+    _keepers.clear()
+
+
+os.register_at_fork(after_in_child=_drop_pipes_in_child)
+
+
+def _keep(path: str) -> int:
+    """The keeper: wait for EOF on stdin, then kill, empty and remove the cgroup at ``path``."""
+    while True:
+        try:
+            if not os.read(0, 4096):
+                break
+        except OSError:
+            break
+    cgroup = WorkerCgroup(path)
+    cgroup.kill()
+    return 0 if cgroup.remove() else 1  # a failure is logged to stderr (logging's last resort)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["--keep"] or len(sys.argv) != 3:
+        sys.exit("usage: containment.py --keep CGROUP_DIR")
+    sys.exit(_keep(sys.argv[2]))
