@@ -193,9 +193,12 @@ def _command(entrypoint: str, args: tuple) -> tuple[list[str], str]:
     """(argv, mode) for the zygote from the agent's ``python -u [-m] script args`` command."""
     args = [str(a) for a in args]
     if os.path.basename(entrypoint).startswith("python"):
-        while args and args[0] in ("-u",):
-            args = args[1:]
-        if args[:1] == ["-m"]:
-            return args[1:], "module"
-        return args, "script"
+        rest = list(args)
+        while rest and rest[0] in ("-u",):
+            rest = rest[1:]
+        if rest[:1] == ["-m"]:
+            return rest[1:], "module"
+        if rest and not rest[0].startswith("-"):
+            return rest, "script"
+        # Any other interpreter option (``-c CODE``, ``-X ...``): run the command as given.
     return [entrypoint, *args], "exec"

@@ -71,3 +71,13 @@ def test_module_and_binary_entrypoints(tmp_path, agents):
                         "touch", "binary_ran")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and (tmp_path / "binary_ran").exists(), err
+
+
+def test_python_with_interpreter_options_runs_as_given(tmp_path, agents):
+    """``--no-python python -c CODE``: the interpreter's own options are not mistaken for a script."""
+    import sys
+
+    proc = agents.start("--standalone", "--launcher", "preload", "--preload-modules", "json", "--no-python",
+                        sys.executable, "-c", "open('c_ran', 'w').close()")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and (tmp_path / "c_ran").exists(), err
