@@ -82,12 +82,19 @@ class TransitionHooks:
         return [c.name for c in self.calls if c.name not in skip]
 
 
-def _spy_function(name: str, argnames: Sequence[str], record) -> Any:
+def _spy_function(name: str, spec_function: Any, argnames: Sequence[str], record) -> Any:
+    """An implementation of hook ``name`` that takes every argument of its spec and records the call.
+
+    pluggy learns which arguments to pass from the implementation: 1.6 reads ``__signature__``,
+    1.7 unwraps ``__wrapped__`` and reads the code's argument names, so the spy carries both
+    (``__wrapped__`` is the hookspec function itself, which has exactly the spec's arguments).
+    """
     def spy(*args: Any, **kwargs: Any) -> None:
         record(name, {**dict(zip(argnames, args)), **kwargs})
 
     spy.__signature__ = inspect.Signature(
         [inspect.Parameter(a, inspect.Parameter.POSITIONAL_OR_KEYWORD) for a in argnames])
+    spy.__wrapped__ = spec_function
     spy.__name__ = spy.__qualname__ = name  # no "." in the qualname: pluggy keeps the first argument
     return spy
 
@@ -131,7 +138,8 @@ class HookRecorder:
         spy = types.SimpleNamespace()
         for name, caller in vars(pm.hook).items():
             if isinstance(caller, pluggy.HookCaller) and caller.spec is not None:
-                setattr(spy, name, mark(tryfirst=True)(_spy_function(name, caller.spec.argnames, self._from_spy)))
+                setattr(spy, name, mark(tryfirst=True)(_spy_function(name, caller.spec.function, caller.spec.argnames,
+                                                                     self._from_spy)))
         return spy
 
     def attach(self, agent: Any) -> "HookRecorder":
