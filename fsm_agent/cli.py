@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
 import uuid
@@ -210,15 +211,21 @@ def parse_filters(value: str) -> list[str]:
     return [item.replace(placeholder, ",") for item in items if item]
 
 
-def parse_signals(value: str) -> tuple[str, ...]:
-    """``--signals-to-handle SIGTERM,SIGINT`` -> the names; each must be a signal the agent can trap."""
+def parse_signals(value: str, flag: str = "--signals-to-handle") -> tuple[str, ...]:
+    """``SIGTERM,SIGINT`` -> the names; each must be a signal the agent can trap (``flag`` names
+    the option in the error: ``--signals-to-handle`` or ``--forward-signals``)."""
     names = tuple(name.strip() for name in value.split(",")) if value.strip() else ()
     for name in names:
         if name not in signal.Signals.__members__ or name in _UNHANDLEABLE_SIGNALS:
             problem = "cannot be trapped" if name in _UNHANDLEABLE_SIGNALS else "is not a signal on this platform"
-            raise ConfigError(f"--signals-to-handle {value!r}: {name!r} {problem}; use names such as "
+            raise ConfigError(f"{flag} {value!r}: {name!r} {problem}; use names such as "
                               f"SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     return names
+
+
+def parse_forward_signals(value: str) -> tuple[str, ...]:
+    """``--forward-signals SIGUSR1,SIGUSR2`` -> the names (the agent traps each to relay it)."""
+    return parse_signals(value, flag="--forward-signals")
 
 
 def parse_names(value: str) -> tuple[str, ...]:
@@ -313,8 +320,9 @@ class _EnvAction(argparse.Action):
 def _convert_env(action: argparse.Action, var: str, raw: str) -> Any:
     try:
         return action.type(raw) if action.type else raw
-    except FsmAgentError as exc:
-        raise ConfigError(f"{var}={raw!r}: {exc}") from None
+    except FsmAgentError as exc:  # its text names the flag; the value came from ``var``
+        text = str(exc).removeprefix(f"{action.option_strings[0]} {raw!r}: ")
+        raise ConfigError(f"{var}={raw!r}: {text}") from None
     except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
         if isinstance(action, _PluginOptionAction):
             raise ConfigError(f"{var}={raw!r}: {exc}") from None
@@ -488,6 +496,7 @@ def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] 
             help="fsm-agent: a worker that called fsm_agent.heartbeat() and then none for SECONDS is hung: "
                  "its stacks are recorded and the group restarted")
     add_own("--forward-signals", env="FSM_AGENT_FORWARD_SIGNALS", default="", metavar="SIGNALS",
+            type=_returning(parse_forward_signals),
             help="fsm-agent: comma-separated signals (e.g. SIGUSR1) passed on to every worker's process group "
                  "without stopping anything, e.g. for checkpoint-on-preemption")
     add_own("--events-file", env="FSM_AGENT_EVENTS_FILE", default=None, metavar="PATH",
@@ -690,6 +699,8 @@ def _entrypoint(args: argparse.Namespace) -> tuple[str | Callable[..., Any], tup
         if args.module:
             raise ConfigError("--no-python and -m/--module cannot be used together: "
                               "-m runs a Python module, --no-python runs a binary")
+        if shutil.which(script) is None:
+            raise ConfigError(f"--no-python binary {script!r} not found: not an executable file and not on PATH")
         return script, script_args
     if args.module:
         return _python_exec(), ("-u", "-m", script, *script_args)

@@ -83,8 +83,12 @@ class LogsLayout:
             base = self.temporary_dir = tempfile.mkdtemp(prefix="fsm_agent_")
         elif os.path.isfile(base):
             raise ConfigError(f"--log-dir {base!r} is a file: pass a directory")
-        os.makedirs(base, exist_ok=True)
-        self.run_log_dir = tempfile.mkdtemp(prefix=f"{self.run_id}_", dir=base)
+        try:
+            os.makedirs(base, exist_ok=True)
+            self.run_log_dir = tempfile.mkdtemp(prefix=f"{self.run_id}_", dir=base)
+        except OSError as exc:
+            raise ConfigError(f"--log-dir {base!r}: cannot create the run's log directory there "
+                              f"({exc.strerror or exc}); pass a writable directory") from None
 
     def cleanup(self) -> None:
         """Remove the temporary log directory made when no ``--log-dir`` was given (torch keeps it)."""

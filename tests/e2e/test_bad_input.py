@@ -33,11 +33,15 @@ BAD = {
     "max-restarts-negative": (["--max-restarts", "-1"], {}, "--max-restarts"),
     "signals-untrappable": (["--signals-to-handle", "SIGKILL"], {}, "SIGKILL"),
     "no-python-with-module": (["--no-python", "-m"], {}, "--no-python"),
+    "forward-signals-unknown": (["--forward-signals", "SIGFOO"], {}, "--forward-signals 'SIGFOO'"),
+    "forward-signals-untrappable": (["--forward-signals", "SIGKILL"], {}, "cannot be trapped"),
+    "forward-signals-env": ([], {"FSM_AGENT_FORWARD_SIGNALS": "USR1"}, "FSM_AGENT_FORWARD_SIGNALS='USR1'"),
+    "log-dir-cannot-be-made": (["--log-dir", "/proc/no/such/dir"], {}, "--log-dir '/proc/no/such/dir'"),
+    "no-python-binary-missing": (["--no-python", "{missing}"], {}, "--no-python binary"),
     "unknown-launcher": (["--launcher", "nope"], {}, "nope"),
     "disable-essential-plugin": (["--disable-plugin", "launcher-subprocess"], {}, "launcher-subprocess"),
     "log-dir-is-a-file": (["--log-dir", "{probe}"], {}, "--log-dir"),
     "logs-specs-unknown": (["--logs-specs", "nope"], {}, "--logs-specs"),
-    # (the line names --nproc-per-node rather than the variable the value came from)
     "pet-env-not-a-number": ([], {"PET_NPROC_PER_NODE": "abc"}, "PET_NPROC_PER_NODE='abc': unknown value"),
     "pet-env-not-a-bool": ([], {"PET_STANDALONE": "maybe"}, "PET_STANDALONE"),
     "missing-script": (["{missing}"], {}, "not found"),
@@ -53,7 +57,7 @@ def test_bad_input_is_one_line(launcher, case):
     else:
         args = [a.replace("{probe}", str(launcher.probe)).replace("{missing}", str(launcher.dir / "missing.py"))
                 for a in flags]
-        if case != "missing-script":
+        if case not in ("missing-script", "no-python-binary-missing"):
             args.append(str(launcher.probe))
     result = launcher.run_fsm(*args, env=env, timeout=60)
     assert result.returncode != 0
