@@ -438,8 +438,8 @@ def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] 
     add("--rdzv-conf", default="", type=_returning(parse_rdzv_conf),
         help="extra rendezvous settings KEY=VALUE,KEY=VALUE,...")
     add("--standalone", action=_EnvFlag,
-        help="single-node job: c10d rendezvous on a free local port with a fresh id "
-             "(--rdzv-backend/--rdzv-endpoint/--rdzv-id are ignored)")
+        help="single-node job: fsm-agent's own torch-free rendezvous (backend fsm) on a free local port "
+             "with a fresh id (--rdzv-backend/--rdzv-endpoint/--rdzv-id are ignored)")
     # Worker lifecycle.
     add("--max-restarts", default=0, type=int, help="restarts of the worker group before the job fails")
     add("--monitor-interval", default=0.1, type=float, help="seconds between checks of the workers")
