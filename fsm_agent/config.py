@@ -514,8 +514,9 @@ class PluginOption:
             value = base.structure(value)
             try:
                 check(value)
-            except ValueError as exc:
-                raise ValueError(f"{exc}, got {show(value)}") from None
+            except ValueError as exc:  # a check that names the value already says "got ..."
+                text = str(exc)
+                raise ValueError(text if ", got " in text else f"{text}, got {show(value)}") from None
             return value
 
         return Kind(base.describe, base.toml, convert)
