@@ -154,8 +154,14 @@ class ElasticAgent:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.machine = build_machine(self)
-        reject_listener_wrappers(plugin_manager)
-        self._configure_plugins(config)
+        try:
+            reject_listener_wrappers(plugin_manager)
+            self._configure_plugins(config)
+        except BaseException:  # no run() will release these: do it here
+            self._hang.close()
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            raise
 
     def _configure_plugins(self, config: Any) -> None:
         """Call every ``fsm_agent_configure``; a plugin that raises is named in a PluginError."""

@@ -91,16 +91,19 @@ def create_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple) 
     spec = build_spec(config, entrypoint, args)
     logs = _logs_layout(config)
     try:
-        handler = rdzv_creator(rendezvous_parameters(config))
-    except FsmAgentError:
+        try:
+            handler = rdzv_creator(rendezvous_parameters(config))
+        except FsmAgentError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"--rdzv-backend {config.rdzv_backend} at "
+                              f"{config.rdzv_endpoint or '(default endpoint)'}: {type(exc).__name__}: {exc}") from None
+        return ElasticAgent(spec, pm, handler, launcher_factory(None), logs, events_path=config.events_file,
+                            signals_to_handle=config.signals_to_handle, forward_signals=config.forward_signals,
+                            config=config)
+    except BaseException:
+        getattr(logs, "cleanup", lambda: None)()  # the temporary log directory of a run that never started
         raise
-    except Exception as exc:
-        raise ConfigError(f"--rdzv-backend {config.rdzv_backend} at {config.rdzv_endpoint or '(default endpoint)'}: "
-                          f"{type(exc).__name__}: {exc}") from None
-    agent = ElasticAgent(spec, pm, handler, launcher_factory(None), logs, events_path=config.events_file,
-                         signals_to_handle=config.signals_to_handle, forward_signals=config.forward_signals,
-                         config=config)
-    return agent
 
 
 def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple = ()) -> RunResult:

@@ -111,3 +111,14 @@ def test_fsm_agent_run_help_lists_every_torchrun_flag(launcher):
     for action in get_args_parser()._actions:
         if action.option_strings:
             assert action.option_strings[-1] in result.stdout or action.option_strings[0] in result.stdout, action
+
+
+def test_an_agent_that_fails_while_being_built_leaves_no_temporary_directory(launcher, tmp_path):
+    """The temporary log dir and the heartbeat dir are removed when a plugin fails to configure."""
+    scratch = tmp_path / "scratch_tmp"
+    scratch.mkdir()
+    result = launcher.run_fsm("--events-file", "/proc/no/such/dir/events.jsonl", str(launcher.probe),
+                              env={"TMPDIR": str(scratch)}, timeout=60)
+    assert result.returncode == 2
+    assert "events-jsonl" in one_error_line(result.stderr)
+    assert list(scratch.iterdir()) == []
