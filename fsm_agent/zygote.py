@@ -44,9 +44,9 @@ def _send(sock: socket.socket, message: dict) -> None:
 
 def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
     """In the forked child: become the worker. Returns the exit code (never returns for exec)."""
+    os.setsid()  # first: the launcher signals the worker's process group as soon as it knows the pid
     if request.get("cgroup"):
         enter_cgroup(request["cgroup"])
-    os.setsid()
     _pdeathsig()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)

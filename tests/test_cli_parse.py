@@ -382,8 +382,13 @@ def test_module_entrypoint():
 
 
 def test_no_python_entrypoint():
-    _, entrypoint, entry_args = build("--no-python", "my_binary", "--x")
-    assert (entrypoint, entry_args) == ("my_binary", ("--x",))
+    _, entrypoint, entry_args = build("--no-python", "true", "--x")  # a binary on PATH
+    assert (entrypoint, entry_args) == ("true", ("--x",))
+
+
+def test_no_python_binary_must_exist():
+    with pytest.raises(ConfigError, match="--no-python binary 'my_binary' not found"):
+        build("--no-python", "my_binary", "--x")
 
 
 def test_module_with_no_python_is_an_error():

@@ -348,9 +348,16 @@ class SubprocessLauncher:
 
 
 def _killpg(pgid: int, sig: int) -> None:
+    """Signal the process group led by worker ``pgid``; the worker alone if it has no group yet
+    (a preload worker is reported by its zygote right after the fork, before its ``setsid``)."""
     try:
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
+    except ProcessLookupError:
+        try:
+            os.kill(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    except PermissionError:
         pass
 
 

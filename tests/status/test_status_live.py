@@ -52,8 +52,13 @@ def test_status_during_a_real_run_and_after_a_crash(processes, tmp_path):
     base = f"http://127.0.0.1:{port}"
     url = base + "/status"
 
+    def running_or_agent_ended(restart_count: int):
+        if agent.poll() is not None:  # say why at once instead of waiting out the timeout
+            raise AssertionError(f"the agent exited {agent.returncode}: {agent.communicate()[1][-2000:]}")
+        return running(url, restart_count)
+
     # -- first attempt: HEALTHY, two live workers that are the agent's children
-    doc = wait_for(lambda: running(url, 0), what="HEALTHY with two running workers")
+    doc = wait_for(lambda: running_or_agent_ended(0), what="HEALTHY with two running workers")
     assert doc["agent"]["pid"] == agent.pid
     assert (doc["max_restarts"], doc["remaining_restarts"], doc["rendezvous_round"]) == (2, 2, 1)
     assert doc["membership"]["group_world_size"] == 1
