@@ -44,6 +44,14 @@ def clients(server):
         c.close()
 
 
+def port_nobody_listens_on() -> int:
+    """A port a StoreServer could bind on 127.0.0.1, closed again (a server started later takes it)."""
+    probe = StoreServer().bind()
+    port = probe.port
+    probe.close()
+    return port
+
+
 def in_thread(fn, *args):
     box: dict = {}
 
@@ -379,9 +387,7 @@ def test_connect_timeout_names_the_endpoint():
 
 
 def test_client_waits_for_a_server_that_starts_later():
-    probe = StoreServer().bind()
-    port = probe.port
-    probe.close()
+    port = port_nobody_listens_on()
     c = StoreClient("127.0.0.1", port, connect_timeout=10)
     t, box = in_thread(c.set, "k", b"v")
     time.sleep(0.3)
@@ -401,9 +407,7 @@ def test_abort_stops_a_client_still_connecting_and_it_never_reconnects():
     Regression: a reconnect racing abort() left a live socket under a blocked request, so close()
     waited forever for the request lock (the fsm backend's shutdown hung).
     """
-    probe = StoreServer().bind()
-    port = probe.port
-    probe.close()
+    port = port_nobody_listens_on()
     c = StoreClient("127.0.0.1", port, connect_timeout=30)
     t, box = in_thread(c.set, "k", b"v")
     time.sleep(0.3)
