@@ -1,8 +1,9 @@
 """Worker containment with cgroup v2: nothing a worker starts outlives the agent, even a SIGKILLed one.
 
 A launcher puts its workers in a child cgroup ``fsm-agent-<agent pid>-<random>`` of the agent's
-own cgroup v2 directory: each worker enters it between fork and exec, so every process it starts
-later (a double-forked, ``setsid`` daemon included) is in it too. A *keeper* process, in its own
+own cgroup v2 directory: each worker is born in it (the launcher steps in while it spawns them,
+``WorkerCgroup.born_inside``), so every process it starts later (a double-forked, ``setsid``
+daemon included) is in it too. A *keeper* process, in its own
 session and outside that cgroup, blocks reading a pipe whose only write end the agent holds;
 when the pipe closes (the agent closed it on its way out, or died, SIGKILL included) the keeper
 kills the cgroup (``cgroup.kill``), waits until it is empty, removes it and exits.
@@ -17,6 +18,7 @@ must stay in the standard library, and light.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -75,8 +77,9 @@ def cgroup_unavailable() -> str | None:
 def enter_cgroup(path: str) -> bool:
     """Move the calling process into the cgroup at ``path``; best effort (False if it failed).
 
-    Called in a worker's forked child before it execs or forks anything, so that everything it
-    starts is born inside. A failure leaves the worker uncontained rather than failing its start.
+    Called by a launcher around its spawns (``WorkerCgroup.born_inside``), or in a worker's forked
+    child before it execs or forks anything, so that everything it starts is born inside. A
+    failure leaves the worker uncontained rather than failing its start.
     """
     try:
         fd = os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY)
@@ -109,6 +112,28 @@ class WorkerCgroup:
                 reason = f"cannot create {path}: {exc}"
         log.debug("workers are not put in a cgroup: %s", reason)
         return None
+
+    @contextlib.contextmanager
+    def born_inside(self):
+        """Context manager: while in it, every process this one starts is born in the cgroup.
+
+        Yields True, or False when this process could not enter (start children the slow way
+        then: each one enters between fork and exec). The calling process moves itself in and,
+        on the way out, back to the cgroup it came from, so its children can be spawned with
+        ``vfork`` (``subprocess`` without ``preexec_fn``): no copy of the agent's page tables and no
+        Python code to schedule in each child before its exec, and no moment in which a child is
+        outside the cgroup. Raises RuntimeError if this process cannot move back out: it must
+        not stay where ``kill()`` would reach it.
+        """
+        home = cgroup_dir()
+        if home is None or not enter_cgroup(self.path):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            if not enter_cgroup(home):
+                raise RuntimeError(f"could not move back from the worker cgroup {self.path} to {home}")
 
     def pids(self) -> list[int]:
         """The processes in the cgroup now (none once it is removed)."""

@@ -55,6 +55,8 @@ class _ForkedHandle(_Handle):
 class PreloadLauncher(SubprocessLauncher):
     """The subprocess launcher's interface, with workers forked from a pre-imported zygote."""
 
+    workers_are_our_children = False  # the zygote forks them, and puts each in the cgroup
+
     def __init__(self, agent: Any = None) -> None:
         super().__init__(agent)
         options = agent.config.plugin_options(PLUGIN_NAME) if agent is not None and agent.config is not None else {}
@@ -109,7 +111,8 @@ class PreloadLauncher(SubprocessLauncher):
         self._ensure_zygote()
         return super().start(spec, envs, logs, filtered)
 
-    def _start_program(self, spec, local_rank: int, env: dict[str, str], wlogs: WorkerLogs) -> _Handle:
+    def _start_program(self, spec, local_rank: int, env: dict[str, str], wlogs: WorkerLogs,
+                       born_in_cgroup: bool = False) -> _Handle:
         argv, mode = _command(spec.entrypoint, substitute_local_rank(tuple(spec.args), local_rank))
         fds, readers = [], []
         for path, tee, console, index in ((wlogs.stdout, wlogs.tee_stdout, sys.stdout, 0),

@@ -3,14 +3,16 @@
 Programs (``python -u script``, ``python -m mod``, ``--no-python`` binaries) run with
 ``subprocess.Popen``; Python callables (``--run-path``, ``elastic_launch(fn)``) with
 ``multiprocessing`` and return their values through a file. Each worker leads its own process
-group (so grandchildren are signalled with it) and gets SIGKILL if the agent dies
-(``PR_SET_PDEATHSIG``). Where cgroup v2 is writable, every worker and all it starts live in one
-cgroup per launcher, emptied and removed even if the agent is SIGKILLed (``fsm_agent.containment``).
+group (so grandchildren are signalled with it). Where cgroup v2 is writable, every worker and all
+it starts live in one cgroup per launcher, emptied and removed even if the agent is SIGKILLed
+(``fsm_agent.containment``); elsewhere each worker gets SIGKILL when the agent dies
+(``PR_SET_PDEATHSIG``).
 Exits are noticed when the worker's pidfd/sentinel becomes readable: no sleep-polling.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -63,13 +65,12 @@ def become_subreaper() -> bool:
 def _helper_pids() -> set[int]:
     """Our own helper processes that are not workers (multiprocessing's resource tracker, cgroup keepers)."""
     pids = keeper_pids()
+    # Not imported means not started (and importing them would cost milliseconds per restart).
+    resource_tracker = sys.modules.get("multiprocessing.resource_tracker")
+    forkserver = sys.modules.get("multiprocessing.forkserver")
     try:
-        from multiprocessing import resource_tracker
-
-        from multiprocessing import forkserver
-
-        for pid in (getattr(resource_tracker._resource_tracker, "_pid", None),
-                    getattr(forkserver._forkserver, "_forkserver_pid", None)):
+        for pid in (getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None),
+                    getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)):
             if pid:
                 pids.add(pid)
     except Exception:  # private attributes: best effort
@@ -99,16 +100,28 @@ def sweep_orphans(keep: set[int] = frozenset()) -> list[int]:
     return [p.pid for p in victims]
 
 
+def _direct_children() -> set[int]:
+    """Pids of this process's children: ``/proc/self/task/*/children``, a few small reads (psutil
+    scans every process on the machine instead, milliseconds on a busy node; it is the fallback)."""
+    try:
+        pids: set[int] = set()
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids.update(int(pid) for pid in f.read().split())
+        return pids
+    except (OSError, ValueError):
+        import psutil
+
+        return {proc.pid for proc in psutil.Process().children()}
+
+
 def _reap_children(skip: set[int]) -> None:
     """Reap the zombies among our direct children (reparented orphans), except ``skip``."""
-    import psutil
-
-    for proc in psutil.Process().children():
-        if proc.pid not in skip:
-            try:
-                os.waitpid(proc.pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
+    for pid in _direct_children() - skip:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
 
 
 def _child_preexec(cgroup: str | None = None) -> None:
@@ -155,6 +168,9 @@ class SubprocessLauncher:
     - ``signal_worker(local_rank, sig)``: deliver a signal to one running worker (stack dumps, forwarding)
     """
 
+    #: True when this process forks the workers itself (then it steps into their cgroup to do it).
+    workers_are_our_children = True
+
     def __init__(self, agent: Any = None) -> None:
         self._handles: dict[int, _Handle] = {}
         self._filtered: list = []
@@ -167,21 +183,29 @@ class SubprocessLauncher:
     # -- start ----------------------------------------------------------------------------------
     def start(self, spec, envs: dict[int, dict[str, str]], logs: dict[int, WorkerLogs],
               filtered: tuple[str | None, str | None] = (None, None)) -> dict[int, int]:
-        import psutil
+        self._ensure_cgroup()
+        # Processes that exist before the workers (e.g. servers a test harness started) are not
+        # ours to sweep or reap. With a cgroup the sweep is the cgroup's, so only children count.
+        if self._cgroup is not None:
+            self._not_ours = _direct_children()
+        else:
+            import psutil
 
-        # Children that exist before the workers (e.g. servers a test harness started) are not ours to sweep.
-        self._not_ours = {p.pid for p in psutil.Process().children(recursive=True)}
+            self._not_ours = {p.pid for p in psutil.Process().children(recursive=True)}
         self._handles = {}
         self._filtered = [_FilteredSink(path, filters) if path and filters else None for path, filters in
                           zip(filtered, (getattr(spec, "duplicate_stdout_filters", ()),
                                          getattr(spec, "duplicate_stderr_filters", ())))]
-        self._ensure_cgroup()
-        for local_rank in sorted(envs):
-            if callable(spec.entrypoint):
-                handle = self._start_callable(spec, local_rank, envs[local_rank], logs[local_rank])
-            else:
-                handle = self._start_program(spec, local_rank, envs[local_rank], logs[local_rank])
-            self._handles[local_rank] = handle
+        # Not for callables: multiprocessing may start its helpers (resource tracker, forkserver)
+        # on the way, and those must live outside; a callable worker enters the cgroup itself.
+        step_in = self._cgroup is not None and self.workers_are_our_children and not callable(spec.entrypoint)
+        with self._cgroup.born_inside() if step_in else contextlib.nullcontext(False) as inside:
+            for local_rank in sorted(envs):
+                if callable(spec.entrypoint):
+                    handle = self._start_callable(spec, local_rank, envs[local_rank], logs[local_rank])
+                else:
+                    handle = self._start_program(spec, local_rank, envs[local_rank], logs[local_rank], inside)
+                self._handles[local_rank] = handle
         return self.pids()
 
     def _ensure_cgroup(self) -> None:
@@ -205,14 +229,21 @@ class SubprocessLauncher:
     def _cgroup_path(self) -> str | None:
         return self._cgroup.path if self._cgroup is not None else None
 
-    def _start_program(self, spec, local_rank: int, env: dict[str, str], wlogs: WorkerLogs) -> _Handle:
+    def _start_program(self, spec, local_rank: int, env: dict[str, str], wlogs: WorkerLogs,
+                       born_in_cgroup: bool = False) -> _Handle:
         args = [spec.entrypoint, *map(str, substitute_local_rank(tuple(spec.args), local_rank))]
         args = _numa_wrap(args, spec.numa_binding, local_rank)
         streams = [self._stream_target(path, tee) for path, tee in
                    ((wlogs.stdout, wlogs.tee_stdout), (wlogs.stderr, wlogs.tee_stderr))]
-        preexec = functools.partial(_child_preexec, self._cgroup_path)
+        if born_in_cgroup:
+            # No preexec_fn, so subprocess spawns with vfork (about 0.1 ms against several ms
+            # for fork + a Python hook on a busy machine: it is on every restart's path). The
+            # cgroup's keeper stands in for the parent-death signal.
+            spawn = {"start_new_session": True}
+        else:
+            spawn = {"preexec_fn": functools.partial(_child_preexec, self._cgroup_path)}
         popen = subprocess.Popen(args, env=env, stdout=streams[0][0], stderr=streams[1][0],
-                                 stdin=subprocess.DEVNULL, preexec_fn=preexec, close_fds=True)
+                                 stdin=subprocess.DEVNULL, close_fds=True, **spawn)
         for target in streams:
             if target[1] is not None:
                 target[1].close()
@@ -312,15 +343,19 @@ class SubprocessLauncher:
         for h in self._handles.values():
             if h.pid not in live:
                 _killpg(h.pid, signal.SIGKILL)  # leftover grandchildren in the worker's group
-        swept = sweep_orphans(keep=live | self._not_ours) if self._handles else []
-        if swept:
-            log.warning("stopped %d leftover process(es) of the workers: %s", len(swept), swept)
-        if self._cgroup is not None and not live and (escaped := self._cgroup.pids()):
-            # Descendants the process groups and the sweep missed (e.g. forked during the sweep).
-            log.warning("stopped %d process(es) left in the worker cgroup: %s", len(escaped), escaped)
-            self._cgroup.kill()
-            self._cgroup.wait_empty(5.0)
-            _reap_children(live | self._not_ours | _helper_pids())
+        if self._cgroup is not None:
+            # Everything the workers started is in the cgroup: one read of cgroup.procs finds
+            # what is left (daemons included), where a sweep would walk the whole process table.
+            if not live and (left := self._cgroup.pids()):
+                log.warning("stopped %d leftover process(es) of the workers: %s", len(left), left)
+                self._cgroup.kill()
+                self._cgroup.wait_empty(5.0)
+            if self._handles:
+                _reap_children(live | self._not_ours | _helper_pids())  # orphans that died as our children
+        else:
+            swept = sweep_orphans(keep=live | self._not_ours) if self._handles else []
+            if swept:
+                log.warning("stopped %d leftover process(es) of the workers: %s", len(swept), swept)
         for h in self._handles.values():
             for reader in h.readers:
                 reader.join(2.0)

@@ -49,7 +49,7 @@ from fsm_agent.containment import cgroup_dir
 count = os.environ["TORCHELASTIC_RESTART_COUNT"]
 helpers = [(p.pid, p.cmdline()) for p in psutil.Process(os.getppid()).children() if p.pid != os.getpid()]
 with open(os.path.join(os.environ["FSM_E2E_OUT"], "worker%s.json" % count), "w") as f:
-    json.dump({"cgroup": cgroup_dir(), "helpers": helpers}, f)
+    json.dump({"cgroup": cgroup_dir(), "agent_cgroup": cgroup_dir(os.getppid()), "helpers": helpers}, f)
 sys.exit(1 if count == "0" and os.environ.get("FAIL_FIRST_ATTEMPT") else 0)
 '''
 
@@ -153,6 +153,19 @@ def test_keeper_empties_and_removes_the_cgroup_when_its_stdin_closes(cgroups, sl
     assert wait_until(lambda: all(gone(pid) for pid in pids), 5)
 
 
+def test_children_started_inside_born_inside_are_born_in_the_cgroup(cgroups, sleepers):
+    home = cgroup_dir()
+    cgroup = WorkerCgroup.create()
+    cgroups.append(cgroup.path)
+    with cgroup.born_inside() as inside:
+        assert inside and cgroup_dir() == cgroup.path
+        # No preexec_fn: spawned with vfork, nothing runs in the child to move it.
+        sleepers.append(subprocess.Popen(["sleep", "60"], start_new_session=True))
+    assert cgroup_dir() == home
+    assert cgroup_dir(sleepers[-1].pid) == cgroup.path
+    assert cgroup.pids() == [sleepers[-1].pid]
+
+
 def test_off_switch_creates_no_cgroup(monkeypatch, caplog):
     monkeypatch.setenv(ENV_VAR, "off")
     before = set(os.listdir(cgroup_dir()))
@@ -229,6 +242,8 @@ def test_one_cgroup_and_keeper_serve_every_attempt(launcher, cgroups):
     cgroups.append(first["cgroup"])
     assert first["cgroup"] == second["cgroup"]
     assert os.path.basename(first["cgroup"]).startswith(f"{PREFIX}{agent.pid}-")
+    # The agent steps into the cgroup only while it spawns its workers.
+    assert first["agent_cgroup"] == second["agent_cgroup"] == cgroup_dir()
     assert len(_keepers(first)) == 1 and _keepers(first) == _keepers(second)
     assert not os.path.exists(first["cgroup"])
     assert not psutil.pid_exists(_keepers(first)[0])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -55,7 +56,9 @@ def test_sigterm_during_first_rendezvous_exits_143(tmp_path, agents):
     assert transitions(tmp_path / "e.jsonl") == [("INIT", "FAILED", "stop_requested")]
 
 
-def test_daemonized_grandchild_is_swept(tmp_path, agents):
+@pytest.mark.parametrize("cgroup", ["auto", "off"])
+def test_daemonized_grandchild_is_swept(tmp_path, agents, cgroup):
+    """Swept when the attempt ends: from the workers' cgroup, or (off) by the subreaper's sweep."""
     script = write(tmp_path / "w.py", """
         import os, time
         if os.fork() == 0:
@@ -66,9 +69,10 @@ def test_daemonized_grandchild_is_swept(tmp_path, agents):
             os._exit(0)
         time.sleep(0.5)
     """)
-    proc = agents.start("--standalone", "--nproc-per-node", "1", script)
+    proc = agents.start("--standalone", "--nproc-per-node", "1", script, env={"FSM_AGENT_WORKER_CGROUP": cgroup})
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
+    assert re.search(r"stopped \d leftover process\(es\) of the workers", err), err  # (off: its zombie parent too)
     daemons = [int(p.name.split("_")[1]) for p in tmp_path.glob("daemon_*")]
     assert daemons and wait_for(lambda: not any(alive(p) for p in daemons), 10), daemons
     for pid in daemons:
