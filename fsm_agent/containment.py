@@ -97,6 +97,7 @@ class WorkerCgroup:
 
     def __init__(self, path: str):
         self.path = path
+        self._primer = None  # the thread of a pending prime_move()
 
     @classmethod
     def create(cls) -> WorkerCgroup | None:
@@ -125,6 +126,7 @@ class WorkerCgroup:
         outside the cgroup. Raises RuntimeError if this process cannot move back out: it must
         not stay where ``kill()`` would reach it.
         """
+        self.wait_primed()  # its write must not move us back home after we entered
         home = cgroup_dir()
         if home is None or not enter_cgroup(self.path):
             yield False
@@ -134,6 +136,28 @@ class WorkerCgroup:
         finally:
             if not enter_cgroup(home):
                 raise RuntimeError(f"could not move back from the worker cgroup {self.path} to {home}")
+
+    def prime_move(self) -> None:
+        """Start, in a thread, the wait the kernel makes the next move between cgroups do; return at once.
+
+        Moving a process between cgroups first waits for an RCU grace period when no move
+        happened lately (cgroup_threadgroup_rwsem: 5-15 ms on a 2-core machine), and
+        ``born_inside`` is on every restart's path. A launcher calls this when it starts
+        stopping workers: a no-op move (into our own cgroup) pays that wait while the workers
+        stop and the next rendezvous runs, and the real move soon after is quick.
+        """
+        import threading
+
+        if self._primer is not None or (home := cgroup_dir()) is None:
+            return
+        self._primer = threading.Thread(target=enter_cgroup, args=(home,), name="fsm-cgroup-prime", daemon=True)
+        self._primer.start()
+
+    def wait_primed(self) -> None:
+        """Wait for a pending ``prime_move`` (it takes at most a grace period)."""
+        if self._primer is not None:
+            self._primer.join()
+            self._primer = None
 
     def pids(self) -> list[int]:
         """The processes in the cgroup now (none once it is removed)."""

@@ -324,6 +324,8 @@ class SubprocessLauncher:
         live = [h for h in self._handles.values() if h.poll() is None]
         for h in live:
             _killpg(h.pid, sig)
+        if live and self._cgroup is not None and self.workers_are_our_children:
+            self._cgroup.prime_move()  # likely a restart: its spawn's move into the cgroup gets quick
         deadline = time.monotonic() + timeout
         while live and (remaining := deadline - time.monotonic()) > 0:
             select.select([h.wait_fd for h in live], [], [], remaining)
@@ -377,6 +379,7 @@ class SubprocessLauncher:
                 log.warning("the worker cgroup keeper (pid %s) did not end cleanly", self._keeper.pid)
             self._keeper = None
         if self._cgroup is not None:
+            self._cgroup.wait_primed()
             self._cgroup.kill()  # a no-op after the keeper, unless the keeper was lost
             self._cgroup.remove()
             self._cgroup = None

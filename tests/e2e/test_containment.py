@@ -157,11 +157,12 @@ def test_children_started_inside_born_inside_are_born_in_the_cgroup(cgroups, sle
     home = cgroup_dir()
     cgroup = WorkerCgroup.create()
     cgroups.append(cgroup.path)
-    with cgroup.born_inside() as inside:
+    cgroup.prime_move()  # a no-op move, as a launcher starts one when it stops workers
+    with cgroup.born_inside() as inside:  # waits for it first: it must not move us back home later
         assert inside and cgroup_dir() == cgroup.path
         # No preexec_fn: spawned with vfork, nothing runs in the child to move it.
         sleepers.append(subprocess.Popen(["sleep", "60"], start_new_session=True))
-    assert cgroup_dir() == home
+    assert cgroup_dir() == home and cgroup._primer is None
     assert cgroup_dir(sleepers[-1].pid) == cgroup.path
     assert cgroup.pids() == [sleepers[-1].pid]
 
