@@ -806,7 +806,7 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
         ConfigError: a bad flag, env var or file value (the file's errors all in one message).
         PluginError: a plugin failed to load or declared a clashing option.
     """
-    from fsm_agent.plugins.manager import collect_options, disabled_from_env, get_plugin_manager
+    from fsm_agent.plugins.manager import check_disabled, collect_options, disabled_from_env, get_plugin_manager
 
     argv = list(argv)
     core = get_run_parser(prog, for_config=for_config)
@@ -816,6 +816,7 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
     config_file = find_config_file(explicit, origin)
     file_disabled = raw_disabled_plugins(config_file.data) if config_file else ()
     cli_disabled = tuple(n for value in pre["disabled_plugins"] for n in parse_names(value))
+    check_disabled(cli_disabled, file_disabled, config_file.label if config_file else "")
     disabled = tuple(dict.fromkeys((*file_disabled, *disabled_from_env(), *cli_disabled)))
     pm = get_plugin_manager(disabled=disabled, load_entry_points=load_entry_points)
     options = collect_options(pm)

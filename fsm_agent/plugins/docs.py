@@ -452,7 +452,8 @@ def render() -> str:
         "A plugin that fails to import (a missing dependency, a syntax error) or whose setup hook raises stops "
         "every `fsm-agent` command with one line naming the plugin, its distribution and the cause, and a non-zero "
         "exit; `--disable-plugin NAME` is the way out until it is fixed. Two plugins that register the same backend "
-        "name, option, flag or environment variable are refused the same way, naming both.",
+        "name, option, flag or environment variable are refused the same way, naming both; so is a name to "
+        "disable that no installed plugin has (a typo), with the known names.",
         "",
         "## Test it",
         "",

@@ -43,6 +43,34 @@ def disabled_from_env() -> tuple[str, ...]:
     return tuple(n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip())
 
 
+def plugin_names() -> list[str]:
+    """Every name ``--disable-plugin`` accepts: the built-ins' and the ``fsm_agent`` entry points'
+    (installed plugins, listed without importing them), sorted."""
+    from importlib.metadata import entry_points
+
+    return sorted({*BUILTIN_PLUGINS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
+
+
+def check_disabled(flag_names: Iterable[str], file_names: Iterable[str] = (), file_label: str = "") -> None:
+    """Refuse a name to disable that no plugin has, wherever it came from: the config file's
+    ``disabled_plugins`` (``file_names``, read from ``file_label``), ``FSM_AGENT_DISABLE_PLUGINS``
+    or ``--disable-plugin`` (``flag_names``).
+
+    Raises:
+        ConfigError: one line naming the unknown name, where it was given and every known name.
+    """
+    given = [(f"disabled_plugins of {file_label}", tuple(file_names)), (DISABLE_ENV, disabled_from_env()),
+             ("--disable-plugin", tuple(flag_names))]
+    if not any(names for _, names in given):
+        return  # the common case: no scan of the installed distributions on every start
+    known = plugin_names()
+    for where, names in given:
+        for name in names:
+            if name not in known:
+                raise ConfigError(f"unknown plugin {name!r} in {where}: known plugins are {', '.join(known)}; "
+                                  f"fix {where}")
+
+
 def get_plugin_manager(disabled: Iterable[str] = (), load_entry_points: bool = True) -> pluggy.PluginManager:
     """A fresh PluginManager with every hookspec, the built-ins and the installed plugins.
 
@@ -226,6 +254,7 @@ def cli_main(argv: list[str]) -> int:
                         help="do not load plugin NAME (repeatable; a comma-separated list works too)")
     args = parser.parse_args(argv)
     disabled = [n.strip() for value in args.disable_plugin for n in value.split(",") if n.strip()]
+    check_disabled(disabled)
     pm = get_plugin_manager(disabled=disabled)
     rows = plugin_rows(pm)
     if args.json:

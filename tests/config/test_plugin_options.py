@@ -36,10 +36,12 @@ class OptionsPlugin:
 
 @pytest.fixture
 def with_plugin(monkeypatch):
-    """Make every plugin manager resolve_run_args builds also hold ``plugin`` under "myplug"."""
+    """Make every plugin manager resolve_run_args builds also hold ``plugin`` under "myplug" (a
+    name ``--disable-plugin`` knows, as an installed plugin's)."""
 
     def install(plugin):
         real = manager_module.get_plugin_manager
+        real_names = manager_module.plugin_names
 
         def get_plugin_manager(disabled=(), load_entry_points=True):
             pm = real(disabled=disabled, load_entry_points=False)
@@ -48,6 +50,7 @@ def with_plugin(monkeypatch):
             return pm
 
         monkeypatch.setattr(manager_module, "get_plugin_manager", get_plugin_manager)
+        monkeypatch.setattr(manager_module, "plugin_names", lambda: sorted({*real_names(), "myplug"}))
         return plugin
 
     return install

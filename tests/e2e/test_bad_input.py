@@ -42,6 +42,10 @@ BAD = {
     "no-python-binary-missing": (["--no-python", "{missing}"], {}, "--no-python binary"),
     "unknown-launcher": (["--launcher", "nope"], {}, "nope"),
     "disable-essential-plugin": (["--disable-plugin", "launcher-subprocess"], {}, "launcher-subprocess"),
+    "disable-unknown-plugin": (["--disable-plugin", "events-jsonl,nope"], {},
+                               "unknown plugin 'nope' in --disable-plugin: known plugins are "),
+    "disable-unknown-plugin-env": ([], {"FSM_AGENT_DISABLE_PLUGINS": "nope"},
+                                   "unknown plugin 'nope' in FSM_AGENT_DISABLE_PLUGINS: known plugins are "),
     "log-dir-is-a-file": (["--log-dir", "{probe}"], {}, "--log-dir"),
     "logs-specs-unknown": (["--logs-specs", "nope"], {}, "--logs-specs"),
     "pet-env-not-a-number": ([], {"PET_NPROC_PER_NODE": "abc"}, "PET_NPROC_PER_NODE='abc': unknown value"),
@@ -61,13 +65,27 @@ def test_bad_input_is_one_line(launcher, case):
                 for a in flags]
         if case not in ("missing-script", "no-python-binary-missing"):
             args.append(str(launcher.probe))
-    result = launcher.run_fsm(*args, env=env, timeout=60)
+    assert_rejected(launcher, launcher.run_fsm(*args, env=env, timeout=60), needle)
+
+
+def assert_rejected(launcher, result, needle: str) -> None:
+    """One ``fsm-agent: error:`` line containing ``needle``, a non-zero exit, no output, no worker."""
     assert result.returncode != 0
     line = one_error_line(result.stderr)
     assert line.startswith("fsm-agent: error: "), line
     assert needle in line, line
     assert result.stdout == ""
     assert launcher.records() == {}, "a worker was started"
+
+
+@pytest.mark.parametrize("name, table", [("fsm.toml", ""), ("pyproject.toml", "[tool.fsm_agent]\n")])
+def test_unknown_plugin_in_the_config_files_disabled_plugins(launcher, name, table):
+    """``disabled_plugins`` in a ``--config`` file or in ./pyproject.toml: the line names the file and the key."""
+    config = launcher.dir / name
+    config.write_text(table + 'disabled_plugins = ["nope"]\n')
+    args, label = ([], "pyproject.toml [tool.fsm_agent]") if table else (["--config", str(config)], str(config))
+    assert_rejected(launcher, launcher.run_fsm(*args, launcher.probe, timeout=60),
+                    f"unknown plugin 'nope' in disabled_plugins of {label}: known plugins are ")
 
 
 def test_fsmrun_is_fsm_agent_run(launcher):

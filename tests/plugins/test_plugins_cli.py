@@ -183,6 +183,17 @@ def test_an_essential_plugin_cannot_be_disabled():
         cli_main(["--disable-plugin", "launcher-subprocess"])
 
 
+def test_a_name_no_plugin_has_cannot_be_disabled(monkeypatch):
+    """A typo is refused, naming where it was given and the known names (the built-ins among them)."""
+    monkeypatch.delenv("FSM_AGENT_DISABLE_PLUGINS", raising=False)
+    with pytest.raises(ConfigError, match=r"unknown plugin 'nope' in --disable-plugin: known plugins are .*"
+                                          r"events-jsonl, .*; fix --disable-plugin$"):
+        cli_main(["--disable-plugin", "metrics-logging,nope"])
+    monkeypatch.setenv("FSM_AGENT_DISABLE_PLUGINS", "nope")
+    with pytest.raises(ConfigError, match="unknown plugin 'nope' in FSM_AGENT_DISABLE_PLUGINS: known plugins are "):
+        cli_main([])
+
+
 # ------------------------------------------------------------------------------------------------
 # A distribution whose plugin fails to import, in subprocesses
 # ------------------------------------------------------------------------------------------------
