@@ -184,6 +184,12 @@ class ElasticAgent:
         return self._rdzv_handler.get_run_id()
 
     @property
+    def rdzv_endpoint(self) -> str:
+        """Where the rendezvous is: the handler's ``endpoint`` if it has one (the port it bound for
+        ``host:0``, as ``--standalone`` asks), else the configured ``--rdzv-endpoint``."""
+        return getattr(self._rdzv_handler, "endpoint", None) or self.spec.rendezvous.endpoint
+
+    @property
     def remaining_restarts(self) -> int:
         return self.spec.max_restarts - self.restart_count
 

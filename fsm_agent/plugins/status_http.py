@@ -6,7 +6,8 @@ prints ``fsm-agent: status at http://127.0.0.1:PORT/status`` on stderr and serve
 daemon thread of the standard library's ``ThreadingHTTPServer``:
 
 - ``GET /status``: JSON: the group's state and seconds in it, restart_count and remaining
-  restarts, the rendezvous round, membership (group rank and world size, master address), one
+  restarts, the rendezvous round, membership (group rank and world size, master address, the
+  rendezvous endpoint as bound: a standalone agent's real port, not ``127.0.0.1:0``), one
   entry per worker (pid, ranks, state, exit code) and the last transitions
   (``?transitions=N``, default 20, at most 100).
 - ``GET /statechart``: the Mermaid statechart (``fsm_agent.states.statechart``) with the
@@ -195,7 +196,7 @@ class LiveStatus:
                     "run_id": _run_id(agent),
                     "role": spec.role,
                     "rdzv_backend": spec.rendezvous.backend,
-                    "rdzv_endpoint": spec.rendezvous.endpoint,
+                    "rdzv_endpoint": _rdzv_endpoint(agent),
                     "min_nodes": spec.rendezvous.min_nodes,
                     "max_nodes": spec.rendezvous.max_nodes,
                     "local_world_size": spec.local_world_size,
@@ -239,6 +240,14 @@ def _run_id(agent: Any) -> str | None:
         return agent.run_id
     except Exception:  # the handler may not answer (closed, not built): fall back to the spec
         return getattr(agent.spec.rendezvous, "run_id", None)
+
+
+def _rdzv_endpoint(agent: Any) -> str:
+    """The endpoint the rendezvous really uses (a standalone agent's bound port, not ``127.0.0.1:0``)."""
+    try:
+        return agent.rdzv_endpoint
+    except Exception:  # the handler may not answer: fall back to the spec
+        return agent.spec.rendezvous.endpoint
 
 
 def _mermaid() -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -63,6 +64,10 @@ def test_status_during_a_real_run_and_after_a_crash(processes, tmp_path):
     assert (doc["max_restarts"], doc["remaining_restarts"], doc["rendezvous_round"]) == (2, 2, 1)
     assert doc["membership"]["group_world_size"] == 1
     assert doc["membership"]["rdzv_backend"] == getattr(cli, "STANDALONE_RENDEZVOUS", ("c10d",))[0]
+    endpoint = doc["membership"]["rdzv_endpoint"]  # the free port --standalone bound, not 127.0.0.1:0
+    host, rdzv_port = endpoint.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(rdzv_port) > 0, endpoint
+    socket.create_connection((host, int(rdzv_port)), timeout=5).close()  # the rendezvous store listens there
     pids = [w["pid"] for w in doc["workers"]]
     assert [w["global_rank"] for w in doc["workers"]] == [0, 1]
     for pid in pids:
@@ -78,6 +83,7 @@ def test_status_during_a_real_run_and_after_a_crash(processes, tmp_path):
                            capture_output=True, text=True, timeout=60, env=subprocess_env())
     assert shown.returncode == 0, shown.stderr
     assert "HEALTHY" in shown.stdout and "0 used, 2 left (max 2)" in shown.stdout
+    assert endpoint in shown.stdout
     assert all(str(pid) in shown.stdout for pid in pids)
 
     # -- crash rank 1: the agent restarts the group, and /status shows it
@@ -120,8 +126,6 @@ def test_status_port_zero_picks_a_free_port_and_prints_it(processes, tmp_path):
 
 
 def test_busy_port_is_a_one_line_error(processes, tmp_path):
-    import socket
-
     (tmp_path / "worker.py").write_text(WORKER)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

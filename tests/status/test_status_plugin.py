@@ -77,6 +77,33 @@ def test_status_follows_a_run_with_a_restart(make_agent):
         pass
 
 
+def test_the_rendezvous_endpoint_is_the_bound_one(make_agent):
+    """A standalone agent's rendezvous (backend fsm on 127.0.0.1:0) binds a free port for its store:
+    /status shows that port, not port 0."""
+    from fsm_agent.plugins.rendezvous_fsm import FsmRendezvousParameters, create_fsm_handler
+
+    handler = create_fsm_handler(FsmRendezvousParameters(backend="fsm", endpoint="127.0.0.1:0", run_id="job",
+                                                         min_nodes=1, max_nodes=1))
+    probe = Probe()
+    try:
+        agent = make_agent(rendezvous=handler, config=STATUS_CONFIG, plugins=[probe])
+        assert agent.run().exit_code == 0
+    finally:
+        handler.shutdown()  # its store server (the agent shut it down already if it ran)
+    healthy = probe.snapshots[0]
+    assert healthy["state"] == "HEALTHY" and healthy["membership"]["rdzv_backend"] == "fsm"
+    assert healthy["membership"]["rdzv_endpoint"] == f"127.0.0.1:{handler.port}" and handler.port > 0
+
+
+def test_a_handler_without_an_endpoint_shows_the_configured_one(make_agent):
+    agent = make_agent(config=STATUS_CONFIG)  # FakeRendezvous: no endpoint of its own
+    status = server_of(agent)
+    try:
+        assert get_json(status.url + "/status")["membership"]["rdzv_endpoint"] == agent.spec.rendezvous.endpoint
+    finally:
+        status.close()  # the factory releases the agent, which never ran
+
+
 def test_paths(make_agent):
     agent = make_agent(launcher=FakeLauncher(["never"]), config=STATUS_CONFIG)
     status = server_of(agent)
