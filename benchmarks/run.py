@@ -19,7 +19,9 @@ How it measures:
   which never enters a measured interval.
 - Every process started is killed at the end of its trial: the launcher's process group, each
   worker pid the events name, and any process whose environment carries this run's marker
-  (``FSMBENCH_TOKEN``), all by pid.
+  (``FSMBENCH_TOKEN``), all by pid (fsm-agent's cgroup keepers first get a moment to remove their
+  agent's worker cgroup). Launchers get ``TMPDIR`` in the trial's directory, so the temporary
+  directories a killed launcher leaves go with it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ try:
     import psutil
 except ImportError:  # psutil is an fsm-agent dependency; without it (e) and the leftover sweep fail
     psutil = None
+try:  # which processes are fsm-agent's cgroup keepers, and removing a worker cgroup a killed one left
+    from fsm_agent.testing.processes import is_cgroup_keeper, remove_worker_cgroups
+except ImportError:  # fsm-agent is not importable here (--fsm-agent-cmd names another installation)
+    is_cgroup_keeper = lambda cmdline: False  # noqa: E731
+    remove_worker_cgroups = lambda pids: []  # noqa: E731
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -58,6 +65,8 @@ PLAIN = str(WORKERS / "plain.py")
 TORCH_WORKER = str(WORKERS / "torch_worker.py")
 FSM, TR = "fsm-agent", "torchrun"
 SCENARIOS = "abcdefgh"
+#: Seconds fsm-agent's cgroup keepers get to end by themselves before a sweep kills them.
+KEEPER_GRACE_S = 15.0
 TITLES = {
     "a": "startup and teardown",
     "b": "restart latency, plain workers",
@@ -399,6 +408,11 @@ class Trial:
         self.env = dict(os.environ)
         self.env.update(FSMBENCH_EVENTS=str(self.events_path), FSMBENCH_TOKEN=bench.token, FSMBENCH_RUN=tag,
                         PYTHONPYCACHEPREFIX=str(bench.pycache))
+        # What a launcher killed here cannot remove (fsm-agent's temporary log and heartbeat
+        # directories) and what torchrun never removes (its torchelastic_* log directories) goes
+        # with the trial's directory instead of staying in the machine's temporary directory.
+        (self.dir / "tmp").mkdir()
+        self.env["TMPDIR"] = str(self.dir / "tmp")
         self.env.pop("PYTHONDONTWRITEBYTECODE", None)  # bytecode goes to the bench's own cache (see Bench)
         self.env.pop("LOGLEVEL", None)
 
@@ -441,6 +455,8 @@ class Trial:
         for event in self.events():  # workers live in their own sessions under fsm-agent
             kill_pid(event.get("pid"))
         self.bench.sweep(run=self.name)
+        for path in remove_worker_cgroups(p.popen.pid for p in self.procs if p.popen is not None):
+            log(f"  removed the worker cgroup {path}: its keeper was killed before it did")
         for proc in self.procs:
             if proc in self.bench.live:
                 self.bench.live.remove(proc)
@@ -450,6 +466,13 @@ class Trial:
 
     def __exit__(self, *exc) -> None:
         self.cleanup()
+
+
+def _is_keeper(proc: Any) -> bool:
+    try:
+        return is_cgroup_keeper(proc.cmdline())
+    except (psutil.Error, OSError):
+        return False
 
 
 def kill_pid(pid: Any) -> None:
@@ -615,6 +638,15 @@ class Bench:
         return found
 
     def sweep(self, run: str | None = None) -> int:
+        """SIGKILL (by pid) every live process that carries the marker (and ``run``'s, if given).
+
+        fsm-agent's cgroup keepers carry it too; each first gets up to KEEPER_GRACE_S to end by
+        itself: once its agent is gone a keeper kills and removes the workers' cgroup, and one
+        killed midway leaves that cgroup behind (``Trial.cleanup`` then removes it).
+        """
+        deadline = time.monotonic() + KEEPER_GRACE_S
+        while time.monotonic() < deadline and any(_is_keeper(p) for p in self.marked(run)):
+            time.sleep(0.05)
         victims = self.marked(run)
         for proc in victims:
             kill_pid(proc.pid)

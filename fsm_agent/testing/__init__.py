@@ -14,7 +14,8 @@ Public names (imported lazily: ``import fsm_agent.testing`` does not import torc
 - fakes: ``FakeRendezvous``, ``Round``, ``FakeLauncher``, ``Attempt``, ``StartRecord``,
   ``StopRecord``, ``FakeLauncherError``, ``send_signal``
 - hooks: ``HookRecorder``, ``HookCall``, ``TransitionHooks``
-- real processes: ``AgentProcesses`` (fixture ``agent_processes``)
+- real processes: ``AgentProcesses`` (fixture ``agent_processes``; ``run`` one agent to the end,
+  ``start`` one in the background; a context manager outside a fixture), ``wait_until``
 - running: ``build_agent``, ``AgentFactory``, ``Scenario``, ``ScenarioResult``, ``trace``,
   ``assert_trace``, ``format_transition``, ``PHRASES``
 
@@ -38,7 +39,7 @@ _EXPORTS = {
     "fsm_agent.testing.fakes": ("FakeRendezvous", "Round", "FakeLauncher", "Attempt", "StartRecord", "StopRecord",
                                 "FakeLauncherError", "send_signal"),
     "fsm_agent.testing.recorder": ("HookRecorder", "HookCall", "TransitionHooks"),
-    "fsm_agent.testing.processes": ("AgentProcesses",),
+    "fsm_agent.testing.processes": ("AgentProcesses", "wait_until"),
     "fsm_agent.testing.scenario": ("build_agent", "AgentFactory", "Scenario", "ScenarioResult", "trace",
                                    "assert_trace", "format_transition", "PHRASES"),
 }

@@ -9,8 +9,9 @@ longer run with the same seed starts with the same trials as a shorter one.
 Single-node faults (``worker_crash``, ``worker_sigkill``, ``worker_hang``, ``agent_sigterm``,
 ``agent_sigkill``): one ``fsm-agent run --standalone --nproc-per-node 2 --max-restarts 1
 --hang-timeout 1`` on a worker that heartbeats for about 1.5 s; the fault hits a drawn rank after a
-drawn delay. Checked: zero processes of the job survive, the exit code and the verdict fit the
-fault, and every worker's logs are kept.
+drawn delay. Checked: zero processes of the job survive, no worker cgroup of its agent is left
+(the keeper of a SIGKILLed agent removes it), the exit code and the verdict fit the fault, and
+every worker's logs are kept.
 
 ``node_loss``: two agents on loopback form one job with the ``fsm`` rendezvous backend
 (``--nnodes 1:2 --rdzv-endpoint 127.0.0.1:<free port> --local-addr 127.0.0.1 --nproc-per-node 2
@@ -32,8 +33,8 @@ agent's process group and to each of its workers' process groups at once. The vi
 
 Either way: the survivor ends within NODE_LOSS_BOUND_S, the victim died of SIGKILL, zero
 processes of either node survive (the pids the workers recorded, the agents, and every descendant
-of the agents seen at the kill, cgroup keepers included), and the worker logs of both nodes
-(``--log-dir``) hold what their last round printed.
+of the agents seen at the kill, cgroup keepers included), no worker cgroup of either agent is
+left, and the worker logs of both nodes (``--log-dir``) hold what their last round printed.
 The survivor keeps its logs of the WORLD_SIZE=4 round too: the re-rendezvous is not a counted
 restart, so the new round reuses ``attempt_0`` and the earlier one moves to ``attempt_0.1``.
 """
@@ -54,6 +55,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from fsm_agent.testing.processes import remove_worker_cgroups, tmpdir_env, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -144,15 +147,6 @@ def _descendants(pid: int) -> set[int]:
         return set()
 
 
-def _wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -176,10 +170,13 @@ def _killpg(pgid: int) -> None:
         pass
 
 
-def _end_all(agents: list[subprocess.Popen], pids: set[int]) -> tuple[bool, list[int]]:
+def _end_all(agents: list[subprocess.Popen], pids: set[int]) -> tuple[bool, list[int], list[str]]:
     """Teardown, also after a failed assertion: SIGKILL each agent's process group, reap the agents,
     then wait a little for every tracked pid to end by itself and SIGKILL (by pid) what did not.
-    Returns (everything ended by itself, the pids that had to be killed)."""
+    The tracked pids include the agents' cgroup keepers: each gets those seconds to remove its
+    agent's worker cgroup; one killed here cannot, so what is left of the agents' worker cgroups
+    is then removed too.
+    Returns (everything ended by itself, the pids that had to be killed, the worker cgroups that were left)."""
     for agent in agents:
         if agent.poll() is None:
             pids |= _descendants(agent.pid)
@@ -189,22 +186,24 @@ def _end_all(agents: list[subprocess.Popen], pids: set[int]) -> tuple[bool, list
             agent.wait(timeout=10)
         except subprocess.TimeoutExpired:
             agent.kill()
-    gone = _wait_for(lambda: not any(_alive(p) for p in pids), 10)
+    gone = wait_until(lambda: not any(_alive(p) for p in pids), 10)
     leftover = [p for p in sorted(pids) if _alive(p)]
     for pid in leftover:  # never leave them behind, even when the invariant failed
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return gone, leftover
+    return gone, leftover, remove_worker_cgroups(agent.pid for agent in agents)
 
 
 def _start_agent(tmp: Path, name: str, args: list[str], env: dict) -> subprocess.Popen:
-    """An agent in its own session; its stdout and stderr go to files (no pipe to fill while we wait)."""
+    """An agent in its own session; its stdout and stderr go to files (no pipe to fill while we wait).
+    Its TMPDIR is ``tmp/tmp``: a SIGKILLed agent's heartbeat directory stays there."""
     with open(tmp / f"{name}.out", "w") as out, open(tmp / f"{name}.err", "w") as err:
         return subprocess.Popen([sys.executable, "-m", "fsm_agent", "run", "--monitor-interval", "0.1",
                                  "--shutdown-timeout", "2", "-r", "3", *args],
-                                env=env, stdout=out, stderr=err, start_new_session=True)
+                                env={**env, **tmpdir_env(tmp / "tmp")}, stdout=out, stderr=err,
+                                start_new_session=True)
 
 
 def _read_events(path: Path) -> list[dict]:
@@ -226,7 +225,7 @@ def run_trial(tmp: Path, fault: str, rank: int, delay: float) -> dict:
     tracked: set[int] = {agent.pid}
     try:
         if fault.startswith("agent_") or fault == "worker_sigkill":
-            assert _wait_for(lambda: len(list(chaos_dir.glob("pid_0_*"))) == 2, 60), "workers never started"
+            assert wait_until(lambda: len(list(chaos_dir.glob("pid_0_*"))) == 2, 60), "workers never started"
             time.sleep(delay)
             tracked |= _descendants(agent.pid)
             if fault == "worker_sigkill":
@@ -237,11 +236,12 @@ def run_trial(tmp: Path, fault: str, rank: int, delay: float) -> dict:
         agent.wait(timeout=120)
     finally:
         tracked |= set(_job_pids(chaos_dir))
-        survivors_gone, leftover = _end_all([agent], tracked)
+        survivors_gone, leftover, cgroups_left = _end_all([agent], tracked)
     out, err = (tmp / "agent.out").read_text(), (tmp / "agent.err").read_text()
     events = _read_events(tmp / "events.jsonl")
     return {"fault": fault, "rank": rank, "delay": delay, "rc": agent.returncode, "stderr": err, "stdout": out,
-            "survivors_gone": survivors_gone, "leftover": leftover, "events": events, "log_dir": log_dir,
+            "survivors_gone": survivors_gone, "leftover": leftover, "cgroups_left": cgroups_left, "events": events,
+            "log_dir": log_dir,
             "triggers": [e["trigger"] for e in events if e["kind"] == "transition"], "notes": []}
 
 
@@ -251,6 +251,8 @@ def check_invariants(t: dict) -> list[str]:
     problems = []
     if not t["survivors_gone"]:
         problems.append(f"processes survived: {t['leftover']}")
+    if t["cgroups_left"]:
+        problems.append(f"worker cgroups outlived their agents and keepers: {t['cgroups_left']}")
     fault, rc, triggers = t["fault"], t["rc"], t["triggers"]
     if fault in ("worker_crash", "worker_sigkill", "worker_hang"):
         if rc != 0:
@@ -324,12 +326,12 @@ def run_node_loss_trial(tmp: Path, fault: str, rank: int, delay: float, victim: 
 
     try:
         host = start("n0")
-        assert _wait_for(lambda: _listens(host.pid, port) or host.poll() is not None, 60), \
+        assert wait_until(lambda: _listens(host.pid, port) or host.poll() is not None, 60), \
             f"n0 never listened on 127.0.0.1:{port}"
         assert host.poll() is None, f"n0 exited {host.returncode} before n1 started"
         start("n1")
         four = lambda: sum(len(_markers(chaos_dir, n, 4)) for n in nodes) >= 4
-        assert _wait_for(lambda: four() or exited(), 60) and four(), \
+        assert wait_until(lambda: four() or exited(), 60) and four(), \
             f"the 2-node round never ran 4 workers ({exited()}; markers {sorted(p.name for p in chaos_dir.iterdir())})"
         time.sleep(delay)
         for agent in agents:
@@ -353,13 +355,14 @@ def run_node_loss_trial(tmp: Path, fault: str, rank: int, delay: float, victim: 
             survivor_timed_out = True
     finally:
         tracked |= set(_job_pids(chaos_dir))
-        survivors_gone, leftover = _end_all(agents, tracked)
+        survivors_gone, leftover, cgroups_left = _end_all(agents, tracked)
     events = _read_events(tmp / f"{nodes[1 - v]}.jsonl")
     after = [e for e in events if e["kind"] == "transition" and e["ts"] >= killed_at]
     return {"fault": fault, "rank": rank, "delay": delay, "victim": victim, "port": port,
             "rc": None if survivor_timed_out else agents[1 - v].returncode, "victim_rc": agents[v].returncode,
             "stdout": (tmp / f"{nodes[1 - v]}.out").read_text(), "stderr": (tmp / f"{nodes[1 - v]}.err").read_text(),
-            "survivors_gone": survivors_gone, "leftover": leftover, "tracked": sorted(tracked), "events": events,
+            "survivors_gone": survivors_gone, "leftover": leftover, "cgroups_left": cgroups_left,
+            "tracked": sorted(tracked), "events": events,
             "after": after,
             "triggers": [e["trigger"] for e in after], "recovery_s": None if ended_at is None else ended_at - killed_at,
             "chaos_dir": chaos_dir, "before_kill": before_kill, "survivor": nodes[1 - v], "lost": nodes[v],
@@ -371,6 +374,8 @@ def check_node_loss(t: dict) -> list[str]:
     chaos_dir, survivor = t["chaos_dir"], t["survivor"]
     if not t["survivors_gone"]:
         problems.append(f"processes survived: {t['leftover']}")
+    if t["cgroups_left"]:
+        problems.append(f"worker cgroups outlived their agents and keepers: {t['cgroups_left']}")
     if t["rc"] is None:
         problems.append(f"the survivor {survivor} did not exit within {NODE_LOSS_BOUND_S:g} s of the loss")
     if t["victim_rc"] != -signal.SIGKILL:

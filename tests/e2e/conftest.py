@@ -5,7 +5,11 @@ workers inherit it from their agent. Teardown SIGKILLs the process group of ever
 test started, then looks for any process still carrying the token (an orphaned worker, a
 grandchild) and kills it by pid; if one was left behind after its agent ended on its own the
 test fails, since that is an fsm-agent bug (workers must die with their agent). Nothing is ever
-killed by name.
+killed by name. Every process's ``TMPDIR`` is a fresh temporary directory of the test's, removed
+at teardown: what an agent the test kills cannot remove (its temporary log and heartbeat
+directories) and torchrun's ``torchelastic_*`` log directories (torchrun never removes them) go
+with it. It is not in ``tmp_path``: multiprocessing's forkserver makes a socket in it, whose path
+must be short.
 
 Network: rendezvous endpoints and addresses are 127.0.0.1; ports come from binding port 0.
 
@@ -23,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,6 +35,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from fsm_agent.testing.processes import remove_worker_cgroups, tmpdir_env
 
 #: Seconds an agent may take before a test gives up on it (the machine may have 2 slow cores).
 AGENT_TIMEOUT = 120.0
@@ -199,12 +206,14 @@ class Launcher:
         self.procs: list[Proc] = []
         self._count = 0
         self.probe = write_script(tmp_path, "probe.py", PROBE)
+        self.tmp = Path(tempfile.mkdtemp(prefix="fsm_e2e_"))  # every process's TMPDIR; removed by cleanup()
 
     # -- environment ---------------------------------------------------------------------------
     def env(self, extra: dict[str, str] | None = None, unset: tuple[str, ...] = ()) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
                if k not in _SCRUB_KEYS and not k.startswith(_SCRUB_PREFIXES)}
         env.update({TOKEN_VAR: self.token, OUT_VAR: str(self.out), "PYTHONUNBUFFERED": "1"})
+        env.update(tmpdir_env(self.tmp))
         env.update(extra or {})
         for key in unset:
             env.pop(key, None)
@@ -281,7 +290,9 @@ class Launcher:
         """Kill everything this test started; return descriptions of processes left behind.
 
         A process counts as left behind when it still carries the token a few seconds after
-        every agent has ended (workers are expected to die with their agent).
+        every agent has ended (workers are expected to die with their agent; a SIGKILLed agent's
+        cgroup keeper, which carries it too, by then has removed the workers' cgroup). So does a
+        worker cgroup of one of the agents still there at the end (it is removed).
         """
         for proc in self.procs:
             if proc.alive():
@@ -304,6 +315,10 @@ class Launcher:
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(leftovers, timeout=10)
+        # A keeper killed above (it had not ended by itself) leaves its agent's worker cgroup.
+        described += [f"worker cgroup {path}: its keeper did not remove it"
+                      for path in remove_worker_cgroups(proc.pid for proc in self.procs)]
+        shutil.rmtree(self.tmp, ignore_errors=True)
         return described
 
 

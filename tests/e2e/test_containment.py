@@ -19,7 +19,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fsm_agent.containment import ENV_VAR, PREFIX, Keeper, WorkerCgroup, cgroup_dir, cgroup_unavailable, keeper_pids
+from fsm_agent.containment import (
+    ENV_VAR,
+    PREFIX,
+    Keeper,
+    WorkerCgroup,
+    cgroup_dir,
+    cgroup_unavailable,
+    keeper_pids,
+)
+from fsm_agent.testing.processes import wait_until
 from tests.e2e.conftest import write_script
 
 UNAVAILABLE = cgroup_unavailable()
@@ -65,15 +74,6 @@ def gone(pid: int) -> bool:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         pass
-    return True
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
     return True
 
 

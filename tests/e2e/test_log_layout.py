@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,45 @@ def test_log_dir_devnull_writes_nothing(launcher):
     """--log-dir /dev/null (torch's convention): no files at all and TORCHELASTIC_ERROR_FILE=""."""
     launcher.run_fsm("--log-dir", os.devnull, launcher.probe).check()
     assert launcher.records()[0]["env"]["TORCHELASTIC_ERROR_FILE"] == ""
+
+
+#: Writes $FSM_E2E_OUT/ready_<RANK>, then sleeps (until the agent stops it).
+SLEEPER = r'''
+import os, time
+open(os.path.join(os.environ["FSM_E2E_OUT"], "ready_" + os.environ["RANK"]), "w").close()
+time.sleep(120)
+'''
+
+#: Fails on the first attempt, succeeds on the restart.
+FAIL_ONCE = "import os, sys\nsys.exit(1 if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' else 0)\n"
+
+
+@pytest.mark.parametrize("case", [
+    "success", "failure", "restart", "sigterm",
+    pytest.param("forkserver", marks=pytest.mark.xfail(strict=True, reason=(
+        "multiprocessing's forkserver makes a pymp-* directory in TMPDIR and removes it at "
+        "interpreter exit, which the console script skips: fsm_agent.cli._exit calls os._exit"))),
+])
+def test_an_agent_that_ends_leaves_nothing_in_its_temporary_directory(launcher, case):
+    """Without --log-dir (and with --hang-timeout: a heartbeat directory too), an agent that succeeds,
+    fails, restarts or is stopped by SIGTERM removes everything it made in TMPDIR on its way out.
+    (An agent that is SIGKILLed cannot: the test harnesses give agents a TMPDIR of their own.)"""
+    scratch = launcher.tmp  # this test's agent's TMPDIR
+    assert list(scratch.iterdir()) == []
+    flags = ["--nproc-per-node", "2", "--hang-timeout", "30"]
+    if case == "sigterm":
+        agent = launcher.fsm(*flags, write_script(launcher.dir, "sleeper.py", SLEEPER))
+        for rank in (0, 1):
+            launcher.wait_for_file(launcher.out / f"ready_{rank}")
+        assert list(scratch.iterdir()), "the agent made nothing in TMPDIR: this test checks nothing"
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait().returncode == 128 + signal.SIGTERM
+    elif case == "failure":
+        assert launcher.run_fsm(*flags, write_script(launcher.dir, "fail.py", "raise SystemExit(3)\n")).returncode == 3
+    elif case == "restart":
+        launcher.run_fsm(*flags, "--max-restarts", "1", write_script(launcher.dir, "fail_once.py", FAIL_ONCE)).check()
+    else:
+        extra = ["--run-path", "--start-method", "forkserver"] if case == "forkserver" else []
+        launcher.run_fsm(*flags, *extra, launcher.probe).check()
+        assert sorted(launcher.records()) == [0, 1]
+    assert sorted(p.name for p in scratch.iterdir()) == []

@@ -15,6 +15,8 @@ import time
 import psutil
 import pytest
 
+from fsm_agent.testing.processes import wait_until
+
 from .conftest import free_port, read_events, transitions
 
 pytestmark = pytest.mark.slow
@@ -23,15 +25,6 @@ pytestmark = pytest.mark.slow
 def write(path, body: str) -> str:
     path.write_text(textwrap.dedent(body))
     return str(path)
-
-
-def wait_for(predicate, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def alive(pid: int) -> bool:
@@ -46,7 +39,7 @@ def test_sigterm_during_first_rendezvous_exits_143(tmp_path, agents):
     script = write(tmp_path / "w.py", "print('never runs')\n")
     proc = agents.start("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                         "--events-file", str(tmp_path / "e.jsonl"), script)
-    assert wait_for(lambda: (tmp_path / "e.jsonl").exists())  # the agent is built and about to rendezvous
+    assert wait_until(lambda: (tmp_path / "e.jsonl").exists())  # the agent is built and about to rendezvous
     time.sleep(1)
     assert proc.poll() is None, proc.communicate()[1]
     proc.send_signal(signal.SIGTERM)
@@ -74,7 +67,7 @@ def test_daemonized_grandchild_is_swept(tmp_path, agents, cgroup):
     assert proc.returncode == 0, err
     assert re.search(r"stopped \d leftover process\(es\) of the workers", err), err  # (off: its zombie parent too)
     daemons = [int(p.name.split("_")[1]) for p in tmp_path.glob("daemon_*")]
-    assert daemons and wait_for(lambda: not any(alive(p) for p in daemons), 10), daemons
+    assert daemons and wait_until(lambda: not any(alive(p) for p in daemons), 10), daemons
     for pid in daemons:
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
@@ -93,7 +86,7 @@ def test_each_worker_gets_the_full_grace_period(tmp_path, agents):
         time.sleep(300)
     """)
     proc = agents.start("--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "4", script)
-    assert wait_for(lambda: len(list(tmp_path.glob("ready_*"))) == 2)
+    assert wait_until(lambda: len(list(tmp_path.glob("ready_*"))) == 2)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=30)
     assert proc.returncode == 143
@@ -112,7 +105,7 @@ def test_forwarded_signal_reaches_workers_and_stops_nothing(tmp_path, agents):
         open(f"got_{os.environ['RANK']}_{bool(got)}", "w").close()
     """)
     proc = agents.start("--standalone", "--nproc-per-node", "2", "--forward-signals", "SIGUSR1", script)
-    assert wait_for(lambda: len(list(tmp_path.glob("ready_*"))) == 2)
+    assert wait_until(lambda: len(list(tmp_path.glob("ready_*"))) == 2)
     proc.send_signal(signal.SIGUSR1)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
@@ -130,7 +123,7 @@ def test_nohup_keeps_sighup_ignored(tmp_path):
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        assert wait_for(lambda: list(tmp_path.glob("ready_*")))
+        assert wait_until(lambda: list(tmp_path.glob("ready_*")))
         proc.send_signal(signal.SIGHUP)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
@@ -245,7 +238,7 @@ def test_health_check_command_fails_the_node_and_the_group_restarts(tmp_path, ag
     proc = agents.start("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--events-file", str(events),
                         "--health-check-command", "! test -e sick || { rm sick; echo 'GPU 0 fell off the bus' >&2; false; }",
                         "--health-check-interval", "0.2", script)
-    assert wait_for(lambda: all((tmp_path / f"started.0.{r}").exists() for r in (0, 1)))
+    assert wait_until(lambda: all((tmp_path / f"started.0.{r}").exists() for r in (0, 1)))
     (tmp_path / "sick").touch()
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
@@ -273,7 +266,7 @@ def test_excluded_node_leaves_and_the_other_continues(tmp_path, agents):
     a = agents.start(*common, "--events-file", str(tmp_path / "a.jsonl"), script)
     b = agents.start(*common, "--events-file", str(tmp_path / "b.jsonl"), "--exclude-node-on", "health_check",
                      "--health-check-command", "! test -e sick", "--health-check-interval", "0.2", script)
-    assert wait_for(lambda: all((tmp_path / f"started.2.{r}").exists() for r in (0, 1)), timeout=90)
+    assert wait_until(lambda: all((tmp_path / f"started.2.{r}").exists() for r in (0, 1)), timeout=90)
     (tmp_path / "sick").touch()
     out_b, err_b = b.communicate(timeout=60)
     out_a, err_a = a.communicate(timeout=90)

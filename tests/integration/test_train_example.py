@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,19 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_digits.py"
 pytestmark = pytest.mark.slow
-
-
-def run_agent(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run `python -m fsm_agent run ARGS` in its own process group; kill the group on timeout."""
-    proc = subprocess.Popen([sys.executable, "-m", "fsm_agent", "run", *args], cwd=cwd, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+TIMEOUT = 240  # seconds one training run may take
 
 
 def transitions(events_file: Path) -> list[tuple[str, str, str, int]]:
@@ -34,10 +18,11 @@ def transitions(events_file: Path) -> list[tuple[str, str, str, int]]:
     return [(r["source"], r["dest"], r["trigger"], r["restart_count"]) for r in records if r["kind"] == "transition"]
 
 
-def test_trains_to_stated_accuracy(tmp_path):
+def test_trains_to_stated_accuracy(agents, tmp_path):
     """The README's first command (with a result file): test accuracy >= 0.95."""
-    result = run_agent(["--standalone", "--nproc-per-node", "2", str(EXAMPLE),
-                        "--checkpoint", str(tmp_path / "ck.pt"), "--result-file", str(tmp_path / "res.json")], tmp_path)
+    result = agents.run("--standalone", "--nproc-per-node", "2", str(EXAMPLE),
+                        "--checkpoint", str(tmp_path / "ck.pt"), "--result-file", str(tmp_path / "res.json"),
+                        timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "res.json").read_text())
     assert summary["world_size"] == 2
@@ -46,14 +31,14 @@ def test_trains_to_stated_accuracy(tmp_path):
 
 
 @pytest.mark.parametrize("trial", range(10))
-def test_crash_and_restart_resumes_from_checkpoint(tmp_path, trial):
+def test_crash_and_restart_resumes_from_checkpoint(agents, tmp_path, trial):
     """Rank 1 crashes in the first attempt; the group restarts, resumes, and the job exits 0 (10 of 10)."""
     events = tmp_path / "events.jsonl"
-    result = run_agent(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+    result = agents.run("--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
                         "--events-file", str(events), "--log-dir", str(tmp_path / "logs"), str(EXAMPLE),
                         "--epochs", "4", "--crash-rank", "1", "--crash-epoch", "2",
-                        "--checkpoint", str(tmp_path / "ck.pt"), "--result-file", str(tmp_path / "res.json")],
-                       tmp_path)
+                        "--checkpoint", str(tmp_path / "ck.pt"), "--result-file", str(tmp_path / "res.json"),
+                        timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert "resumed from epoch 1" in result.stdout + result.stderr
     summary = json.loads((tmp_path / "res.json").read_text())
@@ -66,11 +51,11 @@ def test_crash_and_restart_resumes_from_checkpoint(tmp_path, trial):
     ]
 
 
-def test_no_restarts_left_reports_root_cause_first(tmp_path):
+def test_no_restarts_left_reports_root_cause_first(agents, tmp_path):
     """--max-restarts 0 with a failing rank: non-zero exit; the summary's first lines name rank, code, traceback."""
-    result = run_agent(["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", str(EXAMPLE),
+    result = agents.run("--standalone", "--nproc-per-node", "2", "--max-restarts", "0", str(EXAMPLE),
                         "--epochs", "3", "--crash-rank", "1", "--crash-epoch", "1", "--crash-always",
-                        "--checkpoint", str(tmp_path / "ck.pt")], tmp_path)
+                        "--checkpoint", str(tmp_path / "ck.pt"), timeout=TIMEOUT)
     assert result.returncode == 1  # the root-cause worker's exit code (RuntimeError -> 1)
     report = result.stderr[result.stderr.index("=" * 20):].splitlines()
     head = "\n".join(report[:12])
@@ -81,9 +66,9 @@ def test_no_restarts_left_reports_root_cause_first(tmp_path):
     assert "traceback :" in head and "RuntimeError: injected crash" in result.stderr
 
 
-def test_worker_exit_code_becomes_agent_exit_code(tmp_path):
-    result = run_agent(["--standalone", "--nproc-per-node", "2", str(EXAMPLE), "--epochs", "2",
+def test_worker_exit_code_becomes_agent_exit_code(agents, tmp_path):
+    result = agents.run("--standalone", "--nproc-per-node", "2", str(EXAMPLE), "--epochs", "2",
                         "--crash-rank", "0", "--crash-epoch", "1", "--crash-always", "--crash-exit-code", "7",
-                        "--checkpoint", str(tmp_path / "ck.pt")], tmp_path)
+                        "--checkpoint", str(tmp_path / "ck.pt"), timeout=TIMEOUT)
     assert result.returncode == 7, result.stderr
     assert "exitcode  : 7" in result.stderr

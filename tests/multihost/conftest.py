@@ -36,6 +36,8 @@ from pathlib import Path
 
 import pytest
 
+from fsm_agent.testing.processes import remove_worker_cgroups, tmpdir_env
+
 IFNAME = "fsmeth0"
 #: Port of the rendezvous endpoint on host 0 (a fresh namespace: nothing else can hold it).
 RDZV_PORT = 29400
@@ -197,6 +199,10 @@ class NetnsHosts:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(self.pids_in(n) for n in self._created):
             time.sleep(0.05)
+        # Everything in the namespaces was killed at once, cgroup keepers too: none removed its
+        # agent's worker cgroup. (``ip netns exec`` remounts /sys, so agents there find no cgroup
+        # v2 hierarchy and make none; this is for a system where they do.)
+        remove_worker_cgroups(agent.pid for agent in self.agents)
         for name in reversed(self._created):
             _ip("netns", "del", name, check=False)
         self._created.clear()
@@ -217,6 +223,7 @@ class NetnsHosts:
         stdout, stderr = self.workdir / f"agent_{name}.out", self.workdir / f"agent_{name}.err"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "FSM_AGENT_", "TORCHELASTIC_"))}
         env.update(GLOO_SOCKET_IFNAME=IFNAME, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", LOGLEVEL="INFO")
+        env.update(tmpdir_env(self.workdir / "tmp"))  # a killed node's heartbeat directory stays in the workdir
         argv = ["ip", "netns", "exec", self.names[host], sys.executable, "-m", "fsm_agent", "run",
                 "--local-addr", self.addrs[host], "--events-file", str(events),
                 "--log-dir", str(self.workdir / f"logs_{name}"), *flags,

@@ -8,8 +8,6 @@ in the first attempt (the agent restarts the group, then it succeeds).
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -21,24 +19,11 @@ from fsm_agent import cli
 from fsm_agent.errors import ConfigError
 from fsm_agent.plugins import hookimpl
 from fsm_agent.replay import cli_main, read_events, replay
-from fsm_agent.testing import Scenario
+from fsm_agent.testing import AgentProcesses, Scenario
 from fsm_agent.testing.coverage import COVERAGE_DIR_ENV
 
 CRASH_THEN_SUCCESS = ["INIT --start--> HEALTHY", "HEALTHY --workers_failed--> STOPPED", "STOPPED --restart--> HEALTHY",
                       "HEALTHY --workers_succeeded--> SUCCEEDED"]
-
-
-def run_agent(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """``python -m fsm_agent ARGS`` in its own session; its process group is killed if it overstays."""
-    proc = subprocess.Popen([sys.executable, "-m", "fsm_agent", *args], cwd=tmp_path, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +37,9 @@ def crash_and_restart(tmp_path_factory) -> Path:
             sys.exit("rank 1 crashes in the first attempt")
     """))
     events = tmp_path / "events.jsonl"
-    done = run_agent(tmp_path, "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                     "--events-file", str(events), str(script))
+    with AgentProcesses(tmp_path) as agents:
+        done = agents.run("--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                          "--events-file", str(events), str(script), timeout=180)
     assert done.returncode == 0, done.stderr
     return events
 
@@ -253,9 +239,10 @@ def test_python_dash_m_fsm_agent_replay(crash_and_restart, tmp_path):
 @pytest.mark.skipif("replay" not in getattr(cli, "_DELEGATES", {}),
                     reason="fsm_agent/cli.py does not dispatch `fsm-agent replay` yet (add it to _DELEGATES)")
 def test_fsm_agent_replay_subcommand(crash_and_restart, tmp_path):
-    done = run_agent(tmp_path, "replay", str(crash_and_restart))
-    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "identical trace", done.stderr
-    bad = tampered(crash_and_restart, tmp_path / "bad.jsonl",
-                   lambda rs: [dict(r, dest="FAILED") if r.get("trigger") == "workers_failed" else r for r in rs])
-    done = run_agent(tmp_path, "replay", str(bad))
-    assert done.returncode == 1 and "expected FAILED, actual STOPPED" in done.stdout
+    with AgentProcesses(tmp_path, command=("replay",)) as replays:
+        done = replays.run(str(crash_and_restart), timeout=180)
+        assert done.returncode == 0 and done.stdout.splitlines()[-1] == "identical trace", done.stderr
+        bad = tampered(crash_and_restart, tmp_path / "bad.jsonl",
+                       lambda rs: [dict(r, dest="FAILED") if r.get("trigger") == "workers_failed" else r for r in rs])
+        done = replays.run(str(bad), timeout=180)
+        assert done.returncode == 1 and "expected FAILED, actual STOPPED" in done.stdout

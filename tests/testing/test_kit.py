@@ -446,6 +446,26 @@ def test_a_plugin_package_gets_the_kit_without_a_conftest(pytester):
     result.assert_outcomes(passed=1)
 
 
+# -- AgentProcesses ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_agent_processes_run_to_the_end_or_kill_the_group_at_the_timeout(tmp_path):
+    from fsm_agent.testing import AgentProcesses
+    from fsm_agent.testing.conformance import free_port
+
+    (tmp_path / "worker.py").write_text("")
+    with AgentProcesses(tmp_path, command=()) as processes:
+        done = processes.run("plugins", "--json")
+        assert done.returncode == 0 and '"name": "status-http"' in done.stdout, done.stderr
+        waits_for_a_second_node = ("run", "--nnodes", "2", "--rdzv-backend", "fsm",
+                                   "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "worker.py")
+        with pytest.raises(subprocess.TimeoutExpired) as expired:
+            processes.run(*waits_for_a_second_node, timeout=3)
+        assert processes.procs[-1].returncode == -signal.SIGKILL  # killed with its group and reaped
+        assert expired.value.timeout == 3 and isinstance(expired.value.stderr, str)
+
+
 def test_loading_the_kit_does_not_import_torch():
     code = ("import sys, fsm_agent.testing, fsm_agent.testing.pytest_plugin; "
             "assert 'torch' not in sys.modules, 'torch imported'; "

@@ -4,10 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from importlib.metadata import PackageNotFoundError, distribution
 
@@ -15,6 +11,7 @@ import pytest
 
 import fsm_agent_example
 from fsm_agent.plugins.manager import build_registry, get_plugin_manager
+from fsm_agent.testing import AgentProcesses
 
 try:
     distribution("fsm-agent-example")
@@ -23,16 +20,11 @@ except PackageNotFoundError:
                 allow_module_level=True)
 
 
-def fsm_agent(*args, cwd, timeout=120):
-    proc = subprocess.Popen([sys.executable, "-m", "fsm_agent", *args], cwd=cwd, text=True, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    return proc.returncode, out, err
+@pytest.fixture
+def fsm_agent(tmp_path):
+    """``python -m fsm_agent ...`` processes in tmp_path (fsm-agent's test kit); groups killed after."""
+    with AgentProcesses(tmp_path, command=()) as processes:
+        yield processes
 
 
 def test_the_entry_point_registers_the_plugin_and_its_launcher():
@@ -41,15 +33,15 @@ def test_the_entry_point_registers_the_plugin_and_its_launcher():
     assert "example" in build_registry(pm).names("launcher")
 
 
-def test_fsm_agent_plugins_lists_it(tmp_path):
-    code, out, err = fsm_agent("plugins", "--json", cwd=tmp_path)
-    assert code == 0, err
-    (row,) = [row for row in json.loads(out) if row["name"] == "example"]
+def test_fsm_agent_plugins_lists_it(fsm_agent):
+    done = fsm_agent.run("plugins", "--json")
+    assert done.returncode == 0, done.stderr
+    (row,) = [row for row in json.loads(done.stdout) if row["name"] == "example"]
     assert row["distribution"] == "fsm-agent-example" and not row["builtin"]
     assert {"fsm_agent_register_backends", "fsm_agent_configure"} <= set(row["hooks"])
 
 
-def test_fsm_agent_run_with_the_example_launcher(tmp_path):
+def test_fsm_agent_run_with_the_example_launcher(fsm_agent, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent("""
         import os, sys
@@ -58,9 +50,9 @@ def test_fsm_agent_run_with_the_example_launcher(tmp_path):
         sys.exit(1 if (attempt, rank) == ("0", "1") else 0)
     """))
     events = tmp_path / "events.jsonl"
-    code, out, err = fsm_agent("run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                               "--launcher", "example", "--example-attempt-env", "true", "--events-file", str(events), str(script), cwd=tmp_path)
-    assert code == 0, err
+    done = fsm_agent.run("run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                         "--launcher", "example", "--example-attempt-env", "true", "--events-file", str(events), str(script))
+    assert done.returncode == 0, done.stderr
     transitions = [json.loads(line) for line in events.read_text().splitlines()]
     assert [(e["source"], e["dest"]) for e in transitions if e["kind"] == "transition"] == [
         ("INIT", "HEALTHY"), ("HEALTHY", "STOPPED"), ("STOPPED", "HEALTHY"), ("HEALTHY", "SUCCEEDED")]
