@@ -13,6 +13,7 @@ torch is imported lazily, only to count devices for ``--nproc-per-node gpu|xpu|a
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import json
 import logging
@@ -1235,11 +1236,13 @@ def _exit(code: int, from_console: bool) -> NoReturn:
     """Exit with ``code``. From the console, skip the interpreter's teardown once output is flushed:
     the agent's work (workers stopped, files closed, hooks unconfigured) is done by then, and
     unloading modules and joining daemon threads only delays the exit a shell or scheduler waits for.
+    The ``atexit`` handlers still run first, as at a normal exit (multiprocessing removes its
+    ``pymp-*`` directory there; a plugin's library may flush there).
     """
     if from_console:
+        atexit._run_exitfuncs()  # the first step of a normal exit (logging.shutdown is one of them)
         sys.stdout.flush()
         sys.stderr.flush()
-        logging.shutdown()
         os._exit(code)
     sys.exit(code)
 

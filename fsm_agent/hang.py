@@ -37,13 +37,15 @@ class HangDetector:
 
     def __init__(self, hang_timeout: float | None, file_timer: bool | None = None):
         self.hang_timeout = hang_timeout
-        self._dir = tempfile.mkdtemp(prefix="fsm_agent_hb_")
+        if file_timer is None:
+            file_timer = os.environ.get(ENABLE_FILE_TIMER_ENV) == "1"
+        # Only when something goes in it: a directory in /tmp is one more thing a SIGKILLed agent leaves.
+        needs_dir = hang_timeout is not None or (file_timer and not os.environ.get(TIMER_FILE_ENV))
+        self._dir = tempfile.mkdtemp(prefix="fsm_agent_hb_") if needs_dir else None
         self._timers: dict[tuple[int, str], tuple[float, int]] = {}
         self._fifo_r = self._fifo_keepalive_w = None
         self._pending = b""
         self.fifo_path = None
-        if file_timer is None:
-            file_timer = os.environ.get(ENABLE_FILE_TIMER_ENV) == "1"
         if file_timer:
             self.fifo_path = os.environ.get(TIMER_FILE_ENV) or os.path.join(self._dir, "watchdog_timer")
             if not os.path.exists(self.fifo_path):
@@ -71,7 +73,7 @@ class HangDetector:
 
     def new_attempt(self, local_world_size: int) -> None:
         """Forget the previous attempt's heartbeats and timers."""
-        for local_rank in range(local_world_size):
+        for local_rank in range(local_world_size if self.hang_timeout is not None else 0):
             try:
                 os.unlink(self._heartbeat_file(local_rank))
             except FileNotFoundError:
@@ -129,7 +131,8 @@ class HangDetector:
             if fd is not None:
                 os.close(fd)
         self._fifo_r = self._fifo_keepalive_w = None
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def dump_stacks(pid: int, timeout: float = 10.0) -> str:
