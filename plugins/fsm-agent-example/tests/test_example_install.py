@@ -44,10 +44,16 @@ def test_fsm_agent_plugins_lists_it(fsm_agent):
 def test_fsm_agent_run_with_the_example_launcher(fsm_agent, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent("""
-        import os, sys
+        import os, sys, time
         attempt, rank = os.environ["FSM_EXAMPLE_ATTEMPT"], os.environ["LOCAL_RANK"]
-        open(os.path.join(os.path.dirname(__file__), f"seen-{attempt}-{rank}"), "w").close()
-        sys.exit(1 if (attempt, rank) == ("0", "1") else 0)
+        here = os.path.dirname(__file__)
+        open(os.path.join(here, f"seen-{attempt}-{rank}"), "w").close()
+        if (attempt, rank) == ("0", "1"):
+            # Fail only once rank 0 has recorded itself: the restart stops it otherwise.
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(here, "seen-0-0")) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            sys.exit(1)
     """))
     events = tmp_path / "events.jsonl"
     done = fsm_agent.run("run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
