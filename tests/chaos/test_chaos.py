@@ -69,13 +69,22 @@ VICTIMS = ("store_host", "peer")  # node_loss: n0 (hosts the fsm store) or n1
 NODE_LOSS_BOUND_S = 90.0
 
 WORKER = textwrap.dedent("""
-    import os, sys, time
+    import glob, os, sys, time
     import fsm_agent
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     rank = int(os.environ["RANK"])
-    open(os.path.join(os.environ["CHAOS_DIR"], f"pid_{attempt}_{rank}_{os.getpid()}"), "w").close()
     fault, fault_rank, delay = os.environ.get("CHAOS_FAULT", "none:0:0").split(":")
-    print(f"worker {rank} attempt {attempt} running", flush=True)
+    print(f"worker {rank} attempt {attempt} running", flush=True)  # before the pid file the harness waits for
+    open(os.path.join(os.environ["CHAOS_DIR"], f"pid_{attempt}_{rank}_{os.getpid()}"), "w").close()
+    if fault == "worker_crash" and attempt == 0 and rank == int(fault_rank):
+        # Crash only once every peer has printed: the restart stops a peer that has not, and the
+        # invariants check every attempt-0 stdout.log. Outside the 1.5 s loop: a slow peer must
+        # not turn the crash into no crash.
+        peers = [r for r in range(int(os.environ["WORLD_SIZE"])) if r != rank]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(
+                glob.glob(os.path.join(os.environ["CHAOS_DIR"], f"pid_0_{r}_*")) for r in peers):
+            time.sleep(0.01)
     start = time.monotonic()
     while time.monotonic() - start < 1.5:
         fsm_agent.heartbeat(0.05)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 #: torch's @record; local rank 1 raises on the first attempt, everything else succeeds.
 RECORD_FAIL_ONCE = r'''
-import os
+import os, time
 from torch.distributed.elastic.multiprocessing.errors import record
 
 @record
@@ -30,6 +30,12 @@ def main():
     count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     print("attempt %d rank %s run_id %s" % (count, os.environ["RANK"], os.environ["TORCHELASTIC_RUN_ID"]), flush=True)
     if os.environ["LOCAL_RANK"] == "1" and count == 0:
+        # Raise only once rank 0 has printed: the restart stops it otherwise (same layout under both launchers).
+        attempt_dir = os.path.dirname(os.path.dirname(os.environ["TORCHELASTIC_ERROR_FILE"]))
+        peer = os.path.join(attempt_dir, "0", "stdout.log")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (os.path.exists(peer) and "run_id" in open(peer).read()):
+            time.sleep(0.01)
         raise ValueError("boom-e2e from local rank 1")
 
 main()

@@ -36,12 +36,17 @@ def test_each_attempt_meets_in_an_empty_store(tmp_path, agents, backend):
                          world_size=2, timeout=timedelta(seconds=30))
         attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
         rank = os.environ["RANK"]
-        with open(f"seen_{attempt}_{rank}.json", "w") as f:
+        with open(f"seen_{attempt}_{rank}.tmp", "w") as f:  # whole or not at all: a stop may come any time
             json.dump({"stale": store.check(["left_by_attempt_0"]), "port": os.environ["MASTER_PORT"],
                        "use_agent_store": os.environ["TORCHELASTIC_USE_AGENT_STORE"]}, f)
+        os.replace(f"seen_{attempt}_{rank}.tmp", f"seen_{attempt}_{rank}.json")
         if attempt == 0:
             store.set("left_by_attempt_0", "x")
             if rank == "1":
+                # Fail only once rank 0 has recorded itself: the restart stops it otherwise.
+                deadline = time.monotonic() + 60
+                while not os.path.exists("seen_0_0.json") and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 sys.exit(1)
             time.sleep(30)  # rank 0 (maybe the store's host) stays until the agent stops it
     """)

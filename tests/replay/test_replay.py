@@ -32,8 +32,25 @@ def crash_and_restart(tmp_path_factory) -> Path:
     tmp_path = tmp_path_factory.mktemp("real-run")
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent("""
-        import os, sys
-        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["LOCAL_RANK"] == "1":
+        import os, sys, time
+        here = os.path.dirname(os.path.abspath(__file__))
+        first, rank = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0", os.environ["LOCAL_RANK"]
+        if first and rank == "0":
+            with open(os.path.join(here, "pid0.tmp"), "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(os.path.join(here, "pid0.tmp"), os.path.join(here, "pid0"))
+        if first and rank == "1":
+            # Crash only once the agent has reaped rank 0 (and so recorded its worker_exit):
+            # a rank 0 the restart stops records none, and the test counts four.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    os.kill(int(open(os.path.join(here, "pid0")).read()), 0)
+                except FileNotFoundError:
+                    pass
+                except ProcessLookupError:
+                    break
+                time.sleep(0.01)
             sys.exit("rank 1 crashes in the first attempt")
     """))
     events = tmp_path / "events.jsonl"
