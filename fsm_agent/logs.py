@@ -8,6 +8,7 @@ Layout, as torch's ``DefaultLogsSpecs``::
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ import attrs
 
 from fsm_agent.errors import ConfigError
 
+log = logging.getLogger(__name__)
 NONE, OUT, ERR, ALL = 0, 1, 2, 3
 _MAPPING = re.compile(r"^(\d+:[0-3])(,\d+:[0-3])*$")
 
@@ -91,10 +93,24 @@ class LogsLayout:
                               f"({exc.strerror or exc}); pass a writable directory") from None
 
     def cleanup(self) -> None:
-        """Remove the temporary log directory made when no ``--log-dir`` was given (torch keeps it)."""
-        if self.temporary_dir is not None:
+        """Remove the temporary log directory made when no ``--log-dir`` was given (torch keeps it),
+        unless worker output went there and nowhere else (``--redirects``, ranks hidden by
+        ``--local-ranks-filter``): that is kept, and its path logged, so no output is lost."""
+        if self.temporary_dir is None:
+            return
+        if self.holds_only_copy_of_output:
+            log.warning("worker output that was not shown is kept in %s (no --log-dir was given)", self.run_log_dir)
+        else:
             shutil.rmtree(self.temporary_dir, ignore_errors=True)
-            self.temporary_dir = None
+        self.temporary_dir = None
+
+    @property
+    def holds_only_copy_of_output(self) -> bool:
+        """Some worker stream goes to a file and not to the console (redirected and not teed, or hidden)."""
+        if self.local_ranks_filter is not None:
+            return True
+        ranks = {-1} | {r for value in (self.redirects, self.tee) if isinstance(value, dict) for r in value}
+        return any(std_for(self.redirects, r) & ~std_for(self.tee, r) for r in ranks)  # -1: ranks not named
 
     @property
     def to_devnull(self) -> bool:

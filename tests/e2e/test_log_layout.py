@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -191,3 +192,14 @@ def test_an_agent_that_ends_leaves_nothing_in_its_temporary_directory(launcher, 
         launcher.run_fsm(*flags, *extra, launcher.probe).check()
         assert sorted(launcher.records()) == [0, 1]
     assert sorted(p.name for p in scratch.iterdir()) == []
+
+
+def test_redirected_output_without_a_log_dir_is_kept_and_named(launcher):
+    """-r 3 and no --log-dir: the output exists only in the temporary dir, so the agent keeps it and says where."""
+    script = write_script(launcher.dir, "say.py", "print('only in the file', flush=True)\n")
+    result = launcher.run_fsm("--nproc-per-node", "2", "-r", "3", script).check()
+    assert "only in the file" not in result.stdout
+    kept = Path(re.search(r"kept in (\S+) \(no --log-dir was given\)", result.stderr).group(1))
+    assert kept.parent.parent == launcher.tmp  # <TMPDIR>/fsm_agent_*/<run_id>_*
+    for local_rank in (0, 1):
+        assert (kept / f"attempt_0/{local_rank}/stdout.log").read_text() == "only in the file\n"

@@ -34,3 +34,20 @@ def test_each_round_starts_without_the_previous_error_file(tmp_path):
     write_round(layout, 0, "first\n")
     logs = layout.reify(0, 2, "trainer", {0: 0, 1: 1})
     assert not any(os.path.exists(w.error_file) for w in logs.values())  # a stale error.json would be misread
+
+
+def test_a_temporary_dir_holding_the_only_copy_of_output_is_kept(tmp_path, monkeypatch, caplog):
+    """Without --log-dir the temporary dir goes at the end, unless a stream went only to a file there."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for options, kept in [({}, False), ({"tee": ALL}, False), ({"redirects": ALL, "tee": ALL}, False),
+                          ({"redirects": ALL}, True), ({"redirects": ALL, "tee": 1}, True),
+                          ({"redirects": {1: ALL}}, True), ({"redirects": {1: ALL}, "tee": {1: ALL}}, False),
+                          ({"local_ranks_filter": frozenset({0})}, True)]:
+        layout = LogsLayout(log_dir=None, run_id="job", **options)
+        run_dir = layout.run_log_dir
+        caplog.clear()
+        layout.cleanup()
+        assert os.path.isdir(run_dir) == kept, options
+        assert (run_dir in caplog.text) == kept, options
