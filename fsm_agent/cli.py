@@ -42,6 +42,7 @@ LOG_LINE_PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 DISABLE_PLUGINS_ENV = "FSM_AGENT_DISABLE_PLUGINS"
 #: Exit code for Ctrl-C (128 + SIGINT), as a shell reports it.
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE, as a shell reports a writer its reader left
 
 #: Named ``--nproc-per-node`` values (torch also accepts its privateuse1 backend name).
 NPROC_NAMES = ("auto", "cpu", "gpu", "xpu")
@@ -472,7 +473,7 @@ def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] 
     add("--master-addr", default="127.0.0.1", help="address of the rank-0 node (static rendezvous only)")
     add("--master-port", default=None, type=int,
         help=f"port on the rank-0 node (static rendezvous only; {DEFAULT_MASTER_PORT} when unset). "
-             "Giving it turns off the implicit single-node c10d rendezvous")
+             "Giving it turns off the implicit single-node (--standalone) rendezvous")
     add("--local-addr", default=None, help="this node's address (default: its FQDN)")
     add("--logs-specs", action="store", default=None,
         help="name of a torchrun.logs_specs entry point that lays out the log files [env FSM_AGENT_LOGS_SPECS]")
@@ -1241,8 +1242,11 @@ def _exit(code: int, from_console: bool) -> NoReturn:
     """
     if from_console:
         atexit._run_exitfuncs()  # the first step of a normal exit (logging.shutdown is one of them)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BrokenPipeError:
+            code = code or EXIT_BROKEN_PIPE
         os._exit(code)
     sys.exit(code)
 
@@ -1305,6 +1309,16 @@ def _exit_code(command: Callable[..., int], *args: Any) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # e.g. `fsm-agent status URL --json | head`: the reader is gone, say nothing
+        _stdout_to_devnull()
+        return EXIT_BROKEN_PIPE
+
+
+def _stdout_to_devnull() -> None:
+    """Point fd 1 at /dev/null, so the interpreter's last flush of stdout cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _version() -> str:

@@ -140,3 +140,20 @@ def test_an_agent_that_fails_while_being_built_leaves_no_temporary_directory(lau
     assert result.returncode == 2
     assert "events-jsonl" in one_error_line(result.stderr)
     assert list(scratch.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [["statechart"], ["config", "--json"], ["plugins", "--json"]])
+def test_a_reader_that_left_is_no_traceback(launcher, args):
+    """``fsm-agent statechart | head -c 10``: stdout's reader is gone; exit 141 (SIGPIPE's), no traceback."""
+    import os
+    import subprocess
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to stdout now fails with EPIPE
+    try:
+        done = subprocess.run([*fsm_agent_cmd(), *args], stdout=write_end, stderr=subprocess.PIPE, text=True,
+                              cwd=launcher.dir, timeout=60)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
