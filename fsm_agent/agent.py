@@ -395,14 +395,19 @@ class ElasticAgent:
         """Ask the restart policy about the failed workers, or about a ``membership_change`` class."""
         if membership_change is not None:
             failure_class, default = membership_change, RestartDecision(True, reason="re-rendezvous (not counted)")
+            what = failure_class.replace("_", " ")
         else:
-            failure_class = first_failure(self._failures).failure_class
+            cause = first_failure(self._failures)
+            failure_class = cause.failure_class
             default = RestartDecision(self.restart_count < self.spec.max_restarts)
+            code = f"{cause.exitcode} ({cause.signal_name})" if cause.exitcode < 0 else str(cause.exitcode)
+            why = "" if failure_class in (FailureClass.EXIT_CODE, FailureClass.SIGNAL) else f", {failure_class}"
+            what = (f"workers failed (first: local_rank {cause.local_rank}, rank {cause.global_rank}, "
+                    f"exitcode {code}{why})")
         decision = self.plugin_manager.hook.fsm_agent_restart_policy(
             failures=dict(self._failures), worker_group=self._worker_group, restart_count=self.restart_count,
             failure_class=failure_class)
         self._decision, self._decided_class = decision or default, failure_class
-        what = failure_class.replace("_", " ") if membership_change else "workers failed"
         log.warning("[%s] %s: %s", self.spec.role, what, self._decision.reason or self._decision)
         if membership_change is not None and not self._decision.restart:
             self._error = f"{failure_class}: {self._decision.reason or 'the restart policy gave up'}"
