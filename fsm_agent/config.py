@@ -785,6 +785,9 @@ def _error_lines(exc: BaseException, path: str) -> Iterator[str]:
 
 def _unknown_key_hint(section: str, key: str, known: list[str]) -> str:
     where = f"in [{section}]" if section else "at the top level"
+    if not section and key == "tool":
+        return ("unknown key at the top level; a [tool.fsm_agent] table is read from pyproject.toml only: "
+                "in this file put its keys at the top level")
     elsewhere = [k.key for k in KEYS if k.name == key and k.section != section]
     if elsewhere:
         return f"unknown key {where}; did you mean {elsewhere[0]}?"

@@ -141,12 +141,17 @@ class ReplayResult:
                 lines.append("  replayed: " + _chain(run.replayed))
             else:
                 lines.append("  " + _chain(run.recorded))
+            if run.recorded and (last := run.recorded[-1].split(" ")[-1]) not in _TERMINAL:
+                lines.append(f"  (the recording stops in {last}: the run had not ended, or its agent was killed)")
             if not run.identical:
                 lines.append(str(run.divergence))
                 break
         if self.identical:
             lines.append("identical trace")
         return "\n".join(lines)
+
+
+_TERMINAL = ("SUCCEEDED", "FAILED", "UNKNOWN")
 
 
 def _chain(trace: Sequence[str]) -> str:

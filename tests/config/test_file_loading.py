@@ -117,6 +117,8 @@ def test_values_are_checked_strictly(data, message):
     ({"rendezvous": {"backnd": "c10d"}}, "rendezvous.backnd: unknown key; did you mean rendezvous.backend?"),
     ({"logs": {"colour": True}}, "logs.colour: unknown key in [logs] (see docs/configuration.md for the keys)"),
     ({"plugins": {"nope": {"x": 1}}}, "plugins.nope: no loaded plugin named 'nope' declares options"),
+    ({"tool": {"fsm_agent": {"max_restarts": 1}}},
+     "tool: unknown key at the top level; a [tool.fsm_agent] table is read from pyproject.toml only"),
 ])
 def test_unknown_keys_are_errors_with_a_hint(data, message):
     assert message in errors_of(data)

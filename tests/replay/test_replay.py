@@ -142,6 +142,21 @@ def test_a_transition_the_table_does_not_have_is_refused(crash_and_restart, tmp_
     assert "workers_succeeded cannot fire in STOPPED" in str(divergence)
 
 
+def test_a_recording_cut_short_replays_identically_and_says_so(crash_and_restart, tmp_path, capsys):
+    """The agent was SIGKILLed mid-run: its file stops after the restart; what is there replays, flagged."""
+    def cut(records):
+        (restart,) = [i for i, r in enumerate(records) if r["kind"] == "transition" and r["trigger"] == "restart"]
+        return records[:restart + 1]
+
+    path = tampered(crash_and_restart, tmp_path / "cut.jsonl", cut)
+    assert cli_main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "(the recording stops in HEALTHY: the run had not ended, or its agent was killed)" in out
+    assert out.splitlines()[-1] == "identical trace"
+    assert cli_main([str(crash_and_restart)]) == 0
+    assert "recording stops" not in capsys.readouterr().out
+
+
 def test_a_tampered_end_state(crash_and_restart, tmp_path):
     def failed_end(records):
         records[-1]["state"] = "FAILED"
