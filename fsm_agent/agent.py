@@ -400,10 +400,9 @@ class ElasticAgent:
             cause = first_failure(self._failures)
             failure_class = cause.failure_class
             default = RestartDecision(self.restart_count < self.spec.max_restarts)
-            code = f"{cause.exitcode} ({cause.signal_name})" if cause.exitcode < 0 else str(cause.exitcode)
             why = "" if failure_class in (FailureClass.EXIT_CODE, FailureClass.SIGNAL) else f", {failure_class}"
             what = (f"workers failed (first: local_rank {cause.local_rank}, rank {cause.global_rank}, "
-                    f"exitcode {code}{why})")
+                    f"exitcode {cause.exitcode_text}{why})")
         decision = self.plugin_manager.hook.fsm_agent_restart_policy(
             failures=dict(self._failures), worker_group=self._worker_group, restart_count=self.restart_count,
             failure_class=failure_class)

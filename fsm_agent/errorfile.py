@@ -79,7 +79,7 @@ def format_summary(name: str, result: RunResult) -> str:
 def _entry(f: WorkerFailure) -> list[str]:
     """One failure: rank, exit code, message and traceback first; where and when after."""
     when = time.strftime("%Y-%m-%d_%H:%M:%S", time.localtime(f.timestamp))
-    code = f"{f.exitcode} ({f.signal_name})" if f.exitcode < 0 else str(f.exitcode)
+    code = f.exitcode_text
     out = [
         f"[{f.global_rank}]:",
         f"  rank      : {f.global_rank} (local_rank: {f.local_rank}, role_rank: {f.role_rank})",

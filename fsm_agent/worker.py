@@ -234,6 +234,11 @@ class WorkerFailure:
         return signal_name(self.exitcode)
 
     @property
+    def exitcode_text(self) -> str:
+        """The exit code as the summary shows it: ``3``, or ``-9 (SIGKILL)`` for a death by signal."""
+        return f"{self.exitcode} ({self.signal_name})" if self.exitcode < 0 else str(self.exitcode)
+
+    @property
     def shell_exit_code(self) -> int:
         """The code a shell would report: the exit code, or 128+N for a death by signal N."""
         return 128 - self.exitcode if self.exitcode < 0 else self.exitcode

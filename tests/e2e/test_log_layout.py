@@ -77,7 +77,9 @@ def test_layout_matches_torchrun_with_a_restart(launcher):
     flags = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-r", "3"]
     torch_logs, fsm_logs = launcher.dir / "torch_logs", launcher.dir / "fsm_logs"
     launcher.torchrun(*flags, "--log-dir", torch_logs, script).wait().check()
-    launcher.run_fsm(*flags, "--log-dir", fsm_logs, script).check()
+    fsm = launcher.run_fsm(*flags, "--log-dir", fsm_logs, script).check()
+    # The restart warning names the first failure, as torchrun's log line does.
+    assert "workers failed (first: local_rank 1, rank 1, exitcode 1): restart 1 of 1" in fsm.stderr
     torch_run, fsm_run = only_run_dir(torch_logs), only_run_dir(fsm_logs)
 
     expected = {"attempt_0", "attempt_1", "attempt_0/1/error.json"} | {
