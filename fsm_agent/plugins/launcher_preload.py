@@ -139,7 +139,11 @@ class PreloadLauncher(SubprocessLauncher):
             elif message.get("spawned") == local_rank:
                 break
         pid = message["pid"]
-        handle = _ForkedHandle(local_rank=local_rank, pid=pid, wait_fd=os.pidfd_open(pid), owns_fd=True)
+        try:
+            wait_fd = os.pidfd_open(pid)  # wakes the agent at the exit; the code comes as a message
+        except ProcessLookupError:  # already exited and reaped by the zygote: its report wakes us
+            wait_fd = os.dup(self._sock.fileno())
+        handle = _ForkedHandle(local_rank=local_rank, pid=pid, wait_fd=wait_fd, owns_fd=True)
         for pipe, path, console, index in readers:
             handle.readers.append(_TeeReader(pipe, path, console, wlogs.prefix, self._filtered[index]))
         return handle

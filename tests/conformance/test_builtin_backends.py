@@ -7,6 +7,8 @@ built-in plugins fill (``fsm_agent_register_backends``).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from fsm_agent.plugins.manager import build_registry, get_plugin_manager
@@ -75,3 +77,13 @@ class TestPreloadLauncher(LauncherConformance):
 
     def make_launcher(self):
         return backend("launcher", "preload")(_AgentStandIn(modules="json"))
+
+    def test_a_worker_gone_before_its_pidfd_is_opened_is_still_reported(self, workers, monkeypatch):
+        """A worker may exit, and the zygote reap it, before the launcher opens its pidfd (seen in
+        CI: the agent then failed in INIT). The race is forced here: every pidfd_open finds no process."""
+        def no_such_process(pid):
+            raise ProcessLookupError(3, "No such process")
+
+        monkeypatch.setattr(os, "pidfd_open", no_such_process)
+        workers.start('if _rank == 1:\n    sys.exit(7)\n')
+        assert workers.wait_exits([0, 1]) == {0: 0, 1: 7}
