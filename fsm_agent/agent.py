@@ -1,9 +1,11 @@
 """ElasticAgent: the model of the worker-group statechart, and its run loop.
 
 The table in ``fsm_agent.states.table`` decides every state change; this class supplies the
-steps the table names (``_rendezvous``, ``_start_workers``, ``_stop_workers``, ...), the guards
-(``has_restarts_left``), and a run loop that only turns observations (worker exits, signals,
-membership, errors) into triggers. Hooks fire from the steps and from ``_after_state_change``.
+steps the table names (``_rendezvous``, ``_start_workers``, ``_decide_on_failed_workers``,
+``_stop_workers``, ...), the guards (``has_restarts_left``) that read what those steps decided, and a
+run loop that only turns observations (worker exits, hung workers, health checks, signals,
+membership, errors) into triggers with their data. Hooks fire from the steps and from
+``_after_state_change``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from fsm_agent.worker import (HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, FailureCla
 log = logging.getLogger(__name__)
 S = WorkerState
 EXIT_BARRIER_PREFIX = "torchelastic/agent/terminal_state"  # torch's key: torchrun peers share it
+#: Triggers that report an error (data: ``error="..."``); firing one must not fail, so when a step
+#: of theirs raises the agent takes its last resort (see ``_fire_error``).
+ERROR_TRIGGERS = ("rendezvous_failed", "agent_errored")
 STACK_DUMP_WAIT_S = 5.0  # at most this long for an aborted hung worker to write its stacks and exit
 
 
@@ -140,11 +145,18 @@ class ElasticAgent:
         self._worker_logs: dict[int, WorkerLogs] = {}
         self._worker_store = None
         self._hang = HangDetector(spec.hang_timeout)
+        # What made the group UNHEALTHY (the data of workers_hung / health_check_failed): the
+        # workers UNHEALTHY's way out counts as failed.
         self._hung: dict[int, str] = {}
-        self._health_problem: str | None = None  # what a health-check plugin reported
+        self._hung_stacks: dict[int, str] = {}
+        self._health_problem: str | None = None
         self._exits: dict[int, int] | None = None  # the launcher's last answer to poll()
+        # The restart policy's decision, made by a prepare step of the table once per event
+        # (``_decided_event``) and read by the guards, ``_backoff`` and the verdict.
         self._decision: RestartDecision | None = None
-        self._decided_class: str | None = None  # the failure class of a decision not yet acted on
+        self._decided_class: str | None = None
+        self._decided_event: Any = None
+        self._closed = False
         self._error: str | None = None
         self._signal: int | None = None
         self._interruptible = False
@@ -190,6 +202,11 @@ class ElasticAgent:
         return getattr(self._rdzv_handler, "endpoint", None) or self.spec.rendezvous.endpoint
 
     @property
+    def run_log_dir(self) -> str | None:
+        """The run's log directory (``--log-dir``'s ``<run_id>_<random>``, or a temporary one), or None."""
+        return self._logs.run_log_dir
+
+    @property
     def remaining_restarts(self) -> int:
         return self.spec.max_restarts - self.restart_count
 
@@ -205,7 +222,7 @@ class ElasticAgent:
                 self._step()
         finally:
             self._restore_signal_handlers(previous)
-            self._release()
+            self.close()
         gave_up = self.state == S.FAILED and self._decision is not None and not self._decision.restart
         result = RunResult(state=self.state, return_values=dict(self._return_values),
                            failures=dict(self._failures), error=self._error, signal=self._signal,
@@ -231,20 +248,42 @@ class ElasticAgent:
             fact = self._wait_for_fact()
         except Exception as exc:  # launcher poll / num_nodes_waiting failed: same paths as a failing step
             if _classify_rendezvous_error(exc) == "failed":  # the rendezvous store went away mid-run
-                self._error = self._describe_rendezvous_error(exc)
-                self._fire_error("rendezvous_failed")
+                self._fire_error("rendezvous_failed", self._describe_rendezvous_error(exc))
                 return
-            self._error = f"watching the workers failed in state {self.state.value}: {type(exc).__name__}: {exc}"
-            log.error("%s\n%s", self._error, traceback.format_exc())
-            self._fire_error("agent_errored")
+            error = f"watching the workers failed in state {self.state.value}: {type(exc).__name__}: {exc}"
+            log.error("%s\n%s", error, traceback.format_exc())
+            self._fire_error("agent_errored", error)
             return
         if fact is not None:
-            self._fire(fact)
+            trigger, data = fact
+            self._fire(trigger, **data)
 
-    def _fire(self, trigger: str) -> None:
-        """Fire a trigger; turn whatever it raises into the table's error trigger."""
+    def fire(self, trigger: str, **data: Any) -> None:
+        """Fire ``trigger`` with its data as the run loop does, for replay and test harnesses.
+
+        Args:
+            trigger: a trigger of the table (``fsm_agent.states.table``).
+            **data: the trigger's data, as the table's comments name it (``exits=``, ``hung=``,
+                ``problem=``, ``change=``, ``error=``, ``return_values=``).
+
+        A step that raises moves the group along the table's error rows (``rendezvous_failed``,
+        ``agent_errored``), as in a run; an error trigger whose own steps raise takes the last
+        resort (UNKNOWN, workers SIGKILLed). Never raises for a failing step; a trigger the
+        current state does not accept raises ``transitions.MachineError``.
+        """
+        if trigger not in self.machine.get_triggers(self.state):
+            from transitions.core import MachineError
+
+            raise MachineError(f"{trigger} cannot fire in state {self.state.value}")
+        if trigger in ERROR_TRIGGERS:
+            self._fire_error(trigger, str(data.get("error") or f"{trigger} (no detail)"))
+        else:
+            self._fire(trigger, **data)
+
+    def _fire(self, trigger: str, **data: Any) -> None:
+        """Fire a trigger; turn whatever its steps raise into the table's error trigger."""
         try:
-            self.trigger(trigger)
+            self.trigger(trigger, **data)
         except SignalStop:
             pass  # self._signal is set: the next step fires stop_requested
         except Exception as exc:
@@ -252,18 +291,18 @@ class ElasticAgent:
             if kind == "not_needed":
                 self._fire("rendezvous_not_needed")
             elif kind == "failed":
-                self._error = self._describe_rendezvous_error(exc)
-                self._fire_error("rendezvous_failed")
+                self._fire_error("rendezvous_failed", self._describe_rendezvous_error(exc))
             else:
-                self._error = f"{trigger} failed in state {self.state.value}: {type(exc).__name__}: {exc}"
-                log.error("%s\n%s", self._error, traceback.format_exc())
-                self._fire_error("agent_errored")
+                error = f"{trigger} failed in state {self.state.value}: {type(exc).__name__}: {exc}"
+                log.error("%s\n%s", error, traceback.format_exc())
+                self._fire_error("agent_errored", error)
 
-    def _fire_error(self, trigger: str) -> None:
+    def _fire_error(self, trigger: str, error: str) -> None:
+        """Fire an error trigger (its data: ``error``); if that fails too, take the last resort."""
         try:
-            self.trigger(trigger)
+            self.trigger(trigger, error=error)
         except BaseException as exc:  # the error path itself failed: land in UNKNOWN, keep both errors
-            self._error = f"{self._error}; then {trigger} failed: {type(exc).__name__}: {exc}"
+            self._error = f"{error}; then {trigger} failed: {type(exc).__name__}: {exc}"
             try:  # a last attempt, without grace, to leave no worker running
                 self._launcher.stop(signal.SIGKILL, 0.0)
             except Exception as stop_exc:
@@ -274,19 +313,13 @@ class ElasticAgent:
             self.machine.set_state(S.UNKNOWN, model=self)
             self._on_state_changed(source.value, S.UNKNOWN.value, "agent_errored")
 
-    def _wait_for_fact(self) -> str | None:
-        """Block until something happens to the running workers; return the trigger it means."""
-        if self.state == S.UNHEALTHY:  # entered through workers_hung or health_check_failed
-            if self._health_problem is not None:
-                self._collect_health_failures()
-            else:
-                self._collect_hang_failures()
-            self._decide_restart()
-            return "workers_failed"
+    def _wait_for_fact(self) -> tuple[str, dict[str, Any]] | None:
+        """Block until something happens to the running workers (HEALTHY); return the trigger it
+        means with its data (see the table's comments), or None when nothing happened."""
         tick = self._tick_interval
         timeout = None if tick is None else max(0.0, self._next_tick - time.monotonic())
-        # A backend's membership fd stays readable until the next rendezvous: watch it only in HEALTHY.
-        membership = [self._membership_fd] if self.state == S.HEALTHY and self._membership_fd is not None else []
+        # A backend's membership fd stays readable until the next rendezvous: watch it only here.
+        membership = [self._membership_fd] if self._membership_fd is not None else []
         launcher_fds = list(self._launcher.wait_fds())
         ready, _, _ = select.select([self._wake_r, *launcher_fds, *self._hang.wait_fds(), *membership],
                                     [], [], timeout)
@@ -298,13 +331,12 @@ class ElasticAgent:
             except BlockingIOError:
                 pass
         if self._signal is not None:
-            return "stop_requested"
+            return "stop_requested", {}
         self._hang.read_timer_requests()
         if membership and membership[0] in ready and (change := self._membership_change()):
             # A lost peer usually fails our workers too (their collectives break); the cause is the
             # membership change, which is not counted as a restart.
-            self._decide_restart(change)
-            return "membership_changed"
+            return "membership_changed", {"change": change}
         if self._exits is None or ticked or set(ready) & set(launcher_fds):  # else nothing can have exited
             self._exits = self._launcher.poll()
         exits = self._exits
@@ -313,26 +345,20 @@ class ElasticAgent:
             self._on_worker_exit(local_rank, exits[local_rank])
         failed = {r: code for r, code in exits.items() if code != 0}
         if failed:
-            self._collect_failures(failed)
-            self._decide_restart()
-            return "workers_failed"
+            times = self._launcher.exit_times()
+            return "workers_failed", {"exits": failed, "exit_times": {r: times[r] for r in failed if r in times}}
         if len(exits) == self.spec.local_world_size:
             by_global = {w.local_rank: w.global_rank for w in self._worker_group.workers}
-            self._return_values = {by_global[r]: v for r, v in self._launcher.return_values().items()}
-            return "workers_succeeded"
+            return "workers_succeeded", {
+                "return_values": {by_global[r]: v for r, v in self._launcher.return_values().items()}}
         if ticked:
             self._next_tick = time.monotonic() + tick
-            if self._hang.enabled:
-                self._hung = self._hang.hung_workers(self._launcher.pids(), set(exits))
-                if self._hung:
-                    return "workers_hung"
-            if self.state == S.HEALTHY and self._has_health_checks:
-                self._health_problem = self._check_health()
-                if self._health_problem is not None:
-                    return "health_check_failed"
-            if self.state == S.HEALTHY and (change := self._membership_change()):
-                self._decide_restart(change)
-                return "membership_changed"
+            if self._hang.enabled and (hung := self._hang.hung_workers(self._launcher.pids(), set(exits))):
+                return "workers_hung", {"hung": hung}
+            if self._has_health_checks and (problem := self._check_health()) is not None:
+                return "health_check_failed", {"problem": problem}
+            if change := self._membership_change():
+                return "membership_changed", {"change": change}
         return None
 
     @property
@@ -364,12 +390,10 @@ class ElasticAgent:
             log.warning("[%s] health check failed: %s", self.spec.role, "; ".join(problems))
         return "; ".join(problems) or None
 
-    # -- guards ---------------------------------------------------------------------------------
+    # -- guards: they read the decision the row's prepare step made -------------------------------
     def has_restarts_left(self, event=None) -> bool:
-        """The restart policy's verdict on the failed attempt (torchrun's budget by default)."""
-        if self._decision is None:
-            return self.restart_count < self.spec.max_restarts
-        return self._decision.restart
+        """The restart policy decided to restart the worker group (``RestartDecision.restart``)."""
+        return self._decision is not None and self._decision.restart
 
     def excludes_this_node(self, event=None) -> bool:
         """The restart policy took this node out of the job (``RestartDecision.exclude_node``)."""
@@ -391,25 +415,53 @@ class ElasticAgent:
             return None
         return self.spec.monitor_interval
 
-    def _decide_restart(self, membership_change: str | None = None) -> None:
-        """Ask the restart policy about the failed workers, or about a ``membership_change`` class."""
-        if membership_change is not None:
-            failure_class, default = membership_change, RestartDecision(True, reason="re-rendezvous (not counted)")
-            what = failure_class.replace("_", " ")
+    # -- prepare steps named in the table: a fact becomes a restart decision ----------------------
+    def _decide_on_failed_workers(self, event) -> None:
+        """Turn the failed workers into WorkerFailures and ask the restart policy, once per event.
+
+        The failures come from the event's data (``exits``, ``exit_times``: error files are read
+        here), or, when the group is UNHEALTHY, from what made it so (the hung workers, or every
+        worker of a node a health check failed).
+
+        Raises:
+            ValueError: ``workers_failed`` fired from HEALTHY without any failed ``exits``.
+        """
+        if self._decided_event is event:  # transitions runs prepare once for each row it tries
+            return
+        self._decided_event = event
+        if self.state == S.UNHEALTHY:
+            self._failures = self._health_failures() if self._health_problem is not None else self._hang_failures()
         else:
-            cause = first_failure(self._failures)
-            failure_class = cause.failure_class
-            default = RestartDecision(self.restart_count < self.spec.max_restarts)
-            why = "" if failure_class in (FailureClass.EXIT_CODE, FailureClass.SIGNAL) else f", {failure_class}"
-            what = (f"workers failed (first: local_rank {cause.local_rank}, rank {cause.global_rank}, "
-                    f"exitcode {cause.exitcode_text}{why})")
+            exits = {r: c for r, c in (event.kwargs.get("exits") or {}).items() if c != 0}
+            if not exits:
+                raise ValueError("workers_failed needs the failed workers' exits={local_rank: exitcode}")
+            self._failures = self._exit_failures(exits, event.kwargs.get("exit_times") or {})
+        cause = first_failure(self._failures)
+        why = "" if cause.failure_class in (FailureClass.EXIT_CODE, FailureClass.SIGNAL) else f", {cause.failure_class}"
+        what = (f"workers failed (first: local_rank {cause.local_rank}, rank {cause.global_rank}, "
+                f"exitcode {cause.exitcode_text}{why})")
+        self._ask_restart_policy(cause.failure_class, RestartDecision(self.restart_count < self.spec.max_restarts),
+                                 what)
+
+    def _decide_on_membership_change(self, event) -> None:
+        """Ask the restart policy about a membership change (data ``change``: ``node_lost`` or
+        ``membership_change``), once per event; by default re-rendezvous without counting."""
+        if self._decided_event is event:
+            return
+        self._decided_event = event
+        change = str(event.kwargs.get("change") or FailureClass.MEMBERSHIP_CHANGE)
+        self._ask_restart_policy(change, RestartDecision(True, reason="re-rendezvous (not counted)"),
+                                 change.replace("_", " "))
+        if not self._decision.restart:
+            self._error = f"{change}: {self._decision.reason or 'the restart policy gave up'}"
+
+    def _ask_restart_policy(self, failure_class: str, default: RestartDecision, what: str) -> None:
+        """Hook ``fsm_agent_restart_policy``; ``default`` when no plugin answers."""
         decision = self.plugin_manager.hook.fsm_agent_restart_policy(
             failures=dict(self._failures), worker_group=self._worker_group, restart_count=self.restart_count,
             failure_class=failure_class)
         self._decision, self._decided_class = decision or default, failure_class
         log.warning("[%s] %s: %s", self.spec.role, what, self._decision.reason or self._decision)
-        if membership_change is not None and not self._decision.restart:
-            self._error = f"{failure_class}: {self._decision.reason or 'the restart policy gave up'}"
 
     # -- steps named in the table ---------------------------------------------------------------
     def _rendezvous(self, event=None) -> None:
@@ -472,7 +524,6 @@ class ElasticAgent:
     def _backoff(self, event=None) -> None:
         """Wait the restart policy's backoff delay; a stop signal cuts it short."""
         delay = self._decision.delay_s if self._decision is not None else 0.0
-        self._decision = None
         if delay > 0:
             self._interruptible = True
             try:
@@ -486,7 +537,7 @@ class ElasticAgent:
         """Spawn ``local_world_size`` workers with torchrun's environment."""
         group, spec = self._worker_group, self.spec
         self._hang.new_attempt(spec.local_world_size)
-        self._hung = {}
+        self._hung, self._hung_stacks, self._health_problem = {}, {}, None
         self._worker_logs = self._logs.reify(self.restart_count, spec.local_world_size, spec.role,
                                              {w.local_rank: w.global_rank for w in group.workers})
         envs = {}
@@ -498,7 +549,6 @@ class ElasticAgent:
                 error_file=self._worker_logs[worker.local_rank].error_file,
                 use_agent_store=self._use_agent_store, extra=extra)
         self._failures, self._reported_exits, self._return_values, self._exits = {}, set(), {}, None
-        self._health_problem = None
         pids = self._launcher.start(spec, envs, self._worker_logs, self._logs.filtered_paths(self.restart_count))
         for worker in group.workers:
             worker.id = pids[worker.local_rank]
@@ -513,6 +563,20 @@ class ElasticAgent:
     def _count_restart(self, event=None) -> None:
         self.restart_count += 1
 
+    def _record_unhealthy(self, event) -> None:
+        """Remember what made the group unhealthy (data ``hung={local_rank: why}`` or ``problem``):
+        UNHEALTHY's way out, ``workers_failed``, counts those workers as failed."""
+        self._hung = dict(event.kwargs.get("hung") or {})
+        self._health_problem = event.kwargs.get("problem")
+
+    def _record_return_values(self, event) -> None:
+        """Keep the callable entrypoints' results (data ``return_values={global_rank: value}``)."""
+        self._return_values = dict(event.kwargs.get("return_values") or {})
+
+    def _record_error(self, event) -> None:
+        """Keep what failed (data ``error``) for the transition record and the RunResult."""
+        self._error = event.kwargs.get("error") or self._error
+
     def _dump_worker_stacks(self, event=None) -> None:
         """Record where each hung worker is stuck: py-spy if installed, else a faulthandler dump.
 
@@ -520,7 +584,7 @@ class ElasticAgent:
         py-spy the worker gets SIGABRT, and ``PYTHONFAULTHANDLER=1`` (set for workers when hang
         detection is on) makes Python print every thread's stack to its stderr before it dies.
         """
-        self._hung_stacks: dict[int, str] = {}
+        self._hung_stacks = {}
         for local_rank, why in self._hung.items():
             pid = self._launcher.pids()[local_rank]
             log.warning("[%s] local_rank %s (pid %s) is hung: %s", self.spec.role, local_rank, pid, why)
@@ -539,27 +603,30 @@ class ElasticAgent:
                 if exit_fds:
                     select.select(exit_fds, [], [], STACK_DUMP_WAIT_S)
 
-    def _collect_health_failures(self) -> None:
+    def _health_failures(self) -> dict[int, WorkerFailure]:
         """A node found unhealthy fails every local worker (class ``health_check``)."""
-        for worker in self._worker_group.workers:
-            self._failures[worker.global_rank] = WorkerFailure(
+        return {
+            worker.global_rank: WorkerFailure(
                 local_rank=worker.local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank,
                 pid=worker.id, exitcode=HEALTH_CHECK_EXIT_CODE, timestamp=time.time(),
                 message=f"health check: {self._health_problem}", hostname=self.hostname,
                 failure_class=FailureClass.HEALTH_CHECK)
+            for worker in self._worker_group.workers}
 
-    def _collect_hang_failures(self) -> None:
-        stacks = getattr(self, "_hung_stacks", {})
+    def _hang_failures(self) -> dict[int, WorkerFailure]:
+        """Each hung worker fails (class ``hang``), with the stacks ``_dump_worker_stacks`` found."""
+        failures = {}
         for local_rank, why in self._hung.items():
             worker = self._worker_group.workers[local_rank]
             wlogs = self._worker_logs.get(local_rank)
-            trace = stacks.get(local_rank) or (
+            trace = self._hung_stacks.get(local_rank) or (
                 f"(faulthandler stack dump in {wlogs.stderr})" if wlogs and wlogs.stderr else
                 "(faulthandler stack dump on the worker's stderr)")
-            self._failures[worker.global_rank] = WorkerFailure(
+            failures[worker.global_rank] = WorkerFailure(
                 local_rank=local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank, pid=worker.id,
                 exitcode=HANG_EXIT_CODE, timestamp=time.time(), message=f"hang: {why}", traceback=trace,
                 hostname=self.hostname, failure_class=FailureClass.HANG)
+        return failures
 
     def _exit_barrier(self, event=None) -> None:
         """Wait (up to exit_barrier_timeout s) until every agent is done, as torch's ``_exit_barrier``.
@@ -608,8 +675,10 @@ class ElasticAgent:
             "worker_exit", local_rank=local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank,
             pid=worker.id, exit_code=exitcode))
 
-    def _collect_failures(self, failed: dict[int, int]) -> None:
-        times = self._launcher.exit_times()
+    def _exit_failures(self, failed: dict[int, int], times: dict[int, float]) -> dict[int, WorkerFailure]:
+        """The failed workers (``{local_rank: exitcode}``, exit ``times`` in seconds since the
+        epoch) as WorkerFailures, with what their ``@record`` error files say."""
+        failures = {}
         for local_rank, code in failed.items():
             worker = self._worker_group.workers[local_rank]
             wlogs = self._worker_logs.get(local_rank)
@@ -621,18 +690,21 @@ class ElasticAgent:
                 message = (f"Signal {-code} ({signal.Signals(-code).name}) received by PID {worker.id}"
                            if code < 0 else f"exited with code {code}")
                 trace, error_ts = errorfile.tail(wlogs.stderr if wlogs else None), None
-            self._failures[worker.global_rank] = WorkerFailure(
+            failures[worker.global_rank] = WorkerFailure(
                 local_rank=local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank,
                 pid=worker.id, exitcode=code, timestamp=times.get(local_rank, time.time()),
                 error_file=error_file if parsed is not None else "<N/A>", message=message, traceback=trace,
                 hostname=self.hostname, failure_class=FailureClass.SIGNAL if code < 0 else FailureClass.EXIT_CODE,
                 error_timestamp=error_ts)
+        return failures
 
     # -- hooks after every transition ------------------------------------------------------------
     def _after_state_change(self, event) -> None:
-        self._on_state_changed(event.transition.source, event.transition.dest, event.event.name)
+        # A transition whose row decided (its prepare step) records what the policy decided about.
+        decided = self._decided_class if event is self._decided_event else None
+        self._on_state_changed(event.transition.source, event.transition.dest, event.event.name, decided)
 
-    def _on_state_changed(self, source: str, dest: str, trigger: str) -> None:
+    def _on_state_changed(self, source: str, dest: str, trigger: str, decided_class: str | None = None) -> None:
         now = time.monotonic()
         record = TransitionRecord(source=str(source), dest=str(dest), trigger=trigger, ts=time.time(),
                                   restart_count=self.restart_count, duration_s=now - self._state_since,
@@ -642,9 +714,7 @@ class ElasticAgent:
         self.transitions.append(record)
         role = self.spec.role
         self._broadcast("fsm_agent_state_changed", transition=record)
-        # The transition the restart policy just decided on records what it decided about.
-        decided = {"failure_class": self._decided_class} if self._decided_class else {}
-        self._decided_class = None
+        decided = {"failure_class": decided_class} if decided_class else {}
         self._broadcast("fsm_agent_record_event", event=self._event(
             "transition", source=record.source, dest=record.dest, trigger=trigger,
             duration_s=round(record.duration_s, 6), error=record.error, **decided))
@@ -737,7 +807,14 @@ class ElasticAgent:
         if wakeup is not None:
             signal.set_wakeup_fd(wakeup)
 
-    def _release(self) -> None:
+    def close(self) -> None:
+        """Release what the agent holds: the launcher (and its zygote), the hang detector, the
+        worker store, the rendezvous (torch's ``shutdown()``, unless this node leaves alone) and
+        the wake-up pipe. ``run()`` calls it on its way out; call it for an agent built but never
+        run. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._launcher.close()
         getattr(self._launcher, "shutdown", lambda: None)()  # e.g. the preload launcher's zygote
         self._hang.close()

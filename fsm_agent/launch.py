@@ -129,8 +129,8 @@ def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple =
 
 def _launch(config: LaunchConfig, entrypoint: str | Callable, args: tuple) -> RunResult:
     agent = create_agent(config, entrypoint, args)
-    if agent._logs.run_log_dir:
-        log.info("logs in %s, events in %s", agent._logs.run_log_dir, agent.events_path)
+    if agent.run_log_dir:
+        log.info("logs in %s, events in %s", agent.run_log_dir, agent.events_path)
     result = agent.run()
     name = agent.spec.get_entrypoint_name()
     if result.is_failed():

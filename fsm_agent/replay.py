@@ -41,6 +41,7 @@ from typing import Any
 import attrs
 
 from fsm_agent.errors import ConfigError, FsmAgentError
+from fsm_agent.plugins import hookimpl
 
 __all__ = ["Divergence", "ReplayResult", "RunReplay", "cli_main", "read_events", "replay"]
 
@@ -267,35 +268,34 @@ class _ReplayLauncher:
         pass
 
 
-def _failures(agent: Any, exits: list[dict], failure_class: str | None) -> dict[int, Any]:
-    """The WorkerFailures the restart policy saw, rebuilt from the attempt's worker_exit records
-    and the ``failure_class`` the transition recorded (None in files from older versions)."""
-    import time
+class _NoBackoff:
+    """Replay skips the restart policy's backoff: each decision stands, without its delay."""
 
-    from fsm_agent.worker import HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, FailureClass, WorkerFailure
+    @hookimpl(wrapper=True)
+    def fsm_agent_restart_policy(self):
+        decision = yield
+        return attrs.evolve(decision, delay_s=0.0) if decision is not None else None
 
-    workers = agent.get_worker_group().workers
-    failures = {}
-    from_exits = failure_class not in (FailureClass.HANG, FailureClass.HEALTH_CHECK)
-    for record in exits if from_exits else ():
-        code = int(record.get("exit_code", 1))
-        if code == 0:
-            continue
-        rank = int(record.get("local_rank", 0))
-        worker = workers[rank] if rank < len(workers) else workers[0]
-        global_rank = int(record.get("global_rank", worker.global_rank))
-        failures[global_rank] = WorkerFailure(
-            local_rank=rank, global_rank=global_rank, role_rank=int(record.get("role_rank", worker.role_rank)),
-            pid=int(record.get("pid") or 0), exitcode=code, timestamp=float(record.get("ts", time.time())),
-            failure_class=FailureClass.SIGNAL if code < 0 else FailureClass.EXIT_CODE)
-    if not failures:  # a hang, a health check, or a failure whose exit records are missing: one failed worker
-        worker = workers[0]
-        cls = failure_class if not from_exits else FailureClass.EXIT_CODE
-        code = {FailureClass.HANG: HANG_EXIT_CODE, FailureClass.HEALTH_CHECK: HEALTH_CHECK_EXIT_CODE}.get(cls, 1)
-        failures[worker.global_rank] = WorkerFailure(
-            local_rank=0, global_rank=worker.global_rank, role_rank=worker.role_rank, pid=worker.id or 0,
-            exitcode=code, timestamp=time.time(), failure_class=cls)
-    return failures
+
+def _trigger_data(record: dict, source: str, exits: list[dict]) -> dict[str, Any]:
+    """The data the run loop gave a recorded trigger, rebuilt from the record and the attempt's
+    ``worker_exit`` records (the table's comments name each trigger's data)."""
+    trigger = record["trigger"]
+    if trigger == "workers_failed" and source == "HEALTHY":
+        failed = {int(e.get("local_rank", 0)): int(e.get("exit_code", 1)) for e in exits
+                  if int(e.get("exit_code", 1)) != 0}
+        times = {int(e.get("local_rank", 0)): float(e["ts"]) for e in exits if "ts" in e}
+        # A failure whose exit records are missing (a file cut short): one worker that exited 1.
+        return {"exits": failed or {0: 1}, "exit_times": {r: t for r, t in times.items() if r in failed}}
+    if trigger == "workers_hung":
+        return {"hung": {0: "replayed hang"}}
+    if trigger == "health_check_failed":
+        return {"problem": "replayed health check"}
+    if trigger == "membership_changed":
+        return {"change": record.get("failure_class") or "membership_change"}
+    if trigger in ("rendezvous_failed", "agent_errored"):
+        return {"error": str(record.get("error") or f"replayed {trigger}")}
+    return {}
 
 
 def _last_resort(record: dict) -> bool:
@@ -316,6 +316,7 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
     rendezvous = FakeRendezvous(run_id=str(first.get("run_id") or "replay"), store_timeout=10.0)
     launcher = _ReplayLauncher()
     pm = get_plugin_manager(disabled=(*NOT_REPLAYED_PLUGINS, *disabled), load_entry_points=load_plugins)
+    pm.register(_NoBackoff(), "replay-no-backoff")
     agent = build_agent(rendezvous, launcher, plugin_manager=pm, local_world_size=int(first.get("local_world_size") or 1),
                         max_restarts=int(first.get("max_restarts") or 0), role=str(first.get("role") or "default"),
                         entrypoint=str(first.get("entrypoint") or "replay"), exit_barrier_timeout=10.0)
@@ -355,25 +356,17 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
                 rendezvous.rounds = [Round(rank=rank if 0 <= rank < world else 0, world_size=world,
                                            peer_restart_count=record.get("restart_count") if world > 1 else None)]
                 exits = []
-            if trigger == "workers_failed":
-                agent._failures = _failures(agent, exits, record.get("failure_class")
-                                            or ("hang" if source == "UNHEALTHY" else None))
-                agent._decide_restart()
-                agent._decision = attrs.evolve(agent._decision, delay_s=0.0)
-            elif trigger == "membership_changed":
-                agent._decide_restart(record.get("failure_class") or "membership_change")
+            if _last_resort(record):
+                launcher.fail_next_stop = True  # the recorded error path failed at its stop
+            fired = len(agent.transitions)
             try:
-                if _last_resort(record):
-                    agent._error = str(record.get("error"))
-                    launcher.fail_next_stop = True
-                    agent._fire_error(trigger)
-                else:
-                    agent.trigger(trigger)
+                agent.fire(trigger, **_trigger_data(record, source, exits))
             except MachineError:
                 divergence = diverged(event, line, "refused", record, dest, agent.state.value)
                 break
-            except Exception as exc:
-                divergence = diverged(event, line, "error", record, dest, f"{type(exc).__name__}: {exc}",
+            taken = agent.transitions[fired:]
+            if taken and taken[-1].trigger != trigger and not _last_resort(record):
+                divergence = diverged(event, line, "error", record, dest, str(taken[-1].error),
                                       f"a step of {trigger} raised in the replay")
                 break
             replayed.append(f"{source} --{trigger}--> {agent.state.value}")
@@ -388,7 +381,7 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
                                       agent.restart_count)
                 break
     finally:
-        agent._release()
+        agent.close()
     return RunReplay(run_id=str(first.get("run_id")), node=str(first.get("node")), pid=agent_pid,
                      transitions=len(transitions), recorded=recorded, replayed=tuple(replayed),
                      divergence=divergence)

@@ -182,9 +182,10 @@ def fsm_agent_restart_policy(
         and exponential backoff with jitter when ``--restart-backoff`` (seconds) is set.
 
     Called from:
-        The run loop while the group is HEALTHY or UNHEALTHY, when workers failed (before
-        ``workers_failed`` fires) or the membership changed (before ``membership_changed``); its
-        answer is what the guards ``has_restarts_left`` and ``excludes_this_node`` read.
+        The table's prepare steps, once per event: ``_decide_on_failed_workers`` on the
+        ``workers_failed`` rows (from HEALTHY or UNHEALTHY) and ``_decide_on_membership_change`` on
+        the ``membership_changed`` rows, before their guards are read; its answer is what the
+        guards ``has_restarts_left`` and ``excludes_this_node`` read.
     """
 
 

@@ -12,7 +12,8 @@ The checks, after the structural checks of python-statemachine's ``smcheck``:
 - every callback and guard name is a method of the model class (transitions resolves names
   lazily: a typo would raise only when the row fires, possibly after the state changed);
 - no trigger name shadows a model attribute (transitions then silently skips binding it);
-- for each (state, trigger), exactly one row is enabled whatever the guards' values.
+- for each (state, trigger), exactly one row is enabled whatever the guards' values;
+- the rows of one (state, trigger) decide alike (the same ``prepare`` steps).
 
 Reachability ignores guards (any row may fire); graph searches are plain breadth-first searches.
 """
@@ -80,6 +81,11 @@ class TableRow:
     after: tuple[str, ...] = ()
     prepare: tuple[str, ...] = ()
     callbacks: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def steps(self) -> tuple[str, ...]:
+        """Every step the row runs, in the order transitions runs them: prepare, before, after."""
+        return (*self.prepare, *self.before, *self.after)
 
     def targets(self, source: str) -> str:
         """Where this row leads from ``source`` (``"="`` and internal rows stay in ``source``)."""
@@ -210,6 +216,14 @@ def _enabled(row: TableRow, truth: dict[str, bool]) -> bool:
     return all(truth[g] for g in row.conditions) and not any(truth[g] for g in row.unless)
 
 
+def _rows_by_source_and_trigger(table: Sequence[dict], states: Iterable[Any]) -> dict[tuple[str, str], list[TableRow]]:
+    groups: dict[tuple[str, str], list[TableRow]] = {}
+    for row in table_rows(table, states):
+        for source in row.sources:
+            groups.setdefault((source, row.trigger), []).append(row)
+    return groups
+
+
 def check_deterministic(table: Sequence[dict], states: Iterable[Any] = STATES) -> Problems:
     """For each (state, trigger), exactly one row is enabled whatever values the guards take.
 
@@ -219,12 +233,8 @@ def check_deterministic(table: Sequence[dict], states: Iterable[Any] = STATES) -
     paired with an ``unless=X`` row); no row enabled means a guarded row lacks its complement,
     so the trigger would do nothing.
     """
-    groups: dict[tuple[str, str], list[TableRow]] = {}
-    for row in table_rows(table, states):
-        for source in row.sources:
-            groups.setdefault((source, row.trigger), []).append(row)
     problems = []
-    for (source, trigger), rows in groups.items():
+    for (source, trigger), rows in _rows_by_source_and_trigger(table, states).items():
         guards = sorted({g for row in rows for g in (*row.conditions, *row.unless)})
         for values in itertools.product((True, False), repeat=len(guards)):
             truth = dict(zip(guards, values))
@@ -242,6 +252,23 @@ def check_deterministic(table: Sequence[dict], states: Iterable[Any] = STATES) -
     return problems
 
 
+def check_decided_alike(table: Sequence[dict], states: Iterable[Any] = STATES) -> Problems:
+    """The rows of one trigger from one source state decide alike: the same ``prepare`` steps.
+
+    Their guards read one decision, made once per event by the ``prepare`` step (transitions
+    runs a row's ``prepare`` only when it tries that row): if one row decides and another does
+    not, or they decide differently, which decision the guards read depends on the row order.
+    """
+    problems = []
+    for (source, trigger), rows in _rows_by_source_and_trigger(table, states).items():
+        ways = {row.prepare for row in rows}
+        if len(ways) > 1:
+            described = "; ".join(f"{row.describe()} prepares {list(row.prepare) or 'nothing'}" for row in rows)
+            problems.append(f"{source} --{trigger}--> rows decide differently: {described}; give every row "
+                            f"of the trigger the same prepare step")
+    return problems
+
+
 def check_all(table: Sequence[dict], model_cls: type, *, states: Iterable[Any] = STATES,
               initial: Any = INITIAL, terminal: Iterable[Any] = TERMINAL) -> Problems:
     """Every check above; returns all their problems (empty: the table is sound)."""
@@ -254,5 +281,6 @@ def check_all(table: Sequence[dict], model_cls: type, *, states: Iterable[Any] =
         lambda: check_callbacks_resolve(table, model_cls),
         lambda: check_triggers_bindable(table, model_cls),
         lambda: check_deterministic(table, states),
+        lambda: check_decided_alike(table, states),
     ]
     return [problem for check in checks for problem in check()]

@@ -38,10 +38,15 @@ REGENERATE_COMMAND = "fsm-agent statechart --format markdown > docs/statechart.m
 #: table must be listed, even one that fires none (``hook_map_problems`` checks this and the
 #: hookspecs' "Called from:" text; ``tests/states`` checks it against ``ElasticAgent``'s code).
 HOOKS_BY_STEP: dict[str, tuple[str, ...]] = {
+    "_decide_on_failed_workers": ("fsm_agent_restart_policy",),
+    "_decide_on_membership_change": ("fsm_agent_restart_policy",),
     "_rendezvous": ("fsm_agent_rendezvous_completed",),
     "_start_workers": ("fsm_agent_worker_env", "fsm_agent_workers_started"),
     "_stop_workers": (),
     "_count_restart": (),
+    "_record_unhealthy": (),
+    "_record_return_values": (),
+    "_record_error": (),
     "_dump_worker_stacks": (),
     "_exit_barrier": (),
     "_release_exit_barrier": (),
@@ -114,7 +119,7 @@ def hook_map_problems(transitions: Sequence[dict] | None = None) -> list[str]:
     rows = table_rows(TRANSITIONS if transitions is None else transitions)
     docs = called_from()
     problems = []
-    table_steps = {step for row in rows for step in (*row.before, *row.after)}
+    table_steps = {step for row in rows for step in row.steps}
     for step in sorted(table_steps - HOOKS_BY_STEP.keys()):
         problems.append(f"step {step} is in the table but not in HOOKS_BY_STEP: add it (with the hooks it fires)")
     for step in sorted(HOOKS_BY_STEP.keys() - table_steps):
@@ -131,7 +136,7 @@ def hook_map_problems(transitions: Sequence[dict] | None = None) -> list[str]:
                             f"its 'Called from:' names {sorted(documented) or 'no step'}")
         if documented:
             named = _backticked(text) & triggers
-            running = {row.trigger for row in rows if documented & {*row.before, *row.after}}
+            running = {row.trigger for row in rows if documented & set(row.steps)}
             if named != running:
                 problems.append(f"{hook}: 'Called from:' names transitions {sorted(named)}, but the rows "
                                 f"running {sorted(documented)} are {sorted(running)}")
@@ -148,14 +153,15 @@ def hook_map_problems(transitions: Sequence[dict] | None = None) -> list[str]:
 
 
 def hooks_fired(row: TableRow) -> list[str]:
-    """The hooks a row fires, in order: its ``before`` steps', its ``after`` steps', then the
-    after-every-transition hooks (transitions runs ``after`` callbacks before ``after_state_change``).
+    """The hooks a row fires, in order: its ``prepare`` steps' (the decision), its ``before``
+    steps', its ``after`` steps', then the after-every-transition hooks (transitions runs ``after``
+    callbacks before ``after_state_change``).
 
     Raises:
         ValueError: a step of the row is missing from ``HOOKS_BY_STEP``.
     """
     hooks: list[str] = []
-    for step in (*row.before, *row.after):
+    for step in row.steps:
         if step not in HOOKS_BY_STEP:
             raise ValueError(f"step {step!r} ({row.describe()}) is not in HOOKS_BY_STEP: add it to "
                              f"fsm_agent/states/statechart.py with the hooks it fires")
@@ -205,6 +211,8 @@ def _and(items: Sequence[str]) -> str:
 
 def _steps(row: TableRow) -> str:
     parts = []
+    if row.prepare:
+        parts.append(f"prepare: {_code(row.prepare)}")
     if row.before:
         parts.append(f"before: {_code(row.before)}")
     if row.after:
@@ -239,8 +247,10 @@ def render_markdown(transitions: Sequence[dict] | None = None) -> str:
         "## Transitions",
         "",
         "One line per row of the table, in table order. A guard `x` means `conditions=\"x\"`, `!x` means "
-        "`unless=\"x\"`. Steps are `ElasticAgent` methods: `before` steps run before the state changes "
-        "(one that raises leaves the group in its source state), `after` steps once it has changed. "
+        "`unless=\"x\"`. Steps are `ElasticAgent` methods: a `prepare` step decides (it asks the hook that "
+        "decides the row, once per event, before the guards read the decision), `before` steps run before "
+        "the state changes (one that raises leaves the group in its source state), `after` steps once it "
+        "has changed. "
         "Hooks fired are the steps' hooks (`HOOKS_BY_STEP` in `fsm_agent/states/statechart.py`), then "
         f"{_code(HOOKS_AFTER_EVERY_TRANSITION)}, fired after every transition by "
         "`ElasticAgent._after_state_change`.",
@@ -277,7 +287,8 @@ def render_json(transitions: Sequence[dict] | None = None) -> str:
         "transitions": [
             {"trigger": row.trigger, "source": list(row.sources), "dest": row.dest,
              "conditions": list(row.conditions), "unless": list(row.unless),
-             "before": list(row.before), "after": list(row.after), "hooks": hooks_fired(row)}
+             "prepare": list(row.prepare), "before": list(row.before), "after": list(row.after),
+             "hooks": hooks_fired(row)}
             for row in _rows(transitions)
         ],
     }

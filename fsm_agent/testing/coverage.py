@@ -7,10 +7,12 @@ loop can take. Which triggers the run loop can fire in which state is computed, 
 ``run_loop_rules`` reads ``ElasticAgent``'s source (``_step``, ``_fire``, ``_wait_for_fact``) and
 applies these rules:
 
-- ``AUTO_TRIGGERS``: ``_step`` fires ``AUTO_TRIGGERS[state]`` by itself in that state;
-- facts: in the other live states ``_step`` fires what ``_wait_for_fact`` returns; a flow analysis
-  of that method tells which literal it can return in which state (an ``if self.state == S.X:``
-  branch that always returns ends the method for X);
+- ``AUTO_TRIGGERS``: ``_step`` fires ``AUTO_TRIGGERS[state]`` by itself in that state, and never
+  waits for facts there;
+- facts: in the other live states ``_step`` fires what ``_wait_for_fact`` returns (a trigger name,
+  alone or as the first item of ``(trigger, data)``); a flow analysis of that method tells which
+  literal it can return in which state (an ``if self.state == S.X:`` branch that always returns
+  ends the method for X);
 - anything else: a trigger named anywhere else in the agent module (the signal check, the error
   handlers of ``_step``/``_fire``) is assumed to fire in every live state. This is conservative:
   it can only make more edges count, never hide one.
@@ -220,6 +222,8 @@ class _FactFlow:
             if isinstance(stmt, ast.Return):
                 self.return_lines.add(stmt.lineno)
                 value = stmt.value
+                if isinstance(value, ast.Tuple) and value.elts:  # (trigger, data)
+                    value = value.elts[0]
                 if isinstance(value, ast.Constant) and isinstance(value.value, str):
                     for state in states:
                         self.returns.setdefault(value.value, {}).setdefault(state, stmt.lineno)
@@ -250,12 +254,14 @@ class _FactFlow:
         return states
 
 
-def run_loop_rules(source: str | None = None, path: str | None = None) -> RunLoopRules:
+def run_loop_rules(source: str | None = None, path: str | None = None,
+                   auto_triggers: dict[Any, str] | None = None) -> RunLoopRules:
     """Compute which triggers the run loop can fire in each live state (see the module docstring).
 
     Args:
         source: the agent module's source (default: ``fsm_agent/agent.py`` as installed).
         path: its file name, for the reasons' ``file:line``.
+        auto_triggers: the states that advance by themselves (default: the table's ``AUTO_TRIGGERS``).
     """
     if source is None:
         path, source = _agent_source()
@@ -265,7 +271,7 @@ def run_loop_rules(source: str | None = None, path: str | None = None) -> RunLoo
     triggers = {edge.trigger for edge in table_edges()}
     all_states = {state_name(s) for s in STATES}
     live = [state_name(s) for s in STATES if s not in TERMINAL]
-    auto = {state_name(s): t for s, t in AUTO_TRIGGERS.items()}
+    auto = {state_name(s): t for s, t in (AUTO_TRIGGERS if auto_triggers is None else auto_triggers).items()}
     waiting = {s for s in live if s not in auto}
     fireable: dict[str, dict[str, str]] = {s: {} for s in live}
 
@@ -301,6 +307,13 @@ def run_loop_rules(source: str | None = None, path: str | None = None) -> RunLoo
                 fireable[state].setdefault(trigger, f"ElasticAgent._wait_for_fact returns a computed value "
                                                     f"({where}:{line})")
         for trigger, lines in flow.returns.items():
+            at = ", ".join(f"{where}:{n}" for n in sorted(set(lines.values())))
+            for state in set(auto) - {state_name(s) for s in TERMINAL}:
+                if trigger != auto[state]:
+                    blocked[(state, trigger)] = (
+                        f"{trigger} comes only from ElasticAgent._wait_for_fact ({at}), which the run loop "
+                        f"never calls in {state}: it fires {auto[state]} there by itself "
+                        f"(AUTO_TRIGGERS, {where}:{auto_line})")
             for state in waiting - set(lines):
                 if state in flow.exits:
                     line, test = flow.exits[state]

@@ -122,10 +122,9 @@ class AgentFactory:
 
     def close(self) -> None:
         """Release what agents that were built but never run hold (pipes, temporary files):
-        ``run()`` does that on its way out, through the agent's own ``_release``."""
+        ``run()`` does that on its way out, through ``agent.close()`` (idempotent)."""
         for agent in self.agents:
-            if not agent.transitions and agent.state.value == "INIT":
-                agent._release()
+            agent.close()
         self.agents.clear()
 
 

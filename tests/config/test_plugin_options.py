@@ -87,7 +87,7 @@ def test_the_plugin_reads_its_values_in_configure(with_plugin, script):
     try:
         assert plugin.seen["level"] == 7
     finally:
-        agent._release()
+        agent.close()
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -29,7 +29,7 @@ from fsm_agent.testing.coverage import (
 
 UNHEALTHY_SUCCESS = Edge("UNHEALTHY", "workers_succeeded", "SUCCEEDED")
 AGENT_SOURCE = inspect.getsource(fsm_agent.agent)
-UNHEALTHY_BRANCH = "if self.state == S.UNHEALTHY:"
+AUTO_DISPATCH = "auto = AUTO_TRIGGERS.get(self.state)"
 
 
 def edited(old: str, new: str) -> str:
@@ -38,11 +38,9 @@ def edited(old: str, new: str) -> str:
     return AGENT_SOURCE.replace(old, new, 1)
 
 
-def branch_line() -> int:
-    """The line of ``if self.state == S.UNHEALTHY:`` in ElasticAgent._wait_for_fact."""
-    lines = AGENT_SOURCE.splitlines()
-    start = next(i for i, line in enumerate(lines) if "def _wait_for_fact(" in line)
-    return next(i for i in range(start, len(lines)) if UNHEALTHY_BRANCH in lines[i]) + 1
+def dispatch_line() -> int:
+    """The line of ``_step`` that fires ``AUTO_TRIGGERS[self.state]``."""
+    return next(i for i, line in enumerate(AGENT_SOURCE.splitlines()) if AUTO_DISPATCH in line) + 1
 
 
 # -- edges --------------------------------------------------------------------------------------
@@ -77,8 +75,8 @@ def test_the_run_loop_cannot_take_exactly_one_edge_of_the_table_and_says_why():
     unreachable = rules.unreachable(reachable_edges())
     assert list(unreachable) == [UNHEALTHY_SUCCESS]
     why = unreachable[UNHEALTHY_SUCCESS]
-    assert "ElasticAgent._wait_for_fact" in why and f"fsm_agent/agent.py:{branch_line()}" in why
-    assert UNHEALTHY_BRANCH.removesuffix(":") in why
+    assert "ElasticAgent._wait_for_fact" in why and f"fsm_agent/agent.py:{dispatch_line()}" in why
+    assert "never calls in UNHEALTHY: it fires workers_failed there by itself (AUTO_TRIGGERS" in why
     # what the run loop can do in each live state
     assert sorted(rules.fireable["UNHEALTHY"]) == ["agent_errored", "rendezvous_failed", "rendezvous_not_needed",
                                                    "stop_requested", "workers_failed"]
@@ -87,10 +85,10 @@ def test_the_run_loop_cannot_take_exactly_one_edge_of_the_table_and_says_why():
     assert "AUTO_TRIGGERS" in rules.fireable["STOPPED"]["restart"]
 
 
-def test_rules_follow_the_code_not_a_list():
-    """Without the UNHEALTHY branch, the run loop could report success while UNHEALTHY: the edge counts."""
-    source = edited(UNHEALTHY_BRANCH, "if self._hung and False:")
-    rules = run_loop_rules(source, "agent.py")
+def test_rules_follow_the_table_not_a_list():
+    """Without UNHEALTHY's auto trigger, the run loop would wait for facts there and could report
+    success while UNHEALTHY: the edge counts."""
+    rules = run_loop_rules(auto_triggers={S.INIT: "start", S.STOPPED: "restart"})
     assert rules.unreachable(reachable_edges()) == {}
     assert "workers_succeeded" in rules.fireable["UNHEALTHY"]
 
@@ -102,24 +100,23 @@ def test_a_tightened_table_has_no_edge_the_run_loop_cannot_take():
 
 
 def test_a_trigger_named_outside_the_fact_analysis_counts_in_every_state():
-    source = edited("    def _fire_error(self, trigger: str) -> None:",
+    source = edited("    def _fire_error(self, trigger: str, error: str) -> None:",
                     "    def _succeed_anyway(self) -> None:\n        self._fire(\"workers_succeeded\")\n\n"
-                    "    def _fire_error(self, trigger: str) -> None:")
+                    "    def _fire_error(self, trigger: str, error: str) -> None:")
     rules = run_loop_rules(source, "agent.py")
     assert rules.unreachable(reachable_edges()) == {}
     assert "assumed possible in every live state" in rules.fireable["UNHEALTHY"]["workers_succeeded"]
 
 
 def test_a_computed_fact_could_be_any_trigger():
-    head, tail = AGENT_SOURCE.split(UNHEALTHY_BRANCH, 1)
-    source = head + UNHEALTHY_BRANCH + tail.replace('return "workers_failed"', "return self._next_fact()", 1)
+    source = edited('return "stop_requested", {}', "return self._next_fact()")
     rules = run_loop_rules(source, "agent.py")
-    assert "workers_succeeded" in rules.fireable["UNHEALTHY"]
-    assert rules.unreachable(reachable_edges()) == {}
+    assert "restart" in rules.fireable["HEALTHY"]
+    assert "computed value" in rules.fireable["HEALTHY"]["restart"]
 
 
 def test_without_the_auto_trigger_dispatch_the_analysis_assumes_the_worst():
-    source = edited("auto = AUTO_TRIGGERS.get(self.state)", "auto = self._auto_trigger()")
+    source = edited(AUTO_DISPATCH, "auto = self._auto_trigger()")
     rules = run_loop_rules(source, "agent.py")
     assert rules.unreachable(reachable_edges()) == {}
     assert "restart" in rules.fireable["INIT"]

@@ -160,3 +160,28 @@ def test_check_all_collects_every_problem():
     problems = checks.check_all(broken, ElasticAgent)
     assert any("_stop_wrokers" in p for p in problems)
     assert any("leaves terminal state FAILED" in p for p in problems)
+
+
+# -- the rows of one trigger decide alike ------------------------------------------------------
+
+
+def test_rows_of_one_trigger_that_decide_differently_are_caught():
+    """One workers_failed row without the decision step: its guards would read a decision made by
+    another row, or none, depending on the row order."""
+    table = [dict(row) for row in TRANSITIONS]
+    first_failed = next(row for row in table if row["trigger"] == "workers_failed")
+    first_failed.pop("prepare")
+    problems = checks.check_decided_alike(table)
+    assert problems and all("rows decide differently" in p for p in problems)
+    assert {p.split(" --")[0] for p in problems} == {"HEALTHY", "UNHEALTHY"}
+    assert "prepares nothing" in problems[0] and "_decide_on_failed_workers" in problems[0]
+    assert problems[0] in checks.check_all(table, ElasticAgent)
+
+
+def test_the_deciding_triggers_decide_in_their_rows():
+    """The restart decision is in the table: every row whose guards read it names its prepare step."""
+    deciding = [row for row in TRANSITIONS if {"has_restarts_left", "excludes_this_node"} & {
+        *checks._as_list(row.get("conditions")), *checks._as_list(row.get("unless"))}]
+    assert {row["trigger"] for row in deciding} == {"workers_failed", "membership_changed"}
+    assert all(row.get("prepare") in ("_decide_on_failed_workers", "_decide_on_membership_change")
+               for row in deciding)
