@@ -22,146 +22,33 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from fsm_agent.plugins.hookspec_info import args_entries, docstring_sections, hookspec_groups, signature, spec_options
+
 REGENERATE_COMMAND = "python -m fsm_agent.plugins.docs > docs/plugins.md"
-_SECTION = re.compile(r"^(Args|Returns|Raises|Called from):[ \t]*$", re.MULTILINE)
-_BANNER = re.compile(r"^# -{20,}\n# (?P<title>[^\n]+)\n# -{20,}$", re.MULTILINE)
 
 # ------------------------------------------------------------------------------------------------
-# The example plugin. tests/plugins/test_plugins_doc.py writes these files out, runs the tests
-# with pytest and installs the distribution, so what the guide shows is known to work.
+# The example plugin: real files in docs/examples/fsm-agent-printmetrics, quoted here.
+# tests/plugins/test_plugins_doc.py runs their tests with pytest and installs the distribution,
+# so what the guide shows is known to work.
 # ------------------------------------------------------------------------------------------------
 
-EXAMPLE_MODULE = '''\
-"""fsm-agent-printmetrics: print every metric of the agent on stderr."""
-
-import sys
-
-from fsm_agent.plugins import hookimpl
-
-NAME = "printmetrics"  # the entry-point name: --disable-plugin, option flags, [plugins.printmetrics]
-FSM_AGENT_KINDS = ("metrics",)  # its sink is registered in configure, so say what it is
+EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "docs" / "examples" / "fsm-agent-printmetrics"
+EXAMPLE_FILES = {"module": "fsm_agent_printmetrics.py", "pyproject": "pyproject.toml",
+                 "test": "tests/test_printmetrics.py"}
 
 
-class Printer:
-    """The metrics sink, registered for one run by fsm_agent_configure."""
+def example_lines(which: str) -> list[str]:
+    """The lines of one file of the example plugin (``module``, ``pyproject`` or ``test``).
 
-    def __init__(self, prefix: str):
-        self.prefix = prefix
-        self.exits: list[int] = []
-
-    @hookimpl
-    def fsm_agent_put_metric(self, metric_group, metric_name, metric_value):
-        print(f"{self.prefix} {metric_group}.{metric_name}={metric_value}", file=sys.stderr)
-
-    @hookimpl
-    def fsm_agent_worker_exited(self, worker, exitcode):  # a hookimpl may take fewer arguments
-        self.exits.append(exitcode)
-
-
-@hookimpl
-def fsm_agent_addoption(options):
-    options.add("prefix", type=str, default="metric", help="text printed before each metric")
-
-
-@hookimpl
-def fsm_agent_configure(config, agent):
-    options = config.plugin_options(NAME) if config is not None else {}
-    agent.plugin_manager.register(Printer(options.get("prefix", "metric")), f"{NAME}-printer")
-'''
-
-EXAMPLE_PYPROJECT = '''\
-[build-system]
-requires = ["setuptools>=64"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "fsm-agent-printmetrics"
-version = "0.1.0"
-description = "fsm-agent metrics plugin: print every metric on stderr."
-requires-python = ">=3.10"
-dependencies = ["fsm-agent>=0.1,<0.2"]
-
-[project.optional-dependencies]
-test = ["pytest>=8"]
-
-[project.entry-points.fsm_agent]
-printmetrics = "fsm_agent_printmetrics"
-
-[tool.setuptools]
-py-modules = ["fsm_agent_printmetrics"]
-'''
-
-EXAMPLE_TEST = '''\
-from fsm_agent.testing import Scenario
-
-from fsm_agent_printmetrics import Printer
-
-
-def test_prints_metrics_and_sees_exits_across_a_restart(make_agent, hook_recorder, capsys):
-    printer = Printer(prefix="m")
-    run = Scenario("worker 1 exits 1 -> restart -> all succeed", max_restarts=1,
-                   plugins={"printer": printer}).run(make_agent)
-    run.assert_trace(["INIT->HEALTHY", "HEALTHY->STOPPED", "STOPPED->HEALTHY", "HEALTHY->SUCCEEDED"])
-    assert printer.exits == [1, 0, 0]  # worker 1 failed (worker 0 was stopped), then both succeeded
-    assert [call["exitcode"] for call in hook_recorder.calls("worker_exited")] == printer.exits
-    assert "m torchelastic.workers.default.remaining_restarts=1" in capsys.readouterr().err
-'''
+    Raises:
+        FileNotFoundError: not run from a source checkout (the example is not installed).
+    """
+    return (EXAMPLE_DIR / EXAMPLE_FILES[which]).read_text(encoding="utf-8").rstrip("\n").splitlines()
 
 
 # ------------------------------------------------------------------------------------------------
 # Reading the code
 # ------------------------------------------------------------------------------------------------
-
-
-def hookspec_functions() -> list[tuple[str, Callable]]:
-    """``(section title, hookspec function)`` in declaration order; titles are the banners of hookspecs.py."""
-    from fsm_agent.plugins import PROJECT_NAME, hookspecs
-
-    source = inspect.getsource(hookspecs)
-    banners = [(source[:m.start()].count("\n") + 1, m.group("title")) for m in _BANNER.finditer(source)]
-    marker = f"{PROJECT_NAME}_spec"
-    result = []
-    for func in vars(hookspecs).values():
-        if inspect.isfunction(func) and hasattr(func, marker):
-            line = inspect.getsourcelines(func)[1]
-            title = next((t for start, t in reversed(banners) if start < line), "hooks")
-            result.append((title, func))
-    return sorted(result, key=lambda item: inspect.getsourcelines(item[1])[1])
-
-
-def docstring_sections(doc: str) -> dict[str, str]:
-    """``{"": summary, "Args": ..., "Returns": ..., "Called from": ...}`` of a Google-style docstring."""
-    parts = _SECTION.split(inspect.cleandoc(doc or ""))
-    return {"": parts[0].strip(), **{title: inspect.cleandoc(body) for title, body in zip(parts[1::2], parts[2::2])}}
-
-
-def args_entries(section: str) -> dict[str, str]:
-    """``{name: description}`` of an ``Args:`` section (continuation lines are indented)."""
-    entries: dict[str, str] = {}
-    current = None
-    for line in section.splitlines():
-        match = re.match(r"^(\w+)(?:\s*\([^)]*\))?:\s*(.*)$", line)
-        if match:
-            current = match.group(1)
-            entries[current] = match.group(2)
-        elif current is not None and line.strip():
-            entries[current] += " " + line.strip()
-    return entries
-
-
-def _annotation(value) -> str:
-    if value is inspect.Parameter.empty or value is inspect.Signature.empty:
-        return ""
-    text = value if isinstance(value, str) else getattr(value, "__name__", repr(value))
-    return text.replace('"', "").replace("'", "")
-
-
-def signature(func: Callable) -> str:
-    sig = inspect.signature(func)
-    params = ", ".join(f"{p.name}: {_annotation(p.annotation)}" if _annotation(p.annotation) else p.name
-                       for p in sig.parameters.values())
-    returns = _annotation(sig.return_annotation)
-    return f"{func.__name__}({params})" + (f" -> {returns}" if returns else "")
 
 
 def md(text: str) -> str:
@@ -231,11 +118,10 @@ def conformance_outline() -> dict[str, dict]:
 
 
 def render_hook(func: Callable) -> list[str]:
-    from fsm_agent.plugins import PROJECT_NAME
     from fsm_agent.plugins.manager import LISTENER_HOOKS
 
-    found = docstring_sections(func.__doc__ or "")
-    opts = getattr(func, f"{PROJECT_NAME}_spec", {}) or {}
+    found = docstring_sections(func.__doc__)
+    opts = spec_options(func)
     lines = [f"#### `{func.__name__}`", "", "```python", signature(func), "```", "", md(found[""]), ""]
     args = args_entries(found.get("Args", ""))
     if args:
@@ -261,18 +147,16 @@ def render_hook(func: Callable) -> list[str]:
 def render_hooks() -> list[str]:
     from fsm_agent.plugins.manager import LISTENER_HOOKS
 
-    specs = hookspec_functions()
+    specs = hookspec_groups()
     lines = ["## Every hook", "",
              "Generated from [`fsm_agent/plugins/hookspecs.py`](../fsm_agent/plugins/hookspecs.py), grouped by "
              "kind in lifecycle order. An implementation may accept any subset of a hook's arguments, by name "
              "(pluggy passes only those it asks for). Setup hooks run once per process, one plugin at a time; "
              "an unexpected exception there stops the agent with one line naming the plugin.", "",
              "| Hook | Group | Dispatch | When it fires |", "|---|---|---|---|"]
-    from fsm_agent.plugins import PROJECT_NAME
-
     for title, func in specs:
-        found = docstring_sections(func.__doc__ or "")
-        opts = getattr(func, f"{PROJECT_NAME}_spec", {}) or {}
+        found = docstring_sections(func.__doc__)
+        opts = spec_options(func)
         dispatch = ("first result" if opts.get("firstresult") else
                     "listener" if func.__name__ in LISTENER_HOOKS else "every plugin")
         lines.append(f"| [`{func.__name__}`](#{func.__name__}) | {cell(title.split(':')[0])} | {dispatch} | "
@@ -402,7 +286,7 @@ def render() -> str:
         "",
         "```python",
         "# fsm_agent_printmetrics.py",
-        *EXAMPLE_MODULE.rstrip("\n").splitlines(),
+        *example_lines("module"),
         "```",
         "",
         "Rules that keep a plugin well-behaved:",
@@ -436,7 +320,7 @@ def render() -> str:
         "",
         "```toml",
         "# pyproject.toml",
-        *EXAMPLE_PYPROJECT.rstrip("\n").splitlines(),
+        *example_lines("pyproject"),
         "```",
         "",
         f"The entry-point name (`printmetrics`) is the plugin's name: `--disable-plugin printmetrics` (or "
@@ -466,7 +350,7 @@ def render() -> str:
         "",
         "```python",
         "# tests/test_printmetrics.py",
-        *EXAMPLE_TEST.rstrip("\n").splitlines(),
+        *example_lines("test"),
         "```",
         "",
         "The rest of the kit (`FakeRendezvous`, `FakeLauncher`, `HookRecorder.assert_sequence`, "

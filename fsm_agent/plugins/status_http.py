@@ -251,25 +251,10 @@ def _rdzv_endpoint(agent: Any) -> str:
 
 
 def _mermaid() -> str:
-    """The statechart as Mermaid: ``fsm_agent.states.statechart``'s, or a plain one from the table."""
-    try:
-        from fsm_agent.states.statechart import render
-    except ImportError:
-        return mermaid_from_table()
+    """The statechart as Mermaid, rendered from the table (``fsm_agent.states.statechart``)."""
+    from fsm_agent.states.statechart import render
+
     return render("mermaid")
-
-
-def mermaid_from_table() -> str:
-    """A plain ``stateDiagram-v2`` from ``fsm_agent.states.table`` (fallback without statechart.py)."""
-    from fsm_agent.states.table import INITIAL, TERMINAL, TRANSITIONS
-
-    lines = ["stateDiagram-v2", f"  [*] --> {_state_name(INITIAL)}"]
-    for row in TRANSITIONS:
-        sources = row["source"] if isinstance(row["source"], (list, tuple)) else [row["source"]]
-        for source in sources:
-            lines.append(f"  {_state_name(source)} --> {_state_name(row['dest'])}: {row['trigger']}")
-    lines += [f"  {_state_name(state)} --> [*]" for state in TERMINAL]
-    return "\n".join(lines) + "\n"
 
 
 class _Handler(BaseHTTPRequestHandler):

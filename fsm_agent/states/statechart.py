@@ -65,41 +65,6 @@ class _DiagramModel:
     """A bare model for rendering: the machine needs no callbacks until a trigger fires."""
 
 
-# ------------------------------------------------------------------------------------------------
-# Hookspec docstrings
-# ------------------------------------------------------------------------------------------------
-
-_SECTION = re.compile(r"^(Args|Returns|Raises|Called from):\s*$", re.MULTILINE)
-
-
-def docstring_sections(doc: str) -> dict[str, str]:
-    """Split a Google-style docstring into its ``Args:``/``Returns:``/``Called from:`` sections.
-
-    Returns:
-        ``{section title: its text, dedented and stripped}``; the summary is under ``""``.
-    """
-    doc = inspect.cleandoc(doc or "")
-    parts = _SECTION.split(doc)
-    sections = {"": parts[0].strip()}
-    for title, body in zip(parts[1::2], parts[2::2]):
-        sections[title] = inspect.cleandoc(body)
-    return sections
-
-
-def hookspecs() -> dict[str, Any]:
-    """Every hookspec function of ``fsm_agent.plugins.hookspecs``, in declaration order."""
-    from fsm_agent.plugins import PROJECT_NAME, hookspecs as module
-
-    marker = f"{PROJECT_NAME}_spec"
-    return {name: obj for name, obj in vars(module).items() if callable(obj) and hasattr(obj, marker)}
-
-
-def called_from() -> dict[str, str]:
-    """Each hook's "Called from:" text, on one line."""
-    return {name: " ".join(docstring_sections(func.__doc__).get("Called from", "").split())
-            for name, func in hookspecs().items()}
-
-
 def _backticked(text: str) -> set[str]:
     return set(re.findall(r"``([A-Za-z_][\w.]*)``", text))
 
@@ -116,6 +81,8 @@ def hook_map_problems(transitions: Sequence[dict] | None = None) -> list[str]:
     Returns:
         Human-readable problems; empty when the dicts and the docstrings agree.
     """
+    from fsm_agent.plugins.hookspec_info import called_from
+
     rows = table_rows(TRANSITIONS if transitions is None else transitions)
     docs = called_from()
     problems = []
@@ -271,6 +238,8 @@ def render_markdown(transitions: Sequence[dict] | None = None) -> str:
         "| Hook | Called from |",
         "|---|---|",
     ]
+    from fsm_agent.plugins.hookspec_info import called_from
+
     for hook, text in called_from().items():
         lines.append(f"| `{hook}` | {_cell(text)} |")
     return "\n".join(lines) + "\n"

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from fsm_agent.plugins import docs, hookspecs
+from fsm_agent.plugins.hookspec_info import hookspec_groups
 from fsm_agent.plugins.manager import BUILTIN_PLUGINS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +64,7 @@ def test_python_dash_m_prints_the_doc():
     assert out == docs.render()
 
 
-@pytest.mark.parametrize("title_and_spec", docs.hookspec_functions(), ids=lambda item: item[1].__name__)
+@pytest.mark.parametrize("title_and_spec", hookspec_groups(), ids=lambda item: item[1].__name__)
 def test_every_hook_has_its_section_with_every_argument(title_and_spec):
     _, func = title_and_spec
     doc = docs.render()
@@ -79,7 +80,7 @@ def test_every_hook_has_its_section_with_every_argument(title_and_spec):
 def test_every_hookspec_is_rendered():
     marker = "fsm_agent_spec"
     names = [n for n, f in vars(hookspecs).items() if inspect.isfunction(f) and hasattr(f, marker)]
-    assert [f.__name__ for _, f in docs.hookspec_functions()] == names
+    assert [f.__name__ for _, f in hookspec_groups()] == names
 
 
 def test_every_builtin_plugin_is_in_the_table():
@@ -116,11 +117,9 @@ def run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Completed
 
 @pytest.fixture
 def example_project(tmp_path) -> Path:
+    """A copy of the example plugin the guide quotes (docs/examples/fsm-agent-printmetrics)."""
     project = tmp_path / "fsm-agent-printmetrics"
-    (project / "tests").mkdir(parents=True)
-    (project / "fsm_agent_printmetrics.py").write_text(docs.EXAMPLE_MODULE)
-    (project / "pyproject.toml").write_text(docs.EXAMPLE_PYPROJECT)
-    (project / "tests" / "test_printmetrics.py").write_text(docs.EXAMPLE_TEST)
+    shutil.copytree(docs.EXAMPLE_DIR, project, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
     return project
 
 

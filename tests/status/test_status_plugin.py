@@ -135,12 +135,6 @@ def test_statechart_highlights_the_current_state(make_agent):
         status.close()  # the factory releases the agent, which never ran
 
 
-def test_fallback_chart_from_the_table():
-    chart = status_http.mermaid_from_table()
-    assert chart.startswith("stateDiagram-v2\n  [*] --> INIT\n")
-    assert "  HEALTHY --> STOPPED: workers_failed" in chart and "  FAILED --> [*]" in chart
-
-
 def test_port_in_use_is_a_config_error(make_agent):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -187,7 +181,7 @@ def test_highlighted_chart_parses_with_mermaid(make_agent):
     agent = make_agent(config=STATUS_CONFIG)
     status = server_of(agent)
     try:
-        texts = {"highlighted": status.statechart(), "fallback": status_http.mermaid_from_table()}
+        texts = {"highlighted": status.statechart()}
     finally:
         status.close()
     proc = subprocess.run([node, str(root / "tests" / "states" / "mermaid_parse.mjs"), "--batch"],
@@ -196,4 +190,3 @@ def test_highlighted_chart_parses_with_mermaid(make_agent):
     assert proc.returncode == 0, proc.stderr
     results = json.loads(proc.stdout)
     assert results["highlighted"] == {"diagramType": "stateDiagram"}
-    assert results["fallback"] == {"diagramType": "stateDiagram"}
