@@ -11,6 +11,10 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable
+from typing import Any
+
+#: A hookspec function (any signature).
+Hookspec = Callable[..., Any]
 
 #: The section titles of a hookspec docstring, in the order they are written.
 SECTIONS = ("Args", "Returns", "Raises", "Called from")
@@ -21,7 +25,7 @@ _BANNER = re.compile(r"^# -{20,}\n# (?P<title>[^\n]+)\n# -{20,}$", re.MULTILINE)
 _ARG_ENTRY = re.compile(r"^(\w+)(?:\s*\([^)]*\))?:\s*(.*)$")
 
 
-def hookspecs() -> dict[str, Callable]:
+def hookspecs() -> dict[str, Hookspec]:
     """Every ``@hookspec`` function of ``fsm_agent.plugins.hookspecs``, in declaration order."""
     from fsm_agent.plugins import PROJECT_NAME, hookspecs as module
 
@@ -30,7 +34,7 @@ def hookspecs() -> dict[str, Callable]:
     return {func.__name__: func for func in sorted(found, key=lambda f: f.__code__.co_firstlineno)}
 
 
-def hookspec_groups() -> list[tuple[str, Callable]]:
+def hookspec_groups() -> list[tuple[str, Hookspec]]:
     """``(group title, hookspec)`` in declaration order; the titles are hookspecs.py's banners
     (``# ----`` / ``# title`` / ``# ----``), ``"hooks"`` before the first one."""
     from fsm_agent.plugins import hookspecs as module
@@ -41,7 +45,7 @@ def hookspec_groups() -> list[tuple[str, Callable]]:
              func) for func in hookspecs().values()]
 
 
-def spec_options(func: Callable) -> dict:
+def spec_options(func: Hookspec) -> dict[str, Any]:
     """The hookspec's pluggy options (``firstresult``, ``historic``, ...)."""
     from fsm_agent.plugins import PROJECT_NAME
 
@@ -87,7 +91,7 @@ def _annotation(value: object) -> str:
     return text.replace('"', "").replace("'", "")
 
 
-def signature(func: Callable) -> str:
+def signature(func: Hookspec) -> str:
     """``name(arg: Type, ...) -> Returns`` with the string annotations unquoted."""
     sig = inspect.signature(func)
     params = ", ".join(f"{p.name}: {_annotation(p.annotation)}" if _annotation(p.annotation) else p.name
@@ -96,7 +100,7 @@ def signature(func: Callable) -> str:
     return f"{func.__name__}({params})" + (f" -> {returns}" if returns else "")
 
 
-def docstring_problems(func: Callable) -> list[str]:
+def docstring_problems(func: Hookspec) -> list[str]:
     """What ``func``'s docstring lacks: a summary, each of ``REQUIRED_SECTIONS`` (not empty), an
     ``Args:`` entry for each argument and none for a name that is not one. Empty: documented."""
     doc = func.__doc__ or ""

@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from fsm_agent.states.table import INITIAL, STATES, TERMINAL
+from fsm_agent.states.table import INITIAL, STATES, TERMINAL, Row
 from fsm_agent.states.worker_state import WorkerState
 
 #: Transition keys whose values name model callbacks (strings) or are callables.
@@ -48,7 +48,7 @@ def callback_name(callback: Any) -> str:
     return callback if isinstance(callback, str) else getattr(callback, "__name__", repr(callback))
 
 
-def _as_list(value: Any) -> list:
+def _as_list(value: Any) -> list[Any]:
     if value is None:
         return []
     if isinstance(value, (list, tuple)):
@@ -101,7 +101,7 @@ class TableRow:
         return f"row {self.index} ({self.trigger}: {', '.join(self.sources)} -> {self.dest}{guard})"
 
 
-def table_rows(table: Sequence[dict], states: Iterable[Any] = STATES) -> list[TableRow]:
+def table_rows(table: Sequence[Row], states: Iterable[Any] = STATES) -> list[TableRow]:
     """Normalise every row of ``table``; ``states`` is what a ``"*"`` source stands for."""
     all_states = [state_name(s) for s in states]
     rows = []
@@ -142,7 +142,7 @@ def _reachable(start: Iterable[str], edges: dict[str, set[str]]) -> set[str]:
     return seen
 
 
-def check_states_declared(table: Sequence[dict], states: Iterable[Any] = STATES) -> Problems:
+def check_states_declared(table: Sequence[Row], states: Iterable[Any] = STATES) -> Problems:
     """Every source and destination of the table is a declared state."""
     declared = [state_name(s) for s in states]
     problems = []
@@ -154,7 +154,7 @@ def check_states_declared(table: Sequence[dict], states: Iterable[Any] = STATES)
     return problems
 
 
-def check_reachable(table: Sequence[dict], initial: Any = INITIAL, states: Iterable[Any] = STATES) -> Problems:
+def check_reachable(table: Sequence[Row], initial: Any = INITIAL, states: Iterable[Any] = STATES) -> Problems:
     """Every declared state is reachable from ``initial`` (guards ignored)."""
     declared = [state_name(s) for s in states]
     reached = _reachable([state_name(initial)], _edges(table_rows(table, declared)))
@@ -162,7 +162,7 @@ def check_reachable(table: Sequence[dict], initial: Any = INITIAL, states: Itera
             for name in declared if name not in reached]
 
 
-def check_can_terminate(table: Sequence[dict], states: Iterable[Any] = STATES,
+def check_can_terminate(table: Sequence[Row], states: Iterable[Any] = STATES,
                         terminal: Iterable[Any] = TERMINAL, outcomes: Iterable[Any] = OUTCOMES) -> Problems:
     """Every non-terminal state can reach one of ``outcomes`` (SUCCEEDED or FAILED)."""
     declared = [state_name(s) for s in states]
@@ -177,7 +177,7 @@ def check_can_terminate(table: Sequence[dict], states: Iterable[Any] = STATES,
             for name in declared if name not in terminal_names and name not in can_finish]
 
 
-def check_terminal_absorbing(table: Sequence[dict], terminal: Iterable[Any] = TERMINAL,
+def check_terminal_absorbing(table: Sequence[Row], terminal: Iterable[Any] = TERMINAL,
                              states: Iterable[Any] = STATES) -> Problems:
     """No row leaves a terminal state (a ``"*"`` source counts as leaving every state)."""
     terminal_names = [state_name(s) for s in terminal]
@@ -185,7 +185,7 @@ def check_terminal_absorbing(table: Sequence[dict], terminal: Iterable[Any] = TE
             for row in table_rows(table, states) for source in row.sources if source in terminal_names]
 
 
-def check_callbacks_resolve(table: Sequence[dict], model_cls: type) -> Problems:
+def check_callbacks_resolve(table: Sequence[Row], model_cls: type) -> Problems:
     """Every callback and guard named by a string is a method of ``model_cls``."""
     problems = []
     for row in table_rows(table):
@@ -204,7 +204,7 @@ def check_callbacks_resolve(table: Sequence[dict], model_cls: type) -> Problems:
     return problems
 
 
-def check_triggers_bindable(table: Sequence[dict], model_cls: type) -> Problems:
+def check_triggers_bindable(table: Sequence[Row], model_cls: type) -> Problems:
     """No trigger is already an attribute of ``model_cls``: transitions would skip binding it."""
     triggers = dict.fromkeys(row.trigger for row in table_rows(table))
     return [f"trigger {trigger!r} is already an attribute of {model_cls.__name__}: transitions would "
@@ -216,7 +216,7 @@ def _enabled(row: TableRow, truth: dict[str, bool]) -> bool:
     return all(truth[g] for g in row.conditions) and not any(truth[g] for g in row.unless)
 
 
-def _rows_by_source_and_trigger(table: Sequence[dict], states: Iterable[Any]) -> dict[tuple[str, str], list[TableRow]]:
+def _rows_by_source_and_trigger(table: Sequence[Row], states: Iterable[Any]) -> dict[tuple[str, str], list[TableRow]]:
     groups: dict[tuple[str, str], list[TableRow]] = {}
     for row in table_rows(table, states):
         for source in row.sources:
@@ -224,7 +224,7 @@ def _rows_by_source_and_trigger(table: Sequence[dict], states: Iterable[Any]) ->
     return groups
 
 
-def check_deterministic(table: Sequence[dict], states: Iterable[Any] = STATES) -> Problems:
+def check_deterministic(table: Sequence[Row], states: Iterable[Any] = STATES) -> Problems:
     """For each (state, trigger), exactly one row is enabled whatever values the guards take.
 
     Rows are grouped by source state and trigger. Every combination of the group's guard
@@ -252,7 +252,7 @@ def check_deterministic(table: Sequence[dict], states: Iterable[Any] = STATES) -
     return problems
 
 
-def check_decided_alike(table: Sequence[dict], states: Iterable[Any] = STATES) -> Problems:
+def check_decided_alike(table: Sequence[Row], states: Iterable[Any] = STATES) -> Problems:
     """The rows of one trigger from one source state decide alike: the same ``prepare`` steps.
 
     Their guards read one decision, made once per event by the ``prepare`` step (transitions
@@ -269,7 +269,7 @@ def check_decided_alike(table: Sequence[dict], states: Iterable[Any] = STATES) -
     return problems
 
 
-def check_all(table: Sequence[dict], model_cls: type, *, states: Iterable[Any] = STATES,
+def check_all(table: Sequence[Row], model_cls: type, *, states: Iterable[Any] = STATES,
               initial: Any = INITIAL, terminal: Iterable[Any] = TERMINAL) -> Problems:
     """Every check above; returns all their problems (empty: the table is sound)."""
     states = list(states)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from transitions import Machine
 
-from fsm_agent.states.table import INITIAL, STATES, TERMINAL, TRANSITIONS
+from fsm_agent.states.table import INITIAL, STATES, TERMINAL, TRANSITIONS, Row
 
 MACHINE_OPTIONS: dict[str, Any] = dict(
     auto_transitions=False,   # no to_<state>(): only the table moves the state
@@ -16,11 +17,11 @@ MACHINE_OPTIONS: dict[str, Any] = dict(
 )
 
 
-def machine_states() -> list[dict]:
+def machine_states() -> list[dict[str, Any]]:
     return [{"name": s, "final": s in TERMINAL} for s in STATES]
 
 
-def build_machine(model: Any, transitions: list[dict] | None = None, **options: Any) -> Machine:
+def build_machine(model: Any, transitions: Sequence[Row] | None = None, **options: Any) -> Machine:
     """Attach the statechart to ``model`` (an ElasticAgent or a test double).
 
     Args:
@@ -36,7 +37,7 @@ def build_machine(model: Any, transitions: list[dict] | None = None, **options: 
     if hasattr(model, "_after_state_change"):
         opts["after_state_change"] = "_after_state_change"
     opts.update(options)
-    machine_cls = opts.pop("machine_cls", Machine)
+    machine_cls: type[Machine] = opts.pop("machine_cls", Machine)
     return machine_cls(
         model=model,
         states=machine_states(),

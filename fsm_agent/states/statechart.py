@@ -28,7 +28,7 @@ from typing import Any
 
 from fsm_agent.states.checks import TableRow, state_name, table_rows
 from fsm_agent.states.machine import build_machine
-from fsm_agent.states.table import AUTO_TRIGGERS, INITIAL, STATES, TERMINAL, TRANSITIONS
+from fsm_agent.states.table import AUTO_TRIGGERS, INITIAL, STATES, TERMINAL, TRANSITIONS, Row
 
 FORMATS = ("mermaid", "markdown", "json")
 TITLE = "fsm-agent worker-group statechart"
@@ -69,7 +69,7 @@ def _backticked(text: str) -> set[str]:
     return set(re.findall(r"``([A-Za-z_][\w.]*)``", text))
 
 
-def hook_map_problems(transitions: Sequence[dict] | None = None) -> list[str]:
+def hook_map_problems(transitions: Sequence[Row] | None = None) -> list[str]:
     """Cross-check ``HOOKS_BY_STEP`` and ``HOOKS_AFTER_EVERY_TRANSITION`` with the hookspecs.
 
     - every step named in the table has an entry, and every entry is a step of the table;
@@ -136,7 +136,7 @@ def hooks_fired(row: TableRow) -> list[str]:
     return [*hooks, *HOOKS_AFTER_EVERY_TRANSITION]
 
 
-def _rows(transitions: Sequence[dict] | None) -> list[TableRow]:
+def _rows(transitions: Sequence[Row] | None) -> list[TableRow]:
     return table_rows(TRANSITIONS if transitions is None else transitions)
 
 
@@ -145,14 +145,14 @@ def _rows(transitions: Sequence[dict] | None) -> list[TableRow]:
 # ------------------------------------------------------------------------------------------------
 
 
-def render_mermaid(transitions: Sequence[dict] | None = None) -> str:
+def render_mermaid(transitions: Sequence[Row] | None = None) -> str:
     """The statechart as deterministic Mermaid ``stateDiagram-v2`` text (ends with a newline)."""
     from transitions.extensions import HierarchicalGraphMachine  # the flat one omits "final --> [*]"
 
     model = _DiagramModel()
     build_machine(model, transitions, machine_cls=HierarchicalGraphMachine, graph_engine="mermaid",
                   show_conditions=True, show_auto_transitions=False)
-    lines = model.get_graph().draw(None).splitlines()
+    lines = model.get_graph().draw(None).splitlines()  # type: ignore[attr-defined]  # added by the machine
     # transitions writes its title as a bare "---\n<title>\n---" front matter, which Mermaid ignores
     # (not a YAML mapping): drop it, and write a "title:" front matter instead.
     if lines and lines[0].strip() == "---":
@@ -187,7 +187,7 @@ def _steps(row: TableRow) -> str:
     return "; ".join(parts)
 
 
-def render_markdown(transitions: Sequence[dict] | None = None) -> str:
+def render_markdown(transitions: Sequence[Row] | None = None) -> str:
     """``docs/statechart.md``: the diagram, one table line per table row, and every hook's caller."""
     rows = _rows(transitions)
     auto = _and([f"`{trigger}` in {state_name(state)}" for state, trigger in AUTO_TRIGGERS.items()])
@@ -245,7 +245,7 @@ def render_markdown(transitions: Sequence[dict] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_json(transitions: Sequence[dict] | None = None) -> str:
+def render_json(transitions: Sequence[Row] | None = None) -> str:
     """The statechart as JSON: states, initial, terminal, and one object per table row."""
     doc = {
         "title": TITLE,
@@ -264,7 +264,7 @@ def render_json(transitions: Sequence[dict] | None = None) -> str:
     return json.dumps(doc, indent=2) + "\n"
 
 
-def render(fmt: str = "markdown", transitions: Sequence[dict] | None = None) -> str:
+def render(fmt: str = "markdown", transitions: Sequence[Row] | None = None) -> str:
     """Render the statechart.
 
     Args:

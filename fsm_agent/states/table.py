@@ -12,7 +12,12 @@ Callback names are ``ElasticAgent`` methods; ``tests/states`` checks that each o
 
 from __future__ import annotations
 
+from typing import Any
+
 from fsm_agent.states.worker_state import WorkerState as S
+
+#: One row of the table: ``dict(trigger=..., source=..., dest=..., ...)``, transitions' own format.
+Row = dict[str, Any]
 
 #: States that are left only through the rows below, never by themselves.
 STATES = list(S)
@@ -27,7 +32,7 @@ _RUNNING = [S.HEALTHY, S.UNHEALTHY]
 _DECIDE_ON_FAILURE = "_decide_on_failed_workers"
 _DECIDE_ON_MEMBERSHIP = "_decide_on_membership_change"
 
-TRANSITIONS: list[dict] = [
+TRANSITIONS: list[Row] = [
     # -- starting: rendezvous, assign ranks, spawn the workers ----------------------------------
     dict(trigger="start", source=S.INIT, dest=S.HEALTHY,
          before=["_rendezvous", "_start_workers"]),
