@@ -20,7 +20,7 @@ import sys
 
 from fsm_agent.plugins import hookimpl
 
-COVERAGE_DIR_ENV = "FSM_STATECHART_COVERAGE_DIR"
+COVERAGE_DIR_ENV = "FSM_STATECHART_COVERAGE_DIR"  # also named in manager.TEST_TOOLING_PLUGINS
 
 _files: dict[tuple[int, str], object] = {}  # (pid, directory) -> open file: reopened after a fork
 

@@ -32,7 +32,12 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "metrics-logging": "fsm_agent.plugins.metrics_logging",
     "events-jsonl": "fsm_agent.plugins.events_jsonl",
     "status-http": "fsm_agent.plugins.status_http",
-    "statechart-coverage": "fsm_agent.plugins.coverage_recorder",
+}
+#: Test tooling, registered like a built-in but only while ``pytest --statechart-coverage``
+#: records (it sets the recorder's directory variable for the agents it runs), and never listed
+#: by ``fsm-agent plugins`` or the plugin guide. Its name stays valid for ``--disable-plugin``.
+TEST_TOOLING_PLUGINS: dict[str, tuple[str, str]] = {
+    "statechart-coverage": ("fsm_agent.plugins.coverage_recorder", "FSM_STATECHART_COVERAGE_DIR"),
 }
 #: Built-ins that cannot be disabled: without them the agent cannot run at all.
 ESSENTIAL_PLUGINS = frozenset({"launcher-subprocess"})
@@ -48,7 +53,7 @@ def plugin_names() -> list[str]:
     (installed plugins, listed without importing them), sorted."""
     from importlib.metadata import entry_points
 
-    return sorted({*BUILTIN_PLUGINS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
+    return sorted({*BUILTIN_PLUGINS, *TEST_TOOLING_PLUGINS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
 
 
 def check_disabled(flag_names: Iterable[str], file_names: Iterable[str] = (), file_label: str = "") -> None:
@@ -90,6 +95,9 @@ def get_plugin_manager(disabled: Iterable[str] = (), load_entry_points: bool = T
         pm.set_blocked(name)
     for name, module_name in BUILTIN_PLUGINS.items():
         if not pm.is_blocked(name):
+            pm.register(importlib.import_module(module_name), name)
+    for name, (module_name, active_env) in TEST_TOOLING_PLUGINS.items():
+        if os.environ.get(active_env) and not pm.is_blocked(name):
             pm.register(importlib.import_module(module_name), name)
     if load_entry_points:
         _load_entry_points(pm)
@@ -205,7 +213,7 @@ def plugin_rows(pm: pluggy.PluginManager, registry: BackendRegistry | None = Non
     dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
     rows = []
     for name, plugin in pm.list_name_plugin():
-        if plugin is None:
+        if plugin is None or name in TEST_TOOLING_PLUGINS:
             continue
         dist = dists.get(id(plugin))
         hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])

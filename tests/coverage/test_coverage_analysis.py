@@ -13,7 +13,7 @@ import pytest
 
 import fsm_agent.agent
 from fsm_agent.plugins import coverage_recorder
-from fsm_agent.plugins.manager import BUILTIN_PLUGINS, get_plugin_manager
+from fsm_agent.plugins.manager import BUILTIN_PLUGINS, TEST_TOOLING_PLUGINS, get_plugin_manager, plugin_rows
 from fsm_agent.states.table import TRANSITIONS
 from fsm_agent.states.worker_state import WorkerState as S
 from fsm_agent.testing.coverage import (
@@ -162,11 +162,18 @@ def test_foreign_edges_are_reported_not_counted():
 # -- the recorder (built-in plugin statechart-coverage) ------------------------------------------
 
 
-def test_the_recorder_is_a_built_in_plugin():
-    assert BUILTIN_PLUGINS["statechart-coverage"] == "fsm_agent.plugins.coverage_recorder"
+def test_the_recorder_is_test_tooling_registered_only_while_coverage_records(monkeypatch, tmp_path):
+    assert "statechart-coverage" not in BUILTIN_PLUGINS
+    assert TEST_TOOLING_PLUGINS["statechart-coverage"] == ("fsm_agent.plugins.coverage_recorder", COVERAGE_DIR_ENV)
+    assert COVERAGE_DIR_ENV == "FSM_STATECHART_COVERAGE_DIR"  # not FSM_AGENT_*: harnesses scrub those
+    monkeypatch.setenv(COVERAGE_DIR_ENV, str(tmp_path))
     pm = get_plugin_manager(load_entry_points=False)
     assert pm.get_plugin("statechart-coverage") is coverage_recorder
-    assert COVERAGE_DIR_ENV == "FSM_STATECHART_COVERAGE_DIR"  # not FSM_AGENT_*: harnesses scrub those
+    assert "statechart-coverage" not in [row["name"] for row in plugin_rows(pm)]  # not listed to users
+    assert get_plugin_manager(disabled=["statechart-coverage"], load_entry_points=False).get_plugin(
+        "statechart-coverage") is None  # its name still works for --disable-plugin
+    monkeypatch.delenv(COVERAGE_DIR_ENV)
+    assert get_plugin_manager(load_entry_points=False).get_plugin("statechart-coverage") is None
 
 
 def test_the_recorder_writes_only_when_a_directory_is_set(tmp_path, monkeypatch):
