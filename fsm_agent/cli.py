@@ -297,7 +297,16 @@ class _Parser(argparse.ArgumentParser):
         self.env_errors = errors
         if errors and not self.defer_env_errors:  # every bad env var at once
             raise ConfigError("; ".join(errors))
-        return super().parse_known_args(args, namespace)
+        if "training_script_args" not in {action.dest for action in self._actions}:
+            return super().parse_known_args(args, namespace)
+        # Only the words up to the training script are the launcher's: argparse would read the
+        # script's own "--r=16" as an ambiguous abbreviation of a launcher flag (pytorch#120601).
+        args = list(sys.argv[1:] if args is None else args)
+        _, script = _launcher_flags(args, self, unknown_takes_value=False)
+        namespace, extras = super().parse_known_args(args[:script + 1], namespace)
+        if script < len(args):
+            namespace.training_script_args = args[script + 1:]
+        return namespace, extras
 
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{message} (see {self.prog} --help)")
@@ -922,34 +931,49 @@ def _prescan(argv: Sequence[str], parser: argparse.ArgumentParser) -> dict[str, 
     """``--config`` and ``--disable-plugin`` values among the flags before the training script.
 
     Needed before the real parse: they decide which plugins load, hence which flags exist.
-    Walks the flags as argparse does (known flags by their arity, abbreviations included);
-    an unknown flag is a plugin option's, which always takes one value.
+    An unknown flag is a plugin option's, which always takes one value.
     """
     found: dict[str, list[str]] = {"config": [], "disabled_plugins": []}
+    flags, _ = _launcher_flags(argv, parser, unknown_takes_value=True)
+    for action, value in flags:
+        if action is not None and action.dest in found and value is not None:
+            found[action.dest].append(value)
+    return found
+
+
+def _launcher_flags(argv: Sequence[str], parser: argparse.ArgumentParser, *, unknown_takes_value: bool,
+                    ) -> tuple[list[tuple[argparse.Action | None, str | None]], int]:
+    """Walk the launcher's flags as argparse does (known flags by their arity, abbreviations included).
+
+    Returns:
+        ([(action or None when unknown or ambiguous, value or None)], index of the training script
+        in ``argv``, or ``len(argv)`` when there is none). What follows the script is the script's.
+    """
     strings = parser._option_string_actions
+    flags: list[tuple[argparse.Action | None, str | None]] = []
     i = 0
     while i < len(argv):
         token = argv[i]
-        if token == "--" or not token.startswith("-") or token == "-":
-            break  # the training script: what follows is its own
+        if token == "--":
+            return flags, i + 1
+        if not token.startswith("-") or token == "-":
+            return flags, i  # the training script: what follows is its own
         name, eq, value = token.partition("=")
         if not name.startswith("--"):  # -r 3, -r3, -m
             action = strings.get(token[:2])
-            if action is not None and action.nargs != 0 and len(token) == 2:
-                value, i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 2
-            else:
-                i += 1
-            continue
-        matches = {a for s, a in strings.items() if s == name} or {a for s, a in strings.items() if s.startswith(name)}
-        action = next(iter(matches)) if len(matches) == 1 else None
-        takes_value = action is None or action.nargs != 0
-        if takes_value and not eq:
-            value, i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 2
+            takes_value = action is not None and action.nargs != 0 and len(token) == 2
+            value = token[2:] or None
         else:
-            i += 1
-        if action is not None and action.dest in found and takes_value:
-            found[action.dest].append(value)
-    return found
+            matches = ({a for s, a in strings.items() if s == name}
+                       or {a for s, a in strings.items() if s.startswith(name)})
+            action = next(iter(matches)) if len(matches) == 1 else None
+            takes_value = (unknown_takes_value if not matches else action is None or action.nargs != 0) and not eq
+        if takes_value:
+            value, i = (argv[i + 1] if i + 1 < len(argv) else None), i + 2
+        else:
+            value, i = (value if eq or not name.startswith("--") else None), i + 1
+        flags.append((action, value))
+    return flags, len(argv)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -371,6 +371,37 @@ def test_script_args_verbatim(script):
     assert entry_args == ("-u", script, "--nproc-per-node", "5", "--foo", "-m", "--", "x")
 
 
+#: Script arguments that look like abbreviations of launcher flags (--r: --redirects/--role/--rdzv-*...).
+LOOKALIKE_SCRIPT_ARGS = ["--r=16", "--ma", "3", "--log", "x", "--no", "-m", "pkg", "--nproc-per-node", "5"]
+
+
+def test_script_args_that_abbreviate_launcher_flags_are_the_scripts(fake_launch, script):
+    """pytorch#120601: argparse read the script's ``--r=16`` as an ambiguous launcher flag."""
+    fake = fake_launch(exit_code=0)
+    assert exit_code_of(cli.main, ["run", "--nproc_per", "2", script, *LOOKALIKE_SCRIPT_ARGS]) == 0
+    config, entrypoint, entry_args = fake.calls[0]
+    assert config.nproc_per_node == 2 and config.redirects == "0"
+    assert (entrypoint, entry_args) == (sys.executable, ("-u", script, *LOOKALIKE_SCRIPT_ARGS))
+
+
+@pytest.mark.parametrize("argv,dest,value", [
+    (["--nproc_per", "2"], "nproc_per_node", "2"),
+    (["--max-r", "3"], "max_restarts", 3),
+    (["--rdzv-b=c10d"], "rdzv_backend", "c10d"),
+    (["-r3"], "redirects", "3"),
+    (["--no-p"], "no_python", True),
+])
+def test_abbreviations_before_the_script_still_work(argv, dest, value):
+    args = parse(*argv, "train.py", *LOOKALIKE_SCRIPT_ARGS)
+    assert getattr(args, dest) == value
+    assert (args.training_script, args.training_script_args) == ("train.py", LOOKALIKE_SCRIPT_ARGS)
+
+
+def test_an_ambiguous_abbreviation_before_the_script_is_still_an_error():
+    with pytest.raises(ConfigError, match="ambiguous option: --r could match"):
+        parse("--r", "3", "train.py")
+
+
 def test_python_exec(monkeypatch, script):
     monkeypatch.setenv("PYTHON_EXEC", "/opt/py")
     assert build(script)[1] == "/opt/py"
