@@ -3,6 +3,7 @@ three ways to start the launcher (``fsm-agent run``, ``fsmrun``, ``python -m fsm
 
 from __future__ import annotations
 
+import socket
 import sys
 
 import pytest
@@ -86,6 +87,14 @@ def test_unknown_plugin_in_the_config_files_disabled_plugins(launcher, name, tab
     args, label = ([], "pyproject.toml [tool.fsm_agent]") if table else (["--config", str(config)], str(config))
     assert_rejected(launcher, launcher.run_fsm(*args, launcher.probe, timeout=60),
                     f"unknown plugin 'nope' in disabled_plugins of {label}: known plugins are ")
+
+
+def test_static_master_port_in_use(launcher):
+    """Node rank 0 of a static job cannot host its store: one line naming the port, not EADDRINUSE's 40."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = launcher.run_fsm("--master-port", str(port), launcher.probe, timeout=60)
+    assert_rejected(launcher, result, f"port {port} (--master-port) is already in use on this host")
 
 
 def test_fsmrun_is_fsm_agent_run(launcher):
