@@ -710,13 +710,31 @@ def _entrypoint(args: argparse.Namespace) -> tuple[str | Callable[..., Any], tup
         if args.module:
             raise ConfigError("--no-python and -m/--module cannot be used together: "
                               "-m runs a Python module, --no-python runs a binary")
-        if shutil.which(script) is None:
-            raise ConfigError(f"--no-python binary {script!r} not found: not an executable file and not on PATH")
+        _require_program(script)
         return script, script_args
     if args.module:
         return _python_exec(), ("-u", "-m", script, *script_args)
     _require_script(script)
     return _python_exec(), ("-u", script, *script_args)
+
+
+def _require_program(script: str) -> None:
+    """``--no-python``: ``script`` must be a program the OS can run (exec would fail in every worker)."""
+    path = shutil.which(script)
+    if path is None and os.path.isfile(script) and not os.access(script, os.X_OK):
+        raise ConfigError(f"--no-python binary {script!r} is not executable: chmod +x it, "
+                          f"or drop --no-python to run it with python")
+    if path is None:
+        here = f"; for the file in this directory, say ./{script}" if os.path.isfile(script) else ""
+        raise ConfigError(f"--no-python binary {script!r} not found: not an executable file and not on PATH{here}")
+    try:
+        with open(path, "rb") as file:
+            head = file.read(512)
+    except OSError:
+        return  # executable but not readable: only exec can tell
+    if not head.startswith((b"#!", b"\x7fELF")) and b"\0" not in head:  # text without a '#!' line
+        raise ConfigError(f"--no-python binary {script!r} has no '#!' line, so it cannot be executed: "
+                          f"add one (e.g. #!/usr/bin/env python3), or drop --no-python to run it with python")
 
 
 def _python_exec() -> str:

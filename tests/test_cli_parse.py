@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import types
@@ -420,6 +421,27 @@ def test_no_python_entrypoint():
 def test_no_python_binary_must_exist():
     with pytest.raises(ConfigError, match="--no-python binary 'my_binary' not found"):
         build("--no-python", "my_binary", "--x")
+
+
+@pytest.mark.parametrize("body,mode,message", [
+    ("print('hi')\n", 0o755, "has no '#!' line, so it cannot be executed: add one"),
+    ("#!/bin/sh\necho hi\n", 0o644, "is not executable: chmod +x it"),
+])
+def test_no_python_file_the_os_cannot_run(tmp_path, body, mode, message):
+    path = tmp_path / "train"
+    path.write_text(body)
+    path.chmod(mode)
+    with pytest.raises(ConfigError, match=re.escape(f"--no-python binary '{path}' {message}")):
+        build("--no-python", str(path))
+
+
+def test_no_python_file_here_but_not_on_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.sh").write_text("#!/bin/sh\n")
+    (tmp_path / "train.sh").chmod(0o755)
+    with pytest.raises(ConfigError, match="not on PATH; for the file in this directory, say ./train.sh"):
+        build("--no-python", "train.sh")
+    assert build("--no-python", "./train.sh")[1] == "./train.sh"
 
 
 def test_module_with_no_python_is_an_error():

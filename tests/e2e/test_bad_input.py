@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import fsm_agent_cmd, fsmrun_cmd, one_error_line
+from tests.e2e.conftest import fsm_agent_cmd, fsmrun_cmd, one_error_line, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -87,6 +87,18 @@ def test_unknown_plugin_in_the_config_files_disabled_plugins(launcher, name, tab
     args, label = ([], "pyproject.toml [tool.fsm_agent]") if table else (["--config", str(config)], str(config))
     assert_rejected(launcher, launcher.run_fsm(*args, launcher.probe, timeout=60),
                     f"unknown plugin 'nope' in disabled_plugins of {label}: known plugins are ")
+
+
+@pytest.mark.parametrize("body, mode, needle", [
+    ("print('no shebang')\n", 0o755, "has no '#!' line"),
+    ("#!/bin/sh\necho hi\n", 0o644, "is not executable"),
+], ids=["no-shebang", "not-executable"])
+def test_no_python_file_the_os_cannot_run(launcher, body, mode, needle):
+    """Not an ``OSError: Exec format error`` per worker (44 lines), nor "not found" for a file that is there."""
+    binary = write_script(launcher.dir, "train", body)
+    binary.chmod(mode)
+    assert_rejected(launcher, launcher.run_fsm("--no-python", str(binary), timeout=60),
+                    f"--no-python binary '{binary}' {needle}")
 
 
 def test_static_master_port_in_use(launcher):
