@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import fsm_agent_cmd, fsmrun_cmd, one_error_line, write_script
+from tests.e2e.conftest import free_port, fsm_agent_cmd, fsmrun_cmd, one_error_line, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -107,6 +107,44 @@ def test_static_master_port_in_use(launcher):
         port = taken.getsockname()[1]
         result = launcher.run_fsm("--master-port", str(port), launcher.probe, timeout=60)
     assert_rejected(launcher, result, f"port {port} (--master-port) is already in use on this host")
+
+
+def root_cause(stderr: str) -> str:
+    """The line after the summary's ``Root Cause`` heading."""
+    lines = stderr.splitlines()
+    return lines[lines.index("Root Cause (first observed failure):") + 1].strip()
+
+
+@pytest.mark.parametrize("backend", ["c10d", "static"])
+def test_a_rendezvous_timeout_says_what_timed_out_after_how_long(launcher, backend):
+    """Not ``RendezvousTimeoutError: `` (c10d), nor ``join_timeout=600s`` where static waited ``timeout=3``."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    key = "join_timeout" if backend == "c10d" else "timeout"
+    result = launcher.run_fsm("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--nnodes", "2",
+                              "--rdzv-conf", f"{key}=3", launcher.probe, timeout=120)
+    assert result.returncode != 0 and launcher.records() == {}
+    cause = root_cause(result.stderr)
+    assert f"endpoint={endpoint} run_id=none {key}=3s" in cause, cause
+    assert "600" not in cause and ("is_host=" in cause) == (backend == "c10d"), cause
+    if backend == "c10d":
+        assert cause.endswith(f"RendezvousTimeoutError: the round did not complete within join_timeout=3s: "
+                              f"fewer than 2 agents (--nnodes 2:2) joined run id 'none' at {endpoint}; start the "
+                              f"other nodes, or give them longer with --rdzv-conf join_timeout=SECONDS"), cause
+
+
+def test_a_closed_rendezvous_asks_for_a_new_rdzv_id(launcher):
+    """A second job with the id of one that ended on the same store: not ``RendezvousClosedError: ``."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    args = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "job7",
+            "--rdzv-conf", "is_host=0", launcher.probe]
+    launcher.run_fsm(*args, timeout=120).check()
+    again = launcher.run_fsm(*args, timeout=120)
+    assert again.returncode != 0
+    assert root_cause(again.stderr).endswith(
+        f"RendezvousClosedError: the rendezvous of run id 'job7' at 127.0.0.1:{store.port} is closed: a job with "
+        f"this id already ended there; start the job with a new --rdzv-id"), again.stderr
 
 
 def test_fsmrun_is_fsm_agent_run(launcher):
