@@ -611,6 +611,9 @@ def config_from_args(args: argparse.Namespace, *, set_omp_num_threads: bool = Tr
     rdzv_backend, rdzv_endpoint, run_id = _rendezvous(args, max_nodes)
     rdzv_configs: dict[str, Any] = {**getattr(args, "rdzv_conf_file", {}), **parse_rdzv_conf(args.rdzv_conf)}
     if rdzv_backend == "static":
+        if not 0 <= args.node_rank < max_nodes:
+            raise ConfigError(f"--node-rank {args.node_rank}: with --nnodes {args.nnodes} the node ranks are "
+                              f"0..{max_nodes - 1}; give each node its own rank in that range")
         rdzv_configs["rank"] = args.node_rank  # an int, as torch's static handler expects
     elif args.node_rank != 0:
         log.warning("--node-rank %s is only used by the static rendezvous backend; ignored for %s",

@@ -51,6 +51,9 @@ BAD = {
     "logs-specs-unknown": (["--logs-specs", "nope"], {}, "--logs-specs"),
     "pet-env-not-a-number": ([], {"PET_NPROC_PER_NODE": "abc"}, "PET_NPROC_PER_NODE='abc': unknown value"),
     "pet-env-not-a-bool": ([], {"PET_STANDALONE": "maybe"}, "PET_STANDALONE"),
+    "node-rank-beyond-nnodes": (["--node-rank", "5", "--nnodes", "2"], {}, "--node-rank 5: with --nnodes 2 the node "
+                                                                           "ranks are 0..1"),
+    "node-rank-negative": (["--node-rank", "-1", "--nnodes", "2"], {}, "--node-rank -1"),
     "missing-script": (["{missing}"], {}, "not found"),
     "no-script": (None, {}, "training_script"),
 }
