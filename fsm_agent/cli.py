@@ -815,12 +815,14 @@ class ResolvedRun:
             that are set, ``plugins.<plugin>.<name>``).
         config_file: the file that was read, or None.
         options: every plugin option declared by the loaded plugins.
+        plugin_manager: the loaded plugins.
     """
 
     args: argparse.Namespace
     sources: dict[str, Source]
     config_file: ConfigFile | None
     options: OptionRegistry
+    plugin_manager: Any = None
 
 
 def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_config: bool = False,
@@ -932,7 +934,27 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
     if errors:  # the file's, the env vars' and the plugin env vars' errors, all at once
         raise ConfigError("; ".join(errors))
     args.plugin_options = plugin_values
-    return ResolvedRun(args=args, sources=sources, config_file=config_file, options=options)
+    return ResolvedRun(args=args, sources=sources, config_file=config_file, options=options, plugin_manager=pm)
+
+
+def check_rdzv_conf(resolved: ResolvedRun, config: LaunchConfig) -> None:
+    """Rendezvous options (``--rdzv-conf``, its env vars, the file) against the loaded backends.
+
+    Raises:
+        ConfigError: an option that no loaded backend reads (a typo: torch ignores it silently).
+
+    Logs a warning for an option that the chosen backend does not read but another one does.
+    """
+    from fsm_agent.plugins.manager import build_registry
+
+    def where(key: str) -> str:
+        source = resolved.sources.get(f"rendezvous.{key}", Source("default"))
+        label = source.detail if source.kind in ("cli", "env") else f"{source.detail} rendezvous"
+        return f"{label} {key}={config.rdzv_configs[key]}"
+
+    registry = build_registry(resolved.plugin_manager)
+    for warning in registry.check_rdzv_conf(config.rdzv_backend, config.rdzv_configs, where):
+        log.warning("%s", warning)
 
 
 KEYS_BY_KEY = {key.key: key for key in KEYS}
@@ -1009,6 +1031,7 @@ def config_command(argv: list[str]) -> int:
         return 0
     resolved = resolve_run_args(argv, "fsm-agent config", for_config=True)
     config, _, _ = config_from_args(resolved.args, set_omp_num_threads=False)
+    check_rdzv_conf(resolved, config)
     rows = effective_rows(resolved, config)
     if resolved.args.json:
         doc = {"config_file": resolved.config_file.label if resolved.config_file else None,
@@ -1134,6 +1157,12 @@ def configuration_reference() -> str:
         "wins over the file option by option). `shutdown_timeout` also reads torch's",
         "`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, below `FSM_AGENT_SHUTDOWN_TIMEOUT`/`PET_SHUTDOWN_TIMEOUT`",
         "and above the file.",
+        "",
+        "Rendezvous options, wherever they come from, are checked against the `--rdzv-conf` keys the",
+        "loaded backends declare: one that no backend reads is an error with the closest known key",
+        "(`join_timout=5`: did you mean `join_timeout`?); one that only another backend reads (a job file",
+        "that sets `PET_RDZV_CONF` for several backends) is a warning. A backend that declares no keys",
+        "(a `torchrun.handlers` entry point) gets every option unchecked.",
         "",
         "`fsm-agent config [flags] [SCRIPT]` prints the effective configuration and where each value came",
         "from (`cli`, `env`, `file`, `default`, or `derived` for the rendezvous settings",
@@ -1299,7 +1328,9 @@ def _exit(code: int, from_console: bool) -> NoReturn:
 def run_command(argv: list[str], prog: str = "fsm-agent run") -> int:
     """Parse ``argv`` like torchrun (plus env vars, the config file and plugin options), launch
     this node's agent and return its exit code."""
-    config, entrypoint, entrypoint_args = config_from_args(resolve_run_args(argv, prog).args)
+    resolved = resolve_run_args(argv, prog)
+    config, entrypoint, entrypoint_args = config_from_args(resolved.args)
+    check_rdzv_conf(resolved, config)
     from fsm_agent.launch import launch_agent  # lazy: the CLI must answer --help without the agent
 
     return launch_agent(config, entrypoint, entrypoint_args).exit_code

@@ -19,6 +19,13 @@ from fsm_agent.errors import RendezvousFailed
 from fsm_agent.plugins import hookimpl
 
 
+#: The ``--rdzv-conf`` keys torch's DynamicRendezvousHandler reads (``dynamic_rendezvous.create_handler``);
+#: public for backends built on it (the etcd-v3 plugin).
+DYNAMIC_HANDLER_CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+                             "keep_alive_interval", "keep_alive_max_attempt")
+#: ... and those torch's c10d backend adds (``c10d_rendezvous_backend.create_backend``).
+C10D_CONF_KEYS = (*DYNAMIC_HANDLER_CONF_KEYS, "is_host", "read_timeout", "store_type")
+
 #: torch reads this switch from the environment at the end of ``next_rendezvous``, after a
 #: blocking join. Handlers running at once in one process (tests, several agents) share one
 #: setting: the first to enter sets it, the last to leave restores it.
@@ -140,4 +147,4 @@ def _unreachable(params, exc: BaseException, waited: float) -> str:
 
 @hookimpl
 def fsm_agent_register_backends(registry):
-    registry.add_rendezvous("c10d", create_c10d_handler)
+    registry.add_rendezvous("c10d", create_c10d_handler, conf_keys=C10D_CONF_KEYS)

@@ -88,4 +88,5 @@ def _require_free_port(port: int) -> None:
 
 @hookimpl
 def fsm_agent_register_backends(registry):
-    registry.add_rendezvous("static", create_static_handler)
+    # torch's StaticTCPRendezvous: ``rank`` (--node-rank) and ``timeout`` (seconds, default 600).
+    registry.add_rendezvous("static", create_static_handler, conf_keys=("rank", "timeout"))

@@ -24,6 +24,9 @@ BAD = {
                              "nope"),
     "rdzv-conf-no-value": (["--rdzv-conf", "join_timeout"], {}, "--rdzv-conf"),
     "rdzv-conf-empty-key": (["--rdzv-conf", "=5"], {}, "--rdzv-conf"),
+    "rdzv-conf-no-backend-reads": (["--rdzv-conf", "join_timout=5"], {},
+                                   "--rdzv-conf join_timout=5: no loaded rendezvous backend reads 'join_timout'; "
+                                   "did you mean join_timeout?"),
     "redirects-out-of-range": (["-r", "7"], {}, "--redirects"),
     "redirects-bad-map": (["-r", "0:4,1:3"], {}, "--redirects"),
     "tee-not-a-std": (["-t", "x"], {}, "--tee"),
