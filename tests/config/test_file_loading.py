@@ -214,6 +214,21 @@ def test_pyproject_without_our_table_is_not_a_config(write_toml):
     assert find_config_file(None) is None
 
 
+@pytest.mark.parametrize("name", ["fsm-agent", "fsm_agnet", "FSM_Agent", '"fsm.agent"'])
+def test_a_misspelled_or_dashed_tool_table_is_an_error(write_toml, name):
+    """Silently ignored before: the job ran without its configuration."""
+    write_toml(f'[project]\nname = "x"\n[tool.{name}]\nmax_restarts = 2\n', "pyproject.toml")
+    with pytest.raises(ConfigError) as err:
+        find_config_file(None)
+    assert str(err.value) == (f"pyproject.toml: [tool.{name.strip(chr(34))}] is not read; fsm-agent's table is "
+                              f"[tool.fsm_agent] (an underscore, as in the module name): rename it")
+
+
+def test_other_tools_tables_are_left_alone(write_toml):
+    write_toml('[tool.black]\nline-length = 1\n[tool.fsm-agent-prometheus]\nx = 1\n', "pyproject.toml")
+    assert find_config_file(None) is None
+
+
 def test_no_pyproject_no_config():
     assert find_config_file(None) is None
 
