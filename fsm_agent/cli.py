@@ -840,7 +840,7 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
         ConfigError: a bad flag, env var or file value (the file's errors all in one message).
         PluginError: a plugin failed to load or declared a clashing option.
     """
-    from fsm_agent.plugins.manager import check_disabled, collect_options, disabled_from_env, get_plugin_manager
+    from fsm_agent.plugins.manager import check_disabled, collect_options, disabled_from_env
 
     argv = list(argv)
     core = get_run_parser(prog, for_config=for_config)
@@ -852,7 +852,7 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
     cli_disabled = tuple(n for value in pre["disabled_plugins"] for n in parse_names(value))
     check_disabled(cli_disabled, file_disabled, config_file.label if config_file else "")
     disabled = tuple(dict.fromkeys((*file_disabled, *disabled_from_env(), *cli_disabled)))
-    pm = get_plugin_manager(disabled=disabled, load_entry_points=load_entry_points)
+    pm = _plugins_for(argv, core, disabled, load_entry_points)
     options = collect_options(pm)
 
     parser = get_run_parser(prog, options, for_config=for_config)
@@ -958,6 +958,23 @@ def check_rdzv_conf(resolved: ResolvedRun, config: LaunchConfig) -> None:
 
 
 KEYS_BY_KEY = {key.key: key for key in KEYS}
+
+
+def _plugins_for(argv: Sequence[str], core: argparse.ArgumentParser, disabled: tuple[str, ...],
+                 load_entry_points: bool) -> Any:
+    """The plugin manager; for ``--help``, a plugin that fails to load is a warning, left out."""
+    from fsm_agent.plugins.manager import get_plugin_manager
+
+    asks_for_help = any(action is not None and action.dest == "help"
+                        for action, _ in _launcher_flags(argv, core, unknown_takes_value=True)[0])
+    while True:
+        try:
+            return get_plugin_manager(disabled=disabled, load_entry_points=load_entry_points)
+        except PluginError as exc:
+            if not asks_for_help or exc.plugin is None or exc.plugin in disabled:
+                raise
+            log.warning("%s; --help leaves its options out", exc)
+            disabled = (*disabled, exc.plugin)
 
 
 def cli_given(argv: Sequence[str], prog: str = "fsm-agent run", options: Iterable[PluginOption] = (), *,

@@ -24,9 +24,14 @@ class ConfigError(FsmAgentError):
 
 
 class PluginError(FsmAgentError):
-    """A plugin failed to load, registered a conflicting backend or broke the hook contract."""
+    """A plugin failed to load, registered a conflicting backend or broke the hook contract.
+
+    Attributes:
+        plugin: the name of the plugin that failed to load, where known (else None).
+    """
 
     exit_code = 2
+    plugin: str | None = None
 
 
 class StateError(FsmAgentError):
