@@ -1322,7 +1322,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
 
 def fsmrun_main(argv: Sequence[str] | None = None) -> NoReturn:
     """Console script ``fsmrun``: the torchrun drop-in, same as ``fsm-agent run ARGS``."""
-    _exit(_exit_code(run_command, list(sys.argv[1:] if argv is None else argv), "fsmrun"), from_console=argv is None)
+    _exit(_exit_code(run_command, list(sys.argv[1:] if argv is None else argv), "fsmrun", name="fsmrun"),
+          from_console=argv is None)
 
 
 def _exit(code: int, from_console: bool) -> NoReturn:
@@ -1393,13 +1394,14 @@ def _delegate(module_name: str, argv: list[str]) -> int:
     return int(module.cli_main(argv) or 0)
 
 
-def _exit_code(command: Callable[..., int], *args: Any) -> int:
-    """Run ``command``; an FsmAgentError becomes one stderr line and its exit code, Ctrl-C 130."""
+def _exit_code(command: Callable[..., int], *args: Any, name: str = "fsm-agent") -> int:
+    """Run ``command``; an FsmAgentError becomes one stderr line ``NAME: error: ...`` and its exit code,
+    Ctrl-C 130."""
     try:
         return command(*args)
     except FsmAgentError as exc:
         message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-        print(f"fsm-agent: error: {message}", file=sys.stderr)
+        print(f"{name}: error: {message}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

@@ -660,7 +660,7 @@ def test_keyboard_interrupt_is_130(fake_launch, capsys, script):
 
 def test_fsmrun_error_hint(capsys):
     assert exit_code_of(cli.fsmrun_main, ["--bogus", "x.py"]) == 2
-    assert capsys.readouterr().err == "fsm-agent: error: unrecognized arguments: --bogus (see fsmrun --help)\n"
+    assert capsys.readouterr().err == "fsmrun: error: unrecognized arguments: --bogus (see fsmrun --help)\n"
 
 
 def test_version(capsys):
