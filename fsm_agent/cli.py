@@ -400,6 +400,18 @@ class _PluginOptionAction(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """torchrun's ``(default: X)`` after each flag's help, except where the help already says what
+    happens by default (``(default: none)``, ``unset: ...``) or there is no value to show
+    (None, ``''``, an empty list): never ``(default: none) (default: '')``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default:" in text or "unset" in text or action.default in (None, "", [], ()):
+            return text
+        return super()._get_help_string(action)
+
+
 def _spellings(*names: str) -> list[str]:
     """Every long flag also under its underscored spelling, as torchrun (``--nproc-per-node``/``--nproc_per_node``)."""
     underscored = ["--" + name[2:].replace("-", "_") for name in names if name.startswith("--") and "-" in name[2:]]
@@ -431,7 +443,7 @@ def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] 
                "then the config file (--config, or [tool.fsm_agent] in ./pyproject.toml); the command "
                "line wins (--disable-plugin adds to the env and file lists). fsm-agent's own flags "
                "are marked 'fsm-agent:'. See docs/configuration.md and 'fsm-agent config'.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
 
     def add(*names: str, action: type[argparse.Action] = _EnvStore, **kwargs: Any) -> None:
@@ -541,12 +553,13 @@ def _add_plugin_options(parser: argparse.ArgumentParser, options: Iterable[Plugi
         return
     group = parser.add_argument_group("plugin options (fsm_agent_addoption)")
     for option in options:
-        default = "unset" if option.default is None else repr(option.default)
+        said = "default:" in option.help or "unset" in option.help  # the plugin's help says it already
+        default = "" if said else " (default: unset)" if option.default in (None, "") else f" (default: {option.default!r})"
         try:
             group.add_argument(*_spellings(option.flag), action=_PluginOptionAction, option=option,
                                dest=option.dest, default=argparse.SUPPRESS, type=_option_parser(option),
                                metavar=option.name.upper(),
-                               help=f"{option.plugin}: {option.help} (default: {default}) [env {option.env}]")
+                               help=f"{option.plugin}: {option.help}{default} [env {option.env}]")
         except argparse.ArgumentError as exc:
             raise PluginError(f"plugin {option.plugin!r} option {option.name!r}: {exc}") from None
 

@@ -663,6 +663,22 @@ def test_fsmrun_error_hint(capsys):
     assert capsys.readouterr().err == "fsmrun: error: unrecognized arguments: --bogus (see fsmrun --help)\n"
 
 
+def test_help_states_each_default_once(capsys):
+    """Not ``(default: none) (default: '')``, nor ``(default: None)`` where the help says what unset does."""
+    from fsm_agent.plugins.manager import collect_options, get_plugin_manager
+
+    parser = cli.get_run_parser(options=collect_options(get_plugin_manager(load_entry_points=False)))
+    helps = {action.dest: parser._get_formatter()._expand_help(action) for action in parser._actions if action.help}
+    for dest, text in helps.items():
+        assert text.count("(default:") <= 1, text
+        for shown in ("(default: None)", "(default: '')", "(default: )", "(default: [])", "(default: ())"):
+            assert shown not in text, text
+    assert helps["plugin:health-check:command"].endswith("(default: none) [env FSM_AGENT_HEALTH_CHECK_COMMAND]")
+    assert helps["max_restarts"].endswith("(default: 0)")  # torchrun's defaults are still shown
+    assert exit_code_of(cli.main, ["run", "--help"]) == 0
+    assert "(default: none) (default: '')" not in " ".join(capsys.readouterr().out.split())
+
+
 def test_version(capsys):
     assert exit_code_of(cli.main, ["--version"]) == 0
     assert capsys.readouterr().out.startswith("fsm-agent ")
