@@ -13,6 +13,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from datetime import timedelta
 
 from fsm_agent.errors import RendezvousFailed
@@ -106,13 +107,21 @@ def create_c10d_handler(params):
             outcome["error"] = exc
 
     thread = threading.Thread(target=connect, name="c10d-connect", daemon=True)
+    started = time.monotonic()
     thread.start()
     thread.join(deadline)
     if "value" in outcome:
         backend, store = outcome["value"]
         return FreshStoreHandler(create_handler(store, backend, params))
+    waited = time.monotonic() - started
+    try:  # torch retries a name that does not resolve as if the store were not up yet
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:  # UnicodeError: not a valid host name at all
+        raise RendezvousFailed(f"rendezvous endpoint {params.endpoint} (backend c10d): the host {host!r} does not "
+                               f"resolve ({getattr(exc, 'strerror', None) or exc}; tried for {waited:.0f}s): check "
+                               f"the host name in --rdzv-endpoint") from None
     error = outcome.get("error") or TimeoutError(f"no answer within {deadline:.0f}s")
-    raise RendezvousFailed(_unreachable(params, error, deadline))
+    raise RendezvousFailed(_unreachable(params, error, waited))
 
 
 #: Seconds a store that accepts connections gets to answer before the endpoint is declared wrong.
@@ -141,8 +150,8 @@ def _unreachable(params, exc: BaseException, waited: float) -> str:
     is_host = params.get("is_host", "inferred from the endpoint")
     detail = str(exc).splitlines()[0] if str(exc) else ""
     return (f"rendezvous endpoint {params.endpoint or '(default)'} (backend c10d) did not answer as a TCPStore "
-            f"within {waited:.0f}s (is_host={is_host}): {type(exc).__name__}: {detail}. If another program holds "
-            f"that port, pick a free port for --rdzv-endpoint")
+            f"(gave up after {waited:.0f}s; is_host={is_host}): {type(exc).__name__}: {detail}. If another program "
+            f"holds that port, pick a free port for --rdzv-endpoint")
 
 
 @hookimpl

@@ -153,6 +153,24 @@ def test_a_closed_rendezvous_asks_for_a_new_rdzv_id(launcher):
         f"this id already ended there; start the job with a new --rdzv-id"), again.stderr
 
 
+def test_a_c10d_host_that_does_not_resolve_is_named(launcher):
+    """Not "did not answer as a TCPStore within 65s". In a network namespace of its own (loopback only),
+    so the name lookup fails at once and nothing leaves the machine."""
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-n", "true"]).returncode != 0:
+        pytest.skip("cannot make a network namespace (unshare -n)")
+    result = launcher.run(["unshare", "-n", *fsm_agent_cmd(), "run", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                           "no-such-host.invalid:29400", "--nnodes", "2", "--rdzv-conf", "read_timeout=1",
+                           str(launcher.probe)], timeout=120)
+    assert result.returncode != 0 and launcher.records() == {}
+    line = result.stderr.splitlines()[-1]
+    assert line.startswith("fsm-agent: error: rendezvous endpoint no-such-host.invalid:29400 (backend c10d): the "
+                           "host 'no-such-host.invalid' does not resolve ("), result.stderr
+    assert line.endswith("s): check the host name in --rdzv-endpoint") and "TCPStore" not in line
+
+
 def test_fsmrun_is_fsm_agent_run(launcher):
     """``fsmrun ARGS`` launches the same job as ``fsm-agent run ARGS``, and rejects the same input."""
     launcher.run([*fsmrun_cmd(), "--nproc-per-node", "2", "--role", "r", launcher.probe, "x"],
