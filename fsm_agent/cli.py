@@ -872,15 +872,19 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
     parser.defer_env_errors = True  # type: ignore[attr-defined]
     args = parser.parse_args(argv)  # a bad flag raises here; bad env vars are collected
     errors: list[str] = list(parser.env_errors)  # type: ignore[attr-defined]
+    details: list[str] = list(errors)  # one line per error, for the CLI when the config file has errors
     env_sources = dict(parser.env_sources)  # type: ignore[attr-defined]
     given = cli_given(argv, prog, options, for_config=for_config)
     flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
     file_values = FileValues(values={}, plugins={})
+    file_failed = False
     if config_file:
         try:
             file_values = load_file_values(config_file, options, disabled=disabled)
         except ConfigError as exc:
             errors.insert(0, str(exc))
+            details[:0] = exc.details or [str(exc)]
+            file_failed = True
     label = config_file.label if config_file else ""
 
     sources: dict[str, Source] = {}
@@ -938,6 +942,7 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
                 values[option.name] = option.from_string(raw)
             except ValueError as exc:
                 errors.append(f"{option.env}={raw!r}: {exc}")
+                details.append(errors[-1])
             source = Source("env", option.env)
         elif option.name in file_values.plugins.get(option.plugin, {}):
             values[option.name], source = file_values.plugins[option.plugin][option.name], Source("file", label)
@@ -945,7 +950,7 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
             values[option.name], source = option.default, Source("default")
         sources[option.key] = source
     if errors:  # the file's, the env vars' and the plugin env vars' errors, all at once
-        raise ConfigError("; ".join(errors))
+        raise ConfigError("; ".join(errors), details=details if file_failed else ())
     args.plugin_options = plugin_values
     return ResolvedRun(args=args, sources=sources, config_file=config_file, options=options, plugin_manager=pm)
 
@@ -1228,17 +1233,18 @@ def configuration_reference() -> str:
         "Loading is strict and complete. Types are checked exactly (`\"false\"` is not a boolean, `2.7` is",
         "not an integer, `\"3\"` is not a number), ranges and formats are checked (`monitor_interval > 0`,",
         "`nnodes` as `N` or `\"MIN:MAX\"` with `MIN <= MAX`, signal names, ...), unknown keys are errors",
-        "(with a suggestion), and **every** error is reported at once, each with its key path, on one",
-        "line; the command exits with status 2:",
+        "(with a suggestion), and **every** error is reported at once, one per line with the file and",
+        "its key path; the command exits with status 2:",
         "",
         "```text",
-        "fsm-agent: error: fsm.toml: 3 errors: max_restarts: expected an integer >= 0, got \"three\";",
-        "rendezvous.join_timeout: expected seconds > 0, got \"abc\"; logs.colour: unknown key in [logs]",
-        "(see docs/configuration.md for the keys)",
+        "fsm-agent: error: 3 errors:",
+        "  fsm.toml: max_restarts: expected an integer >= 0, got \"three\"",
+        "  fsm.toml: rendezvous.join_timeout: expected seconds > 0, got \"abc\"",
+        "  fsm.toml: logs.colour: unknown key in [logs] (see docs/configuration.md for the keys)",
         "```",
         "",
-        "(shown wrapped here). Environment variables are checked as strictly, and all bad ones are",
-        "reported together.",
+        "Environment variables are checked as strictly, and all bad ones are reported together with",
+        "the file's. A single error is one line (`fsm-agent: error: fsm.toml: 1 error: ...`).",
         "",
         "## Keys",
         "",
@@ -1413,6 +1419,11 @@ def _exit_code(command: Callable[..., int], *args: Any, name: str = "fsm-agent")
     try:
         return command(*args)
     except FsmAgentError as exc:
+        if len(exc.details) > 1:  # several errors at once (a config file's): one per line
+            print(f"{name}: error: {exc.headline or f'{len(exc.details)} errors:'}", file=sys.stderr)
+            for line in exc.details:
+                print(f"  {line}", file=sys.stderr)
+            return exc.exit_code
         message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         print(f"{name}: error: {message}", file=sys.stderr)
         return exc.exit_code

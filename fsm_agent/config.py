@@ -861,7 +861,8 @@ def load_file_values(config_file: ConfigFile, options: OptionRegistry | Iterable
                                   converter, errors)
     if errors:
         count = f"{len(errors)} error{'s' if len(errors) > 1 else ''}"
-        raise ConfigError(f"{config_file.label}: {count}: " + "; ".join(errors))
+        raise ConfigError(f"{config_file.label}: {count}: " + "; ".join(errors),
+                          details=[f"{config_file.label}: {error}" for error in errors])
     return FileValues(values=values, plugins=plugins)
 
 
