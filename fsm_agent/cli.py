@@ -1118,6 +1118,8 @@ def _print_rows(rows: list[tuple[str, Any, Source]], config_file: ConfigFile | N
 
     title = f"config file: {config_file.label if config_file else 'none'}"
     try:
+        if not sys.stdout.isatty():  # piped (grep, a file): whole lines, never a value wrapped mid-token
+            raise ImportError
         from rich.console import Console
         from rich.table import Table
     except ImportError:  # rich is optional: a plain aligned table

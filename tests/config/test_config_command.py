@@ -63,6 +63,23 @@ def test_table_output(capsys, write_toml):
     assert "plugins.status-http.port" in out
 
 
+def test_piped_table_keeps_every_value_whole(tmp_path):
+    """``fsm-agent config | grep``: one line per key, no value wrapped mid-token at 80 columns."""
+    import os
+    import subprocess
+    import sys
+
+    log_dir = str(tmp_path / ("a-rather-long-directory-name-for-the-logs-of-this-job" * 2))
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "fsm_agent", "config", "--log-dir", log_dir], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith("logs.log_dir ")]
+    assert row.split() == ["logs.log_dir", log_dir, "cli", "--log-dir"]
+    assert any(line.split()[:2] == ["max_restarts", "0"] for line in done.stdout.splitlines())
+
+
 def test_bad_flag_is_one_line(capsys):
     code, out, err = run_config(capsys, "--nnodes", "3:2")
     assert code == 2 and out == ""
