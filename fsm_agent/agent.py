@@ -104,6 +104,44 @@ def _classify_rendezvous_error(exc: BaseException) -> str | None:
     return None
 
 
+#: Backends that read ``is_host`` (the rendezvous summary names it only for these).
+_BACKENDS_WITH_IS_HOST = ("c10d", "fsm")
+
+
+def _round_timeout(handler: Any, config: dict[str, Any]) -> tuple[str, float]:
+    """(key, seconds) of the timeout a rendezvous round really waits, read from the handler.
+
+    torch's StaticTCPRendezvous reads ``timeout`` (default 600), torch's DynamicRendezvousHandler
+    ``settings.timeout.join``, fsm's handler ``settings.join_timeout``; another backend: the
+    ``join_timeout`` it was given, else torch's default 600.
+    """
+    settings = getattr(handler, "settings", None)
+    for key, seconds in (("join_timeout", getattr(settings, "join_timeout", None)),
+                         ("join_timeout", getattr(getattr(settings, "timeout", None), "join", None)),
+                         ("timeout", getattr(handler, "timeout", None))):
+        seconds = seconds.total_seconds() if hasattr(seconds, "total_seconds") else seconds
+        if isinstance(seconds, (int, float)):
+            return key, float(seconds)
+    try:
+        return "join_timeout", float(config.get("join_timeout", 600))
+    except (TypeError, ValueError):
+        return "join_timeout", 600.0
+
+
+def _empty_rendezvous_error_detail(exc: BaseException, rdzv: Any, key: str, seconds: float) -> str:
+    """What torch's message-less RendezvousTimeoutError / RendezvousClosedError mean, with the fix."""
+    name = type(exc).__name__
+    if name == "RendezvousTimeoutError":
+        return (f"the round did not complete within {key}={seconds:g}s: fewer than {rdzv.min_nodes} agents "
+                f"(--nnodes {rdzv.min_nodes}:{rdzv.max_nodes}) joined run id {rdzv.run_id!r} at "
+                f"{rdzv.endpoint or '(default)'}; start the other nodes, or give them longer with "
+                f"--rdzv-conf {key}=SECONDS")
+    if name == "RendezvousClosedError":
+        return (f"the rendezvous of run id {rdzv.run_id!r} at {rdzv.endpoint or '(default)'} is closed: a job "
+                f"with this id already ended there; start the job with a new --rdzv-id")
+    return "(no message)"
+
+
 class ElasticAgent:
     """One node's agent: rendezvous, start, watch, restart and stop a worker group.
 
@@ -833,7 +871,9 @@ class ElasticAgent:
 
     def _describe_rendezvous_error(self, exc: BaseException) -> str:
         rdzv = self.spec.rendezvous
-        hosting = rdzv.config.get("is_host", "inferred from the endpoint")
-        return (f"rendezvous failed: backend={rdzv.backend} endpoint={rdzv.endpoint or '(default)'} "
-                f"run_id={rdzv.run_id} join_timeout={rdzv.config.get('join_timeout', '600')}s "
-                f"is_host={hosting}: {type(exc).__name__}: {exc}")
+        key, seconds = _round_timeout(self._rdzv_handler, rdzv.config)
+        where = f"backend={rdzv.backend} endpoint={rdzv.endpoint or '(default)'} run_id={rdzv.run_id} {key}={seconds:g}s"
+        if rdzv.backend in _BACKENDS_WITH_IS_HOST:  # elsewhere is_host means nothing
+            where += f" is_host={rdzv.config.get('is_host', 'inferred from the endpoint')}"
+        detail = str(exc) or _empty_rendezvous_error_detail(exc, rdzv, key, seconds)
+        return f"rendezvous failed: {where}: {type(exc).__name__}: {detail}"

@@ -297,7 +297,16 @@ class _Parser(argparse.ArgumentParser):
         self.env_errors = errors
         if errors and not self.defer_env_errors:  # every bad env var at once
             raise ConfigError("; ".join(errors))
-        return super().parse_known_args(args, namespace)
+        if "training_script_args" not in {action.dest for action in self._actions}:
+            return super().parse_known_args(args, namespace)
+        # Only the words up to the training script are the launcher's: argparse would read the
+        # script's own "--r=16" as an ambiguous abbreviation of a launcher flag (pytorch#120601).
+        args = list(sys.argv[1:] if args is None else args)
+        _, script = _launcher_flags(args, self, unknown_takes_value=False)
+        namespace, extras = super().parse_known_args(args[:script + 1], namespace)
+        if script < len(args):
+            namespace.training_script_args = args[script + 1:]
+        return namespace, extras
 
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{message} (see {self.prog} --help)")
@@ -391,6 +400,18 @@ class _PluginOptionAction(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """torchrun's ``(default: X)`` after each flag's help, except where the help already says what
+    happens by default (``(default: none)``, ``unset: ...``) or there is no value to show
+    (None, ``''``, an empty list): never ``(default: none) (default: '')``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default:" in text or "unset" in text or action.default in (None, "", [], ()):
+            return text
+        return super()._get_help_string(action)
+
+
 def _spellings(*names: str) -> list[str]:
     """Every long flag also under its underscored spelling, as torchrun (``--nproc-per-node``/``--nproc_per_node``)."""
     underscored = ["--" + name[2:].replace("-", "_") for name in names if name.startswith("--") and "-" in name[2:]]
@@ -422,7 +443,7 @@ def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] 
                "then the config file (--config, or [tool.fsm_agent] in ./pyproject.toml); the command "
                "line wins (--disable-plugin adds to the env and file lists). fsm-agent's own flags "
                "are marked 'fsm-agent:'. See docs/configuration.md and 'fsm-agent config'.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
 
     def add(*names: str, action: type[argparse.Action] = _EnvStore, **kwargs: Any) -> None:
@@ -532,12 +553,13 @@ def _add_plugin_options(parser: argparse.ArgumentParser, options: Iterable[Plugi
         return
     group = parser.add_argument_group("plugin options (fsm_agent_addoption)")
     for option in options:
-        default = "unset" if option.default is None else repr(option.default)
+        said = "default:" in option.help or "unset" in option.help  # the plugin's help says it already
+        default = "" if said else " (default: unset)" if option.default in (None, "") else f" (default: {option.default!r})"
         try:
             group.add_argument(*_spellings(option.flag), action=_PluginOptionAction, option=option,
                                dest=option.dest, default=argparse.SUPPRESS, type=_option_parser(option),
                                metavar=option.name.upper(),
-                               help=f"{option.plugin}: {option.help} (default: {default}) [env {option.env}]")
+                               help=f"{option.plugin}: {option.help}{default} [env {option.env}]")
         except argparse.ArgumentError as exc:
             raise PluginError(f"plugin {option.plugin!r} option {option.name!r}: {exc}") from None
 
@@ -602,6 +624,9 @@ def config_from_args(args: argparse.Namespace, *, set_omp_num_threads: bool = Tr
     rdzv_backend, rdzv_endpoint, run_id = _rendezvous(args, max_nodes)
     rdzv_configs: dict[str, Any] = {**getattr(args, "rdzv_conf_file", {}), **parse_rdzv_conf(args.rdzv_conf)}
     if rdzv_backend == "static":
+        if not 0 <= args.node_rank < max_nodes:
+            raise ConfigError(f"--node-rank {args.node_rank}: with --nnodes {args.nnodes} the node ranks are "
+                              f"0..{max_nodes - 1}; give each node its own rank in that range")
         rdzv_configs["rank"] = args.node_rank  # an int, as torch's static handler expects
     elif args.node_rank != 0:
         log.warning("--node-rank %s is only used by the static rendezvous backend; ignored for %s",
@@ -701,13 +726,31 @@ def _entrypoint(args: argparse.Namespace) -> tuple[str | Callable[..., Any], tup
         if args.module:
             raise ConfigError("--no-python and -m/--module cannot be used together: "
                               "-m runs a Python module, --no-python runs a binary")
-        if shutil.which(script) is None:
-            raise ConfigError(f"--no-python binary {script!r} not found: not an executable file and not on PATH")
+        _require_program(script)
         return script, script_args
     if args.module:
         return _python_exec(), ("-u", "-m", script, *script_args)
     _require_script(script)
     return _python_exec(), ("-u", script, *script_args)
+
+
+def _require_program(script: str) -> None:
+    """``--no-python``: ``script`` must be a program the OS can run (exec would fail in every worker)."""
+    path = shutil.which(script)
+    if path is None and os.path.isfile(script) and not os.access(script, os.X_OK):
+        raise ConfigError(f"--no-python binary {script!r} is not executable: chmod +x it, "
+                          f"or drop --no-python to run it with python")
+    if path is None:
+        here = f"; for the file in this directory, say ./{script}" if os.path.isfile(script) else ""
+        raise ConfigError(f"--no-python binary {script!r} not found: not an executable file and not on PATH{here}")
+    try:
+        with open(path, "rb") as file:
+            head = file.read(512)
+    except OSError:
+        return  # executable but not readable: only exec can tell
+    if not head.startswith((b"#!", b"\x7fELF")) and b"\0" not in head:  # text without a '#!' line
+        raise ConfigError(f"--no-python binary {script!r} has no '#!' line, so it cannot be executed: "
+                          f"add one (e.g. #!/usr/bin/env python3), or drop --no-python to run it with python")
 
 
 def _python_exec() -> str:
@@ -785,12 +828,14 @@ class ResolvedRun:
             that are set, ``plugins.<plugin>.<name>``).
         config_file: the file that was read, or None.
         options: every plugin option declared by the loaded plugins.
+        plugin_manager: the loaded plugins.
     """
 
     args: argparse.Namespace
     sources: dict[str, Source]
     config_file: ConfigFile | None
     options: OptionRegistry
+    plugin_manager: Any = None
 
 
 def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_config: bool = False,
@@ -808,7 +853,7 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
         ConfigError: a bad flag, env var or file value (the file's errors all in one message).
         PluginError: a plugin failed to load or declared a clashing option.
     """
-    from fsm_agent.plugins.manager import check_disabled, collect_options, disabled_from_env, get_plugin_manager
+    from fsm_agent.plugins.manager import check_disabled, collect_options, disabled_from_env
 
     argv = list(argv)
     core = get_run_parser(prog, for_config=for_config)
@@ -820,22 +865,26 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
     cli_disabled = tuple(n for value in pre["disabled_plugins"] for n in parse_names(value))
     check_disabled(cli_disabled, file_disabled, config_file.label if config_file else "")
     disabled = tuple(dict.fromkeys((*file_disabled, *disabled_from_env(), *cli_disabled)))
-    pm = get_plugin_manager(disabled=disabled, load_entry_points=load_entry_points)
+    pm = _plugins_for(argv, core, disabled, load_entry_points)
     options = collect_options(pm)
 
     parser = get_run_parser(prog, options, for_config=for_config)
     parser.defer_env_errors = True  # type: ignore[attr-defined]
     args = parser.parse_args(argv)  # a bad flag raises here; bad env vars are collected
     errors: list[str] = list(parser.env_errors)  # type: ignore[attr-defined]
+    details: list[str] = list(errors)  # one line per error, for the CLI when the config file has errors
     env_sources = dict(parser.env_sources)  # type: ignore[attr-defined]
     given = cli_given(argv, prog, options, for_config=for_config)
     flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
     file_values = FileValues(values={}, plugins={})
+    file_failed = False
     if config_file:
         try:
             file_values = load_file_values(config_file, options, disabled=disabled)
         except ConfigError as exc:
             errors.insert(0, str(exc))
+            details[:0] = exc.details or [str(exc)]
+            file_failed = True
     label = config_file.label if config_file else ""
 
     sources: dict[str, Source] = {}
@@ -893,6 +942,7 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
                 values[option.name] = option.from_string(raw)
             except ValueError as exc:
                 errors.append(f"{option.env}={raw!r}: {exc}")
+                details.append(errors[-1])
             source = Source("env", option.env)
         elif option.name in file_values.plugins.get(option.plugin, {}):
             values[option.name], source = file_values.plugins[option.plugin][option.name], Source("file", label)
@@ -900,12 +950,49 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
             values[option.name], source = option.default, Source("default")
         sources[option.key] = source
     if errors:  # the file's, the env vars' and the plugin env vars' errors, all at once
-        raise ConfigError("; ".join(errors))
+        raise ConfigError("; ".join(errors), details=details if file_failed else ())
     args.plugin_options = plugin_values
-    return ResolvedRun(args=args, sources=sources, config_file=config_file, options=options)
+    return ResolvedRun(args=args, sources=sources, config_file=config_file, options=options, plugin_manager=pm)
+
+
+def check_rdzv_conf(resolved: ResolvedRun, config: LaunchConfig) -> None:
+    """Rendezvous options (``--rdzv-conf``, its env vars, the file) against the loaded backends.
+
+    Raises:
+        ConfigError: an option that no loaded backend reads (a typo: torch ignores it silently).
+
+    Logs a warning for an option that the chosen backend does not read but another one does.
+    """
+    from fsm_agent.plugins.manager import build_registry
+
+    def where(key: str) -> str:
+        source = resolved.sources.get(f"rendezvous.{key}", Source("default"))
+        label = source.detail if source.kind in ("cli", "env") else f"{source.detail} rendezvous"
+        return f"{label} {key}={config.rdzv_configs[key]}"
+
+    registry = build_registry(resolved.plugin_manager)
+    for warning in registry.check_rdzv_conf(config.rdzv_backend, config.rdzv_configs, where):
+        log.warning("%s", warning)
 
 
 KEYS_BY_KEY = {key.key: key for key in KEYS}
+
+
+def _plugins_for(argv: Sequence[str], core: argparse.ArgumentParser, disabled: tuple[str, ...],
+                 load_entry_points: bool) -> Any:
+    """The plugin manager; for ``--help``, a plugin that fails to load is a warning, left out."""
+    from fsm_agent.plugins.manager import get_plugin_manager
+
+    asks_for_help = any(action is not None and action.dest == "help"
+                        for action, _ in _launcher_flags(argv, core, unknown_takes_value=True)[0])
+    while True:
+        try:
+            return get_plugin_manager(disabled=disabled, load_entry_points=load_entry_points)
+        except PluginError as exc:
+            if not asks_for_help or exc.plugin is None or exc.plugin in disabled:
+                raise
+            log.warning("%s; --help leaves its options out", exc)
+            disabled = (*disabled, exc.plugin)
 
 
 def cli_given(argv: Sequence[str], prog: str = "fsm-agent run", options: Iterable[PluginOption] = (), *,
@@ -922,34 +1009,49 @@ def _prescan(argv: Sequence[str], parser: argparse.ArgumentParser) -> dict[str, 
     """``--config`` and ``--disable-plugin`` values among the flags before the training script.
 
     Needed before the real parse: they decide which plugins load, hence which flags exist.
-    Walks the flags as argparse does (known flags by their arity, abbreviations included);
-    an unknown flag is a plugin option's, which always takes one value.
+    An unknown flag is a plugin option's, which always takes one value.
     """
     found: dict[str, list[str]] = {"config": [], "disabled_plugins": []}
+    flags, _ = _launcher_flags(argv, parser, unknown_takes_value=True)
+    for action, value in flags:
+        if action is not None and action.dest in found and value is not None:
+            found[action.dest].append(value)
+    return found
+
+
+def _launcher_flags(argv: Sequence[str], parser: argparse.ArgumentParser, *, unknown_takes_value: bool,
+                    ) -> tuple[list[tuple[argparse.Action | None, str | None]], int]:
+    """Walk the launcher's flags as argparse does (known flags by their arity, abbreviations included).
+
+    Returns:
+        ([(action or None when unknown or ambiguous, value or None)], index of the training script
+        in ``argv``, or ``len(argv)`` when there is none). What follows the script is the script's.
+    """
     strings = parser._option_string_actions
+    flags: list[tuple[argparse.Action | None, str | None]] = []
     i = 0
     while i < len(argv):
         token = argv[i]
-        if token == "--" or not token.startswith("-") or token == "-":
-            break  # the training script: what follows is its own
+        if token == "--":
+            return flags, i + 1
+        if not token.startswith("-") or token == "-":
+            return flags, i  # the training script: what follows is its own
         name, eq, value = token.partition("=")
         if not name.startswith("--"):  # -r 3, -r3, -m
             action = strings.get(token[:2])
-            if action is not None and action.nargs != 0 and len(token) == 2:
-                value, i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 2
-            else:
-                i += 1
-            continue
-        matches = {a for s, a in strings.items() if s == name} or {a for s, a in strings.items() if s.startswith(name)}
-        action = next(iter(matches)) if len(matches) == 1 else None
-        takes_value = action is None or action.nargs != 0
-        if takes_value and not eq:
-            value, i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 2
+            takes_value = action is not None and action.nargs != 0 and len(token) == 2
+            value = token[2:] or None
         else:
-            i += 1
-        if action is not None and action.dest in found and takes_value:
-            found[action.dest].append(value)
-    return found
+            matches = ({a for s, a in strings.items() if s == name}
+                       or {a for s, a in strings.items() if s.startswith(name)})
+            action = next(iter(matches)) if len(matches) == 1 else None
+            takes_value = (unknown_takes_value if not matches else action is None or action.nargs != 0) and not eq
+        if takes_value:
+            value, i = (argv[i + 1] if i + 1 < len(argv) else None), i + 2
+        else:
+            value, i = (value if eq or not name.startswith("--") else None), i + 1
+        flags.append((action, value))
+    return flags, len(argv)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -964,6 +1066,7 @@ def config_command(argv: list[str]) -> int:
         return 0
     resolved = resolve_run_args(argv, "fsm-agent config", for_config=True)
     config, _, _ = config_from_args(resolved.args, set_omp_num_threads=False)
+    check_rdzv_conf(resolved, config)
     rows = effective_rows(resolved, config)
     if resolved.args.json:
         doc = {"config_file": resolved.config_file.label if resolved.config_file else None,
@@ -1015,6 +1118,8 @@ def _print_rows(rows: list[tuple[str, Any, Source]], config_file: ConfigFile | N
 
     title = f"config file: {config_file.label if config_file else 'none'}"
     try:
+        if not sys.stdout.isatty():  # piped (grep, a file): whole lines, never a value wrapped mid-token
+            raise ImportError
         from rich.console import Console
         from rich.table import Table
     except ImportError:  # rich is optional: a plain aligned table
@@ -1090,6 +1195,12 @@ def configuration_reference() -> str:
         "`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, below `FSM_AGENT_SHUTDOWN_TIMEOUT`/`PET_SHUTDOWN_TIMEOUT`",
         "and above the file.",
         "",
+        "Rendezvous options, wherever they come from, are checked against the `--rdzv-conf` keys the",
+        "loaded backends declare: one that no backend reads is an error with the closest known key",
+        "(`join_timout=5`: did you mean `join_timeout`?); one that only another backend reads (a job file",
+        "that sets `PET_RDZV_CONF` for several backends) is a warning. A backend that declares no keys",
+        "(a `torchrun.handlers` entry point) gets every option unchecked.",
+        "",
         "`fsm-agent config [flags] [SCRIPT]` prints the effective configuration and where each value came",
         "from (`cli`, `env`, `file`, `default`, or `derived` for the rendezvous settings",
         "`--standalone` replaces); `--json` prints it as JSON.",
@@ -1099,7 +1210,8 @@ def configuration_reference() -> str:
         "Keys mirror the `LaunchConfig` fields and torchrun's flag names in snake_case. A `--config` file",
         "holds them at its top level; a `pyproject.toml` under `[tool.fsm_agent]` (so `[rendezvous]`",
         "becomes `[tool.fsm_agent.rendezvous]`). A `--config` file named `pyproject.toml` is read from",
-        "its `[tool.fsm_agent]` table too.",
+        "its `[tool.fsm_agent]` table too. A table spelled otherwise (`[tool.fsm-agent]`) is an error,",
+        "not ignored.",
         "",
         "```toml",
         "nnodes = \"1:4\"",
@@ -1123,17 +1235,18 @@ def configuration_reference() -> str:
         "Loading is strict and complete. Types are checked exactly (`\"false\"` is not a boolean, `2.7` is",
         "not an integer, `\"3\"` is not a number), ranges and formats are checked (`monitor_interval > 0`,",
         "`nnodes` as `N` or `\"MIN:MAX\"` with `MIN <= MAX`, signal names, ...), unknown keys are errors",
-        "(with a suggestion), and **every** error is reported at once, each with its key path, on one",
-        "line; the command exits with status 2:",
+        "(with a suggestion), and **every** error is reported at once, one per line with the file and",
+        "its key path; the command exits with status 2:",
         "",
         "```text",
-        "fsm-agent: error: fsm.toml: 3 errors: max_restarts: expected an integer >= 0, got \"three\";",
-        "rendezvous.join_timeout: expected seconds > 0, got \"abc\"; logs.colour: unknown key in [logs]",
-        "(see docs/configuration.md for the keys)",
+        "fsm-agent: error: 3 errors:",
+        "  fsm.toml: max_restarts: expected an integer >= 0, got \"three\"",
+        "  fsm.toml: rendezvous.join_timeout: expected seconds > 0, got \"abc\"",
+        "  fsm.toml: logs.colour: unknown key in [logs] (see docs/configuration.md for the keys)",
         "```",
         "",
-        "(shown wrapped here). Environment variables are checked as strictly, and all bad ones are",
-        "reported together.",
+        "Environment variables are checked as strictly, and all bad ones are reported together with",
+        "the file's. A single error is one line (`fsm-agent: error: fsm.toml: 1 error: ...`).",
         "",
         "## Keys",
         "",
@@ -1230,7 +1343,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
 
 def fsmrun_main(argv: Sequence[str] | None = None) -> NoReturn:
     """Console script ``fsmrun``: the torchrun drop-in, same as ``fsm-agent run ARGS``."""
-    _exit(_exit_code(run_command, list(sys.argv[1:] if argv is None else argv), "fsmrun"), from_console=argv is None)
+    _exit(_exit_code(run_command, list(sys.argv[1:] if argv is None else argv), "fsmrun", name="fsmrun"),
+          from_console=argv is None)
 
 
 def _exit(code: int, from_console: bool) -> NoReturn:
@@ -1254,7 +1368,9 @@ def _exit(code: int, from_console: bool) -> NoReturn:
 def run_command(argv: list[str], prog: str = "fsm-agent run") -> int:
     """Parse ``argv`` like torchrun (plus env vars, the config file and plugin options), launch
     this node's agent and return its exit code."""
-    config, entrypoint, entrypoint_args = config_from_args(resolve_run_args(argv, prog).args)
+    resolved = resolve_run_args(argv, prog)
+    config, entrypoint, entrypoint_args = config_from_args(resolved.args)
+    check_rdzv_conf(resolved, config)
     from fsm_agent.launch import launch_agent  # lazy: the CLI must answer --help without the agent
 
     return launch_agent(config, entrypoint, entrypoint_args).exit_code
@@ -1299,13 +1415,19 @@ def _delegate(module_name: str, argv: list[str]) -> int:
     return int(module.cli_main(argv) or 0)
 
 
-def _exit_code(command: Callable[..., int], *args: Any) -> int:
-    """Run ``command``; an FsmAgentError becomes one stderr line and its exit code, Ctrl-C 130."""
+def _exit_code(command: Callable[..., int], *args: Any, name: str = "fsm-agent") -> int:
+    """Run ``command``; an FsmAgentError becomes one stderr line ``NAME: error: ...`` and its exit code,
+    Ctrl-C 130."""
     try:
         return command(*args)
     except FsmAgentError as exc:
+        if len(exc.details) > 1:  # several errors at once (a config file's): one per line
+            print(f"{name}: error: {exc.headline or f'{len(exc.details)} errors:'}", file=sys.stderr)
+            for line in exc.details:
+                print(f"  {line}", file=sys.stderr)
+            return exc.exit_code
         message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-        print(f"fsm-agent: error: {message}", file=sys.stderr)
+        print(f"{name}: error: {message}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

@@ -679,11 +679,23 @@ def _pyproject_table(path: str, data: dict[str, Any]) -> dict[str, Any] | None:
     table: Any = data
     for part in PYPROJECT_TABLE:
         if not isinstance(table, dict) or part not in table:
+            _check_table_name(path, table if part == PYPROJECT_TABLE[-1] else None)
             return None
         table = table[part]
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [tool.fsm_agent] must be a table, got {show(table)}")
     return table
+
+
+def _check_table_name(path: str, tool: Any) -> None:
+    """A ``[tool.fsm-agent]`` (or ``[tool.fsm_agnet]``) table would be ignored silently: refuse it."""
+    if not isinstance(tool, dict):
+        return
+    wanted = PYPROJECT_TABLE[-1]
+    for name in tool:
+        if difflib.get_close_matches(re.sub(r"[-.\s]", "_", name.lower()), [wanted], n=1, cutoff=0.8):
+            raise ConfigError(f"{path}: [tool.{name}] is not read; fsm-agent's table is [tool.{wanted}] "
+                              f"(an underscore, as in the module name): rename it")
 
 
 def raw_disabled_plugins(data: Mapping[str, Any]) -> tuple[str, ...]:
@@ -849,7 +861,8 @@ def load_file_values(config_file: ConfigFile, options: OptionRegistry | Iterable
                                   converter, errors)
     if errors:
         count = f"{len(errors)} error{'s' if len(errors) > 1 else ''}"
-        raise ConfigError(f"{config_file.label}: {count}: " + "; ".join(errors))
+        raise ConfigError(f"{config_file.label}: {count}: " + "; ".join(errors),
+                          details=[f"{config_file.label}: {error}" for error in errors])
     return FileValues(values=values, plugins=plugins)
 
 

@@ -8,6 +8,10 @@ session and outside that cgroup, blocks reading a pipe whose only write end the 
 when the pipe closes (the agent closed it on its way out, or died, SIGKILL included) the keeper
 kills the cgroup (``cgroup.kill``), waits until it is empty, removes it and exits.
 
+A keeper SIGKILLed together with its agent (a harness that kills the whole session) leaves the
+empty cgroup behind; the next agent to create one removes the empty ``fsm-agent-<pid>-*``
+cgroups of agents that no longer exist (``remove_leftovers``).
+
 Without a writable cgroup v2 hierarchy (or with ``FSM_AGENT_WORKER_CGROUP=off``; the default is
 ``auto``) there is no cgroup and no keeper: workers still get the parent-death signal and the
 agent's subreaper sweep (``fsm_agent.plugins.launcher_subprocess``).
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import select
 import signal
 import sys
@@ -32,6 +37,7 @@ log = logging.getLogger(__name__)
 ENV_VAR = "FSM_AGENT_WORKER_CGROUP"
 PREFIX = "fsm-agent-"
 REMOVE_TIMEOUT = 10.0  # seconds for a killed cgroup to empty before it is removed
+_NAME = re.compile(re.escape(PREFIX) + r"(\d+)-[0-9a-f]{8}")
 
 
 def cgroup_dir(pid: int | str = "self") -> str | None:
@@ -105,7 +111,9 @@ class WorkerCgroup:
         off = os.environ.get(ENV_VAR, "auto").strip().lower() == "off"
         reason = f"{ENV_VAR}=off" if off else cgroup_unavailable()
         if reason is None:
-            path = os.path.join(cgroup_dir(), f"{PREFIX}{os.getpid()}-{os.urandom(4).hex()}")
+            parent = cgroup_dir()
+            remove_leftovers(parent)
+            path = os.path.join(parent, f"{PREFIX}{os.getpid()}-{os.urandom(4).hex()}")
             try:
                 os.mkdir(path)
                 return cls(path)
@@ -226,6 +234,38 @@ class WorkerCgroup:
             log.warning("could not remove the worker cgroup %s: %s", self.path, exc)
             return False
         return True
+
+
+def remove_leftovers(parent: str) -> list[str]:
+    """Remove the empty ``fsm-agent-<pid>-*`` cgroups under ``parent`` whose agent pid no longer exists.
+
+    What a keeper killed together with its agent could not remove. A cgroup with processes in it,
+    or of a pid that is alive, is left alone. Returns the paths removed.
+    """
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        cgroup = WorkerCgroup(os.path.join(parent, name))
+        if cgroup.wait_empty(0) and cgroup.remove(0):
+            log.debug("removed the empty cgroup %s of an agent that is gone", cgroup.path)
+            removed.append(cgroup.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 _keepers: weakref.WeakSet[Keeper] = weakref.WeakSet()

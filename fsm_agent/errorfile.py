@@ -90,15 +90,26 @@ def _entry(f: WorkerFailure) -> list[str]:
     if f.traceback:
         out.append("  traceback :")
         out += ["    " + line for line in f.traceback.rstrip().splitlines()]
+    elif f.exitcode < 0:  # @record cannot help: a process killed by a signal runs no more Python
+        sender = " (the kernel's OOM killer sends it too: see dmesg)" if f.signal_name == "SIGKILL" else ""
+        out.append(f"  traceback : none: killed by {f.signal_name}{sender}, the worker could not record one")
     else:
         out.append("  traceback : none recorded (decorate main with torch's @record, or redirect stderr with -r 2)")
     out += [
         f"  host      : {f.hostname}",
         f"  time      : {when}",
         f"  class     : {f.failure_class}",
-        f"  error_file: {f.error_file}",
+        f"  error_file: {_error_file_text(f.error_file)}",
     ]
     return out
+
+
+def _error_file_text(path: str) -> str:
+    """The path, or what became of it: the summary is printed after a temporary log dir is removed."""
+    if not path or path == "<N/A>" or os.path.exists(path):
+        return path
+    return (f"{path} (removed at exit with the temporary log directory; its message and traceback are above; "
+            f"--log-dir DIR keeps it)")
 
 
 def propagate_to_parent(result: RunResult, name: str) -> None:

@@ -181,6 +181,8 @@ def read_events(path: str) -> list[tuple[int, int, dict[str, Any]]]:
                           f"or events.jsonl in its log directory)") from None
     except OSError as exc:
         raise ConfigError(f"events file {path!r}: cannot read it: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"events file {path!r}: {_not_text(path)}") from None
     records = []
     for number, text in enumerate(lines, 1):
         if not text.strip():
@@ -198,6 +200,14 @@ def read_events(path: str) -> list[tuple[int, int, dict[str, Any]]]:
                               f"trigger")
         records.append((len(records) + 1, number, record))
     return records
+
+
+def _not_text(path: str) -> str:
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    if gzipped:
+        return f"gzip-compressed; decompress it first (gunzip -k {path}) and replay the .jsonl file"
+    return "not text (a binary file?); an events file has one JSON object per line (docs/events.md)"
 
 
 def _split_runs(records: list[tuple[int, int, dict]]) -> list[list[tuple[int, int, dict]]]:

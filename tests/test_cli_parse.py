@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import types
@@ -371,6 +372,37 @@ def test_script_args_verbatim(script):
     assert entry_args == ("-u", script, "--nproc-per-node", "5", "--foo", "-m", "--", "x")
 
 
+#: Script arguments that look like abbreviations of launcher flags (--r: --redirects/--role/--rdzv-*...).
+LOOKALIKE_SCRIPT_ARGS = ["--r=16", "--ma", "3", "--log", "x", "--no", "-m", "pkg", "--nproc-per-node", "5"]
+
+
+def test_script_args_that_abbreviate_launcher_flags_are_the_scripts(fake_launch, script):
+    """pytorch#120601: argparse read the script's ``--r=16`` as an ambiguous launcher flag."""
+    fake = fake_launch(exit_code=0)
+    assert exit_code_of(cli.main, ["run", "--nproc_per", "2", script, *LOOKALIKE_SCRIPT_ARGS]) == 0
+    config, entrypoint, entry_args = fake.calls[0]
+    assert config.nproc_per_node == 2 and config.redirects == "0"
+    assert (entrypoint, entry_args) == (sys.executable, ("-u", script, *LOOKALIKE_SCRIPT_ARGS))
+
+
+@pytest.mark.parametrize("argv,dest,value", [
+    (["--nproc_per", "2"], "nproc_per_node", "2"),
+    (["--max-r", "3"], "max_restarts", 3),
+    (["--rdzv-b=c10d"], "rdzv_backend", "c10d"),
+    (["-r3"], "redirects", "3"),
+    (["--no-p"], "no_python", True),
+])
+def test_abbreviations_before_the_script_still_work(argv, dest, value):
+    args = parse(*argv, "train.py", *LOOKALIKE_SCRIPT_ARGS)
+    assert getattr(args, dest) == value
+    assert (args.training_script, args.training_script_args) == ("train.py", LOOKALIKE_SCRIPT_ARGS)
+
+
+def test_an_ambiguous_abbreviation_before_the_script_is_still_an_error():
+    with pytest.raises(ConfigError, match="ambiguous option: --r could match"):
+        parse("--r", "3", "train.py")
+
+
 def test_python_exec(monkeypatch, script):
     monkeypatch.setenv("PYTHON_EXEC", "/opt/py")
     assert build(script)[1] == "/opt/py"
@@ -389,6 +421,27 @@ def test_no_python_entrypoint():
 def test_no_python_binary_must_exist():
     with pytest.raises(ConfigError, match="--no-python binary 'my_binary' not found"):
         build("--no-python", "my_binary", "--x")
+
+
+@pytest.mark.parametrize("body,mode,message", [
+    ("print('hi')\n", 0o755, "has no '#!' line, so it cannot be executed: add one"),
+    ("#!/bin/sh\necho hi\n", 0o644, "is not executable: chmod +x it"),
+])
+def test_no_python_file_the_os_cannot_run(tmp_path, body, mode, message):
+    path = tmp_path / "train"
+    path.write_text(body)
+    path.chmod(mode)
+    with pytest.raises(ConfigError, match=re.escape(f"--no-python binary '{path}' {message}")):
+        build("--no-python", str(path))
+
+
+def test_no_python_file_here_but_not_on_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.sh").write_text("#!/bin/sh\n")
+    (tmp_path / "train.sh").chmod(0o755)
+    with pytest.raises(ConfigError, match="not on PATH; for the file in this directory, say ./train.sh"):
+        build("--no-python", "train.sh")
+    assert build("--no-python", "./train.sh")[1] == "./train.sh"
 
 
 def test_module_with_no_python_is_an_error():
@@ -607,7 +660,23 @@ def test_keyboard_interrupt_is_130(fake_launch, capsys, script):
 
 def test_fsmrun_error_hint(capsys):
     assert exit_code_of(cli.fsmrun_main, ["--bogus", "x.py"]) == 2
-    assert capsys.readouterr().err == "fsm-agent: error: unrecognized arguments: --bogus (see fsmrun --help)\n"
+    assert capsys.readouterr().err == "fsmrun: error: unrecognized arguments: --bogus (see fsmrun --help)\n"
+
+
+def test_help_states_each_default_once(capsys):
+    """Not ``(default: none) (default: '')``, nor ``(default: None)`` where the help says what unset does."""
+    from fsm_agent.plugins.manager import collect_options, get_plugin_manager
+
+    parser = cli.get_run_parser(options=collect_options(get_plugin_manager(load_entry_points=False)))
+    helps = {action.dest: parser._get_formatter()._expand_help(action) for action in parser._actions if action.help}
+    for dest, text in helps.items():
+        assert text.count("(default:") <= 1, text
+        for shown in ("(default: None)", "(default: '')", "(default: )", "(default: [])", "(default: ())"):
+            assert shown not in text, text
+    assert helps["plugin:health-check:command"].endswith("(default: none) [env FSM_AGENT_HEALTH_CHECK_COMMAND]")
+    assert helps["max_restarts"].endswith("(default: 0)")  # torchrun's defaults are still shown
+    assert exit_code_of(cli.main, ["run", "--help"]) == 0
+    assert "(default: none) (default: '')" not in " ".join(capsys.readouterr().out.split())
 
 
 def test_version(capsys):

@@ -49,9 +49,11 @@ def fsm_agent_register_backends(registry: "BackendRegistry") -> None:
     """Contribute named rendezvous backends and launchers (the selectable kinds).
 
     Args:
-        registry: call ``registry.add_rendezvous(name, creator)`` where ``creator`` takes a torch
-            ``RendezvousParameters`` and returns a torch ``RendezvousHandler`` (the signature of
-            torch's ``rendezvous_handler_registry.register``), and/or
+        registry: call ``registry.add_rendezvous(name, creator, conf_keys=KEYS)`` where ``creator`` takes
+            a torch ``RendezvousParameters`` and returns a torch ``RendezvousHandler`` (the signature of
+            torch's ``rendezvous_handler_registry.register``) and the optional ``conf_keys`` names the
+            ``--rdzv-conf`` keys it reads (then a key no loaded backend reads is an error, one that
+            only another backend reads a warning), and/or
             ``registry.add_launcher(name, factory)`` where ``factory(agent)`` returns a launcher
             (see ``fsm_agent.plugins.launcher_subprocess.SubprocessLauncher`` for the interface).
 

@@ -135,10 +135,10 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
         try:
             plugin = ep.load()
         except Exception as exc:  # any import-time failure of a third-party plugin
-            raise PluginError(
-                f"plugin {ep.name!r} from {dist} failed to load: {type(exc).__name__}: {exc}; "
-                f"fix or uninstall it, or disable it with --disable-plugin {ep.name}"
-            ) from None
+            error = PluginError(f"plugin {ep.name!r} from {dist} failed to load: {type(exc).__name__}: {exc}; "
+                                f"fix or uninstall it, or disable it with --disable-plugin {ep.name}")
+            error.plugin = ep.name
+            raise error from None
         try:
             pm.register(plugin, name=ep.name)
         except pluggy.PluginValidationError as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import attrs
@@ -22,6 +24,7 @@ class BackendRegistry:
 
     _factories: dict[str, dict[str, Callable[..., Any]]] = attrs.Factory(lambda: {k: {} for k in KINDS})
     _owners: dict[tuple[str, str], str] = attrs.Factory(dict)
+    _conf_keys: dict[str, frozenset[str]] = attrs.Factory(dict)
     current_plugin: str = "?"
 
     def _add(self, kind: str, name: str, factory: Callable[..., Any]) -> None:
@@ -35,9 +38,56 @@ class BackendRegistry:
         self._factories[kind][name] = factory
         self._owners[(kind, name)] = self.current_plugin
 
-    def add_rendezvous(self, name: str, creator: Callable[..., Any]) -> None:
-        """Register ``creator(torch RendezvousParameters) -> torch RendezvousHandler`` under ``name``."""
+    def add_rendezvous(self, name: str, creator: Callable[..., Any], conf_keys: Iterable[str] | None = None) -> None:
+        """Register ``creator(torch RendezvousParameters) -> torch RendezvousHandler`` under ``name``.
+
+        Args:
+            conf_keys: the ``--rdzv-conf`` keys the backend reads; given, ``fsm-agent run`` refuses
+                a key that no loaded backend reads and warns about one another backend reads.
+                None: not declared, nothing is checked for this backend.
+        """
         self._add("rendezvous", name, creator)
+        if conf_keys is not None:
+            self._conf_keys[name] = frozenset(conf_keys)
+
+    def conf_keys(self, name: str) -> frozenset[str] | None:
+        """The ``--rdzv-conf`` keys rendezvous backend ``name`` declared it reads, or None."""
+        return self._conf_keys.get(name)
+
+    def check_rdzv_conf(self, backend: str, keys: Iterable[str], where: Callable[[str], str]) -> list[str]:
+        """Check rendezvous options against what the loaded backends read.
+
+        Args:
+            backend: the chosen rendezvous backend.
+            keys: the option names given (``--rdzv-conf``, its env var, the config file).
+            where: ``key -> text`` naming where the key was set, for the messages.
+
+        Returns:
+            One warning per key that ``backend`` does not read but another loaded backend does
+            (job files often set ``PET_RDZV_CONF`` for several backends).
+
+        Raises:
+            ConfigError: a key that no loaded backend reads, with the closest known key.
+        """
+        reads = self.conf_keys(backend)
+        if reads is None:  # the backend did not say: anything may be its
+            return []
+        known = set().union(*self._conf_keys.values())
+        warnings, errors = [], []
+        for key in keys:
+            if key in reads:
+                continue
+            others = sorted(name for name, names in self._conf_keys.items() if key in names)
+            if others:
+                warnings.append(f"{where(key)}: backend {backend} does not read {key!r} ({', '.join(others)} "
+                                f"{'does' if len(others) == 1 else 'do'}); ignored")
+                continue
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean {close[0]}?" if close else f"backend {backend} reads {', '.join(sorted(reads))}"
+            errors.append(f"{where(key)}: no loaded rendezvous backend reads {key!r}; {hint}")
+        if errors:
+            raise ConfigError("; ".join(errors))
+        return warnings
 
     def add_launcher(self, name: str, factory: Callable[..., Any]) -> None:
         """Register ``factory(agent) -> launcher`` under ``name``."""

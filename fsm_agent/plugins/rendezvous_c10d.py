@@ -13,11 +13,19 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from datetime import timedelta
 
 from fsm_agent.errors import RendezvousFailed
 from fsm_agent.plugins import hookimpl
 
+
+#: The ``--rdzv-conf`` keys torch's DynamicRendezvousHandler reads (``dynamic_rendezvous.create_handler``);
+#: public for backends built on it (the etcd-v3 plugin).
+DYNAMIC_HANDLER_CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+                             "keep_alive_interval", "keep_alive_max_attempt")
+#: ... and those torch's c10d backend adds (``c10d_rendezvous_backend.create_backend``).
+C10D_CONF_KEYS = (*DYNAMIC_HANDLER_CONF_KEYS, "is_host", "read_timeout", "store_type")
 
 #: torch reads this switch from the environment at the end of ``next_rendezvous``, after a
 #: blocking join. Handlers running at once in one process (tests, several agents) share one
@@ -99,13 +107,21 @@ def create_c10d_handler(params):
             outcome["error"] = exc
 
     thread = threading.Thread(target=connect, name="c10d-connect", daemon=True)
+    started = time.monotonic()
     thread.start()
     thread.join(deadline)
     if "value" in outcome:
         backend, store = outcome["value"]
         return FreshStoreHandler(create_handler(store, backend, params))
+    waited = time.monotonic() - started
+    try:  # torch retries a name that does not resolve as if the store were not up yet
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:  # UnicodeError: not a valid host name at all
+        raise RendezvousFailed(f"rendezvous endpoint {params.endpoint} (backend c10d): the host {host!r} does not "
+                               f"resolve ({getattr(exc, 'strerror', None) or exc}; tried for {waited:.0f}s): check "
+                               f"the host name in --rdzv-endpoint") from None
     error = outcome.get("error") or TimeoutError(f"no answer within {deadline:.0f}s")
-    raise RendezvousFailed(_unreachable(params, error, deadline))
+    raise RendezvousFailed(_unreachable(params, error, waited))
 
 
 #: Seconds a store that accepts connections gets to answer before the endpoint is declared wrong.
@@ -134,10 +150,10 @@ def _unreachable(params, exc: BaseException, waited: float) -> str:
     is_host = params.get("is_host", "inferred from the endpoint")
     detail = str(exc).splitlines()[0] if str(exc) else ""
     return (f"rendezvous endpoint {params.endpoint or '(default)'} (backend c10d) did not answer as a TCPStore "
-            f"within {waited:.0f}s (is_host={is_host}): {type(exc).__name__}: {detail}. If another program holds "
-            f"that port, pick a free port for --rdzv-endpoint")
+            f"(gave up after {waited:.0f}s; is_host={is_host}): {type(exc).__name__}: {detail}. If another program "
+            f"holds that port, pick a free port for --rdzv-endpoint")
 
 
 @hookimpl
 def fsm_agent_register_backends(registry):
-    registry.add_rendezvous("c10d", create_c10d_handler)
+    registry.add_rendezvous("c10d", create_c10d_handler, conf_keys=C10D_CONF_KEYS)

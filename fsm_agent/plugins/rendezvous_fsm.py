@@ -935,4 +935,5 @@ def create_fsm_handler(params: Any) -> FsmRendezvousHandler:
 
 @hookimpl
 def fsm_agent_register_backends(registry):
-    registry.add_rendezvous(BACKEND, create_fsm_handler)
+    registry.add_rendezvous(BACKEND, create_fsm_handler,
+                            conf_keys=(*(f.name for f in fields(FsmRendezvousSettings)), "rank"))

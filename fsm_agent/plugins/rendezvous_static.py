@@ -7,6 +7,10 @@ publishes a fresh MASTER_PORT, so each attempt's workers meet in an empty store.
 
 from __future__ import annotations
 
+import errno
+import socket
+
+from fsm_agent.errors import ConfigError
 from fsm_agent.plugins import hookimpl
 
 
@@ -52,12 +56,37 @@ class StaticRendezvous:
 
 
 def create_static_handler(params):
-    """``RendezvousParameters -> RendezvousHandler`` for backend ``static``."""
+    """``RendezvousParameters -> RendezvousHandler`` for backend ``static``.
+
+    Raises:
+        ConfigError: this node has rank 0, which hosts the store, and the port is already in use
+            (torch's TCPStore would fail later with a 40-line ``DistNetworkError: EADDRINUSE``).
+    """
     from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import create_rdzv_handler
 
-    return StaticRendezvous(create_rdzv_handler(params), params.local_addr)
+    handler = create_rdzv_handler(params)
+    if handler.rank == 0 and handler.master_port:
+        _require_free_port(handler.master_port)
+    return StaticRendezvous(handler, params.local_addr)
+
+
+def _require_free_port(port: int) -> None:
+    """Raise ConfigError if something listens on TCP ``port`` of this host (any interface, as TCPStore binds)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore: a TIME_WAIT port is free
+    try:
+        probe.bind(("", port))
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise ConfigError(f"static rendezvous: port {port} (--master-port) is already in use on this host, "
+                          f"where node rank 0 hosts the store: choose a free --master-port, or stop what "
+                          f"listens on {port}") from None
+    finally:
+        probe.close()
 
 
 @hookimpl
 def fsm_agent_register_backends(registry):
-    registry.add_rendezvous("static", create_static_handler)
+    # torch's StaticTCPRendezvous: ``rank`` (--node-rank) and ``timeout`` (seconds, default 600).
+    registry.add_rendezvous("static", create_static_handler, conf_keys=("rank", "timeout"))

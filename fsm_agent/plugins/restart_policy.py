@@ -115,7 +115,7 @@ class RestartPolicy:
     def fsm_agent_restart_policy(self, failures, worker_group, restart_count, failure_class):
         if failure_class in MEMBERSHIP_CLASSES:
             return self._spend(failure_class) or RestartDecision(
-                True, reason=f"{failure_class.replace('_', ' ')}: re-rendezvous (not counted against max_restarts)")
+                True, reason="re-rendezvous (not counted against max_restarts)")  # the agent names the class
         max_restarts = worker_group.spec.max_restarts
         refusing = sorted(r for r, f in failures.items() if f.exitcode == DO_NOT_RESTART_EXIT_CODE)
         if refusing:

@@ -63,10 +63,74 @@ def test_table_output(capsys, write_toml):
     assert "plugins.status-http.port" in out
 
 
+def test_piped_table_keeps_every_value_whole(tmp_path):
+    """``fsm-agent config | grep``: one line per key, no value wrapped mid-token at 80 columns."""
+    import os
+    import subprocess
+    import sys
+
+    log_dir = str(tmp_path / ("a-rather-long-directory-name-for-the-logs-of-this-job" * 2))
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "fsm_agent", "config", "--log-dir", log_dir], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith("logs.log_dir ")]
+    assert row.split() == ["logs.log_dir", log_dir, "cli", "--log-dir"]
+    assert any(line.split()[:2] == ["max_restarts", "0"] for line in done.stdout.splitlines())
+
+
 def test_bad_flag_is_one_line(capsys):
     code, out, err = run_config(capsys, "--nnodes", "3:2")
     assert code == 2 and out == ""
     assert err.startswith("fsm-agent: error: --nnodes '3:2'") and err.count("\n") == 1
+
+
+#: A multi-node static job (no implicit standalone): the backend is ``static``.
+STATIC = ["--nnodes", "2", "--master-port", "29500"]
+
+
+@pytest.mark.parametrize("where, argv, env, toml", [
+    ("--rdzv-conf join_timout=5", ["--rdzv-conf", "join_timout=5"], {}, ""),
+    ("PET_RDZV_CONF join_timout=5", [], {"PET_RDZV_CONF": "join_timout=5"}, ""),
+    ("{path} rendezvous join_timout=5", [], {}, "[rendezvous]\nconf = { join_timout = 5 }\n"),
+])
+def test_a_rendezvous_option_no_backend_reads_is_an_error_with_a_suggestion(capsys, monkeypatch, write_toml,
+                                                                             where, argv, env, toml):
+    """torch ignores ``join_timout=5`` silently (and waits 600 s); the same typo as a typed file key is caught."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = ["--config", write_toml(toml)] if toml else []
+    code, out, err = run_config(capsys, *config, "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", *argv)
+    where = where.format(path=config[1] if toml else "")
+    assert (code, out) == (2, "")
+    assert err == (f"fsm-agent: error: {where}: no loaded rendezvous backend reads 'join_timout'; "
+                   f"did you mean join_timeout?\n")
+
+
+def test_a_rendezvous_option_another_backend_reads_is_a_warning(capsys, caplog, monkeypatch):
+    """Job files set PET_RDZV_CONF for several backends: static does not read join_timeout, c10d does."""
+    monkeypatch.setenv("PET_RDZV_CONF", "join_timeout=5,timeout=7")
+    code, out, err = run_config(capsys, *STATIC, "--json")
+    assert code == 0 and err == ""
+    assert json.loads(out)["values"]["rendezvous.timeout"]["value"] == "7"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "PET_RDZV_CONF join_timeout=5: backend static does not read 'join_timeout' (c10d, "), warnings
+    assert warnings[0].endswith(" do); ignored")
+
+
+def test_an_undeclared_backend_gets_any_rendezvous_option():
+    from fsm_agent.errors import ConfigError
+    from fsm_agent.plugins.registry import BackendRegistry
+
+    registry = BackendRegistry()
+    registry.add_rendezvous("mine", lambda params: None)
+    registry.add_rendezvous("static", lambda params: None, conf_keys=("timeout",))
+    assert registry.check_rdzv_conf("mine", ["anything"], str) == []
+    assert registry.check_rdzv_conf("static", ["timeout"], str) == []
+    with pytest.raises(ConfigError, match="x: no loaded rendezvous backend reads 'x'; backend static reads timeout"):
+        registry.check_rdzv_conf("static", ["x"], str)
 
 
 def test_reference_doc_is_up_to_date():

@@ -53,13 +53,12 @@ def test_malformed_file_prints_all_three_errors_with_paths_and_exits_non_zero(tm
                           cwd=tmp_path, env=_subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stdout == ""
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1, proc.stderr
-    line = lines[0]
-    assert line.startswith(f"fsm-agent: error: {path}: 3 errors: ")
-    assert 'max_restarts: expected an integer >= 0, got "three"' in line
-    assert 'rendezvous.join_timeout: expected seconds > 0, got "abc"' in line
-    assert "logs.colour: unknown key in [logs]" in line
+    assert proc.stderr.splitlines() == [  # one line per error, each naming the file and the key
+        "fsm-agent: error: 3 errors:",
+        f'  {path}: max_restarts: expected an integer >= 0, got "three"',
+        f'  {path}: rendezvous.join_timeout: expected seconds > 0, got "abc"',
+        f"  {path}: logs.colour: unknown key in [logs] (see docs/configuration.md for the keys)",
+    ]
 
 
 def test_the_same_errors_from_fsm_agent_config(write_toml, capsys):
@@ -68,7 +67,7 @@ def test_the_same_errors_from_fsm_agent_config(write_toml, capsys):
         cli.main(["config", "--config", path])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "3 errors" in err
+    assert err.count("\n") == 4 and err.startswith("fsm-agent: error: 3 errors:\n")
 
 
 # ------------------------------------------------------------------ strict scalars
@@ -211,6 +210,21 @@ def test_pyproject_in_the_current_directory(tmp_path, write_toml):
 
 def test_pyproject_without_our_table_is_not_a_config(write_toml):
     write_toml('[project]\nname = "x"\n', "pyproject.toml")
+    assert find_config_file(None) is None
+
+
+@pytest.mark.parametrize("name", ["fsm-agent", "fsm_agnet", "FSM_Agent", '"fsm.agent"'])
+def test_a_misspelled_or_dashed_tool_table_is_an_error(write_toml, name):
+    """Silently ignored before: the job ran without its configuration."""
+    write_toml(f'[project]\nname = "x"\n[tool.{name}]\nmax_restarts = 2\n', "pyproject.toml")
+    with pytest.raises(ConfigError) as err:
+        find_config_file(None)
+    assert str(err.value) == (f"pyproject.toml: [tool.{name.strip(chr(34))}] is not read; fsm-agent's table is "
+                              f"[tool.fsm_agent] (an underscore, as in the module name): rename it")
+
+
+def test_other_tools_tables_are_left_alone(write_toml):
+    write_toml('[tool.black]\nline-length = 1\n[tool.fsm-agent-prometheus]\nx = 1\n', "pyproject.toml")
     assert find_config_file(None) is None
 
 

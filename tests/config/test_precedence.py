@@ -244,6 +244,9 @@ def test_file_and_env_errors_are_reported_together(monkeypatch, write_toml, scri
     assert text.startswith(f"{path}: 2 errors: max_restarts: ")
     assert "role: expected a string, got 1" in text
     assert "PET_MONITOR_INTERVAL='fast'" in text and "FSM_AGENT_STATUS_PORT='-1'" in text
+    details = err.value.details  # what the CLI prints, one per line
+    assert len(details) == 4 and details[0].startswith(f"{path}: max_restarts: ")
+    assert details[2].startswith("PET_MONITOR_INTERVAL='fast'") and details[3].startswith("FSM_AGENT_STATUS_PORT='-1'")
 
 
 def test_fsm_agent_env_wins_over_pet_even_for_flags(monkeypatch):

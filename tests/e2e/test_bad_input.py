@@ -3,11 +3,12 @@ three ways to start the launcher (``fsm-agent run``, ``fsmrun``, ``python -m fsm
 
 from __future__ import annotations
 
+import socket
 import sys
 
 import pytest
 
-from tests.e2e.conftest import fsm_agent_cmd, fsmrun_cmd, one_error_line
+from tests.e2e.conftest import free_port, fsm_agent_cmd, fsmrun_cmd, one_error_line, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +24,9 @@ BAD = {
                              "nope"),
     "rdzv-conf-no-value": (["--rdzv-conf", "join_timeout"], {}, "--rdzv-conf"),
     "rdzv-conf-empty-key": (["--rdzv-conf", "=5"], {}, "--rdzv-conf"),
+    "rdzv-conf-no-backend-reads": (["--rdzv-conf", "join_timout=5"], {},
+                                   "--rdzv-conf join_timout=5: no loaded rendezvous backend reads 'join_timout'; "
+                                   "did you mean join_timeout?"),
     "redirects-out-of-range": (["-r", "7"], {}, "--redirects"),
     "redirects-bad-map": (["-r", "0:4,1:3"], {}, "--redirects"),
     "tee-not-a-std": (["-t", "x"], {}, "--tee"),
@@ -50,6 +54,9 @@ BAD = {
     "logs-specs-unknown": (["--logs-specs", "nope"], {}, "--logs-specs"),
     "pet-env-not-a-number": ([], {"PET_NPROC_PER_NODE": "abc"}, "PET_NPROC_PER_NODE='abc': unknown value"),
     "pet-env-not-a-bool": ([], {"PET_STANDALONE": "maybe"}, "PET_STANDALONE"),
+    "node-rank-beyond-nnodes": (["--node-rank", "5", "--nnodes", "2"], {}, "--node-rank 5: with --nnodes 2 the node "
+                                                                           "ranks are 0..1"),
+    "node-rank-negative": (["--node-rank", "-1", "--nnodes", "2"], {}, "--node-rank -1"),
     "missing-script": (["{missing}"], {}, "not found"),
     "no-script": (None, {}, "training_script"),
 }
@@ -88,6 +95,82 @@ def test_unknown_plugin_in_the_config_files_disabled_plugins(launcher, name, tab
                     f"unknown plugin 'nope' in disabled_plugins of {label}: known plugins are ")
 
 
+@pytest.mark.parametrize("body, mode, needle", [
+    ("print('no shebang')\n", 0o755, "has no '#!' line"),
+    ("#!/bin/sh\necho hi\n", 0o644, "is not executable"),
+], ids=["no-shebang", "not-executable"])
+def test_no_python_file_the_os_cannot_run(launcher, body, mode, needle):
+    """Not an ``OSError: Exec format error`` per worker (44 lines), nor "not found" for a file that is there."""
+    binary = write_script(launcher.dir, "train", body)
+    binary.chmod(mode)
+    assert_rejected(launcher, launcher.run_fsm("--no-python", str(binary), timeout=60),
+                    f"--no-python binary '{binary}' {needle}")
+
+
+def test_static_master_port_in_use(launcher):
+    """Node rank 0 of a static job cannot host its store: one line naming the port, not EADDRINUSE's 40."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = launcher.run_fsm("--master-port", str(port), launcher.probe, timeout=60)
+    assert_rejected(launcher, result, f"port {port} (--master-port) is already in use on this host")
+
+
+def root_cause(stderr: str) -> str:
+    """The line after the summary's ``Root Cause`` heading."""
+    lines = stderr.splitlines()
+    return lines[lines.index("Root Cause (first observed failure):") + 1].strip()
+
+
+@pytest.mark.parametrize("backend", ["c10d", "static"])
+def test_a_rendezvous_timeout_says_what_timed_out_after_how_long(launcher, backend):
+    """Not ``RendezvousTimeoutError: `` (c10d), nor ``join_timeout=600s`` where static waited ``timeout=3``."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    key = "join_timeout" if backend == "c10d" else "timeout"
+    result = launcher.run_fsm("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--nnodes", "2",
+                              "--rdzv-conf", f"{key}=3", launcher.probe, timeout=120)
+    assert result.returncode != 0 and launcher.records() == {}
+    cause = root_cause(result.stderr)
+    assert f"endpoint={endpoint} run_id=none {key}=3s" in cause, cause
+    assert "600" not in cause and ("is_host=" in cause) == (backend == "c10d"), cause
+    if backend == "c10d":
+        assert cause.endswith(f"RendezvousTimeoutError: the round did not complete within join_timeout=3s: "
+                              f"fewer than 2 agents (--nnodes 2:2) joined run id 'none' at {endpoint}; start the "
+                              f"other nodes, or give them longer with --rdzv-conf join_timeout=SECONDS"), cause
+
+
+def test_a_closed_rendezvous_asks_for_a_new_rdzv_id(launcher):
+    """A second job with the id of one that ended on the same store: not ``RendezvousClosedError: ``."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    args = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "job7",
+            "--rdzv-conf", "is_host=0", launcher.probe]
+    launcher.run_fsm(*args, timeout=120).check()
+    again = launcher.run_fsm(*args, timeout=120)
+    assert again.returncode != 0
+    assert root_cause(again.stderr).endswith(
+        f"RendezvousClosedError: the rendezvous of run id 'job7' at 127.0.0.1:{store.port} is closed: a job with "
+        f"this id already ended there; start the job with a new --rdzv-id"), again.stderr
+
+
+def test_a_c10d_host_that_does_not_resolve_is_named(launcher):
+    """Not "did not answer as a TCPStore within 65s". In a network namespace of its own (loopback only),
+    so the name lookup fails at once and nothing leaves the machine."""
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-n", "true"]).returncode != 0:
+        pytest.skip("cannot make a network namespace (unshare -n)")
+    result = launcher.run(["unshare", "-n", *fsm_agent_cmd(), "run", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                           "no-such-host.invalid:29400", "--nnodes", "2", "--rdzv-conf", "read_timeout=1",
+                           str(launcher.probe)], timeout=120)
+    assert result.returncode != 0 and launcher.records() == {}
+    line = result.stderr.splitlines()[-1]
+    assert line.startswith("fsm-agent: error: rendezvous endpoint no-such-host.invalid:29400 (backend c10d): the "
+                           "host 'no-such-host.invalid' does not resolve ("), result.stderr
+    assert line.endswith("s): check the host name in --rdzv-endpoint") and "TCPStore" not in line
+
+
 def test_fsmrun_is_fsm_agent_run(launcher):
     """``fsmrun ARGS`` launches the same job as ``fsm-agent run ARGS``, and rejects the same input."""
     launcher.run([*fsmrun_cmd(), "--nproc-per-node", "2", "--role", "r", launcher.probe, "x"],
@@ -105,7 +188,8 @@ def test_fsmrun_is_fsm_agent_run(launcher):
     bad_fsmrun = launcher.run([*fsmrun_cmd(), "--nnodes", "3:2", launcher.probe])
     bad_agent = launcher.run_fsm("--nnodes", "3:2", launcher.probe)
     assert bad_fsmrun.returncode == bad_agent.returncode != 0
-    assert one_error_line(bad_fsmrun.stderr) == one_error_line(bad_agent.stderr)
+    # the same line, under the name the user typed
+    assert one_error_line(bad_fsmrun.stderr) == "fsmrun: " + one_error_line(bad_agent.stderr).removeprefix("fsm-agent: ")
     help_text = launcher.run([*fsmrun_cmd(), "--help"]).check().stdout
     assert "--nproc-per-node" in help_text and "--rdzv-endpoint" in help_text
 

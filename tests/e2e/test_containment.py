@@ -167,6 +167,53 @@ def test_children_started_inside_born_inside_are_born_in_the_cgroup(cgroups, sle
     assert cgroup.pids() == [sleepers[-1].pid]
 
 
+def test_a_new_cgroup_removes_the_empty_cgroups_of_agents_that_are_gone(cgroups, sleepers):
+    """Only empty ones of dead agent pids: one with a process in it, or of a live pid, stays."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    parent = cgroup_dir()
+    gone_empty, gone_busy, alive_empty = (os.path.join(parent, f"{PREFIX}{pid}-{suffix}") for pid, suffix in (
+        (dead.pid, "deadbeef"), (dead.pid, "0badf00d"), (os.getpid(), "cafef00d")))
+    for path in (gone_empty, gone_busy, alive_empty):
+        os.mkdir(path)
+        cgroups.append(path)
+    os.mkdir(os.path.join(gone_empty, "nested"))  # e.g. the cgroup of an agent run by a worker
+    start_in(WorkerCgroup(gone_busy), sleepers)
+    new = WorkerCgroup.create()
+    cgroups.append(new.path)
+    assert not os.path.exists(gone_empty)
+    assert os.path.isdir(gone_busy) and os.path.isdir(alive_empty) and os.path.isdir(new.path)
+
+
+SLEEPING_WORKER = r'''
+import os, time
+open(os.path.join(os.environ["FSM_E2E_OUT"], "started"), "w").close()
+time.sleep(120)
+'''
+
+
+@pytest.mark.slow
+def test_the_next_agent_removes_what_an_agent_killed_with_its_keeper_left(launcher, cgroups):
+    """A harness SIGKILLs the agent, its keeper and its worker: the empty cgroup stays until an agent starts."""
+    script = write_script(launcher.dir, "w.py", SLEEPING_WORKER)
+    agent = launcher.fsm("--standalone", "--nproc-per-node", "1", script)
+    launcher.wait_for_file(launcher.out / "started")
+    (path,) = Path(cgroup_dir()).glob(f"{PREFIX}{agent.pid}-*")
+    cgroups.append(str(path))
+    children = psutil.Process(agent.pid).children()
+    keepers = [p.pid for p in children if "--keep" in p.cmdline()]
+    workers = [p.pid for p in children if p.pid not in keepers]
+    assert len(keepers) == 1 and len(workers) == 1
+    for pid in (agent.pid, *keepers, *workers):
+        os.kill(pid, signal.SIGKILL)
+    agent.popen.wait(10)
+    assert wait_until(lambda: all(gone(pid) for pid in (*keepers, *workers)), 10)
+    assert WorkerCgroup(str(path)).wait_empty(15)
+    assert path.is_dir()  # left behind
+    launcher.run_fsm("--standalone", launcher.probe).check()
+    assert not path.exists()
+
+
 def test_off_switch_creates_no_cgroup(monkeypatch, caplog):
     monkeypatch.setenv(ENV_VAR, "off")
     before = set(os.listdir(cgroup_dir()))

@@ -133,6 +133,31 @@ def test_record_error_json_and_summary(launcher):
     assert "<NO_OTHER_FAILURES>" in summary
 
 
+def test_without_log_dir_the_summary_says_the_error_file_is_gone(launcher):
+    """The summary is printed after the temporary log dir is removed: it must not name a file as if it were there."""
+    script = write_script(launcher.dir, "record_fail.py", RECORD_FAIL)
+    result = launcher.run_fsm("--nproc-per-node", "2", "--shutdown-timeout", "5", script)
+    assert result.returncode == 1
+    root = result.stderr.split("Root Cause")[1].split("Failures:")[0]
+    assert "ValueError: boom-e2e from local rank 1" in root and "inner_function_e2e" in root
+    path = re.search(r"error_file: (\S+)", root).group(1)
+    assert path.endswith("/attempt_0/1/error.json") and not os.path.exists(path)
+    assert f"error_file: {path} (removed at exit with the temporary log directory; its message and traceback " \
+           f"are above; --log-dir DIR keeps it)" in root
+
+
+def test_a_worker_killed_by_sigkill_gets_no_record_hint(launcher):
+    """@record cannot catch SIGKILL: the summary says what killed it instead of suggesting @record."""
+    script = write_script(launcher.dir, "killed.py", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    result = launcher.run_fsm("--log-dir", launcher.dir / "logs", script)
+    assert result.returncode == 128 + signal.SIGKILL
+    root = result.stderr.split("Root Cause")[1]
+    assert "exitcode  : -9 (SIGKILL)" in root
+    assert ("traceback : none: killed by SIGKILL (the kernel's OOM killer sends it too: see dmesg), the worker could "
+            "not record one") in root
+    assert "@record" not in root
+
+
 def test_layout_of_a_successful_run(launcher):
     """-r 3, no failure: logs hold the streams, no error.json, TORCHELASTIC_ERROR_FILE points into the tree."""
     log_dir = launcher.dir / "logs"

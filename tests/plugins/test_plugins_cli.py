@@ -266,6 +266,18 @@ def test_run_with_a_broken_plugin_is_one_line_and_does_not_start(broken_env, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("command", ["run", "config"])
+def test_help_with_a_broken_plugin_still_helps(broken_env, tmp_path, command):
+    """``fsm-agent run --help`` answers, the broken plugin named in one warning line on stderr."""
+    result = fsm_agent([command, "--nproc_per", "2", "--help"], broken_env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "--nproc-per-node" in result.stdout and "--health-check-interval" in result.stdout
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and all(part in lines[0] for part in BROKEN), result.stderr
+    assert lines[0].endswith("; --help leaves its options out")
+
+
+@pytest.mark.slow
 def test_a_disabled_broken_plugin_is_not_loaded(broken_env, tmp_path, script):
     result = fsm_agent(["plugins", "--json", "--disable-plugin", "broken-fixture"], broken_env, tmp_path)
     assert result.returncode == 0, result.stderr

@@ -246,6 +246,22 @@ def test_bad_input_is_a_config_error_naming_the_line(tmp_path):
         replay(str(tmp_path / "empty.jsonl"))
 
 
+@pytest.mark.parametrize("name, needle", [("events.jsonl.gz", "gzip-compressed; decompress it first (gunzip -k"),
+                                          ("core.bin", "not text (a binary file?)")])
+def test_a_gzip_or_binary_file_is_one_line(tmp_path, name, needle):
+    """Not a ``UnicodeDecodeError`` traceback."""
+    import gzip
+
+    path = tmp_path / name
+    record = b'{"kind": "transition", "source": "INIT", "dest": "HEALTHY", "trigger": "start"}\n'
+    path.write_bytes(gzip.compress(record * 50) if name.endswith(".gz") else bytes(range(256)))
+    done = subprocess.run([sys.executable, "-m", "fsm_agent", "replay", str(path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"fsm-agent: error: events file {str(path)!r}: {needle}"), lines
+
+
 def test_json_output(crash_and_restart, capsys):
     assert cli_main(["--json", str(crash_and_restart)]) == 0
     out = json.loads(capsys.readouterr().out)

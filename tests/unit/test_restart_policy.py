@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
 
 from fsm_agent.plugins.restart_policy import RestartPolicy, backoff_delay, parse_budgets, parse_exclude_node_on
+from fsm_agent.testing import Scenario
 from fsm_agent.worker import RendezvousSpec, RestartDecision, WorkerFailure, WorkerGroup, WorkerSpec, first_failure
 
 
@@ -90,3 +92,13 @@ def test_backoff_grows_exponentially_with_jitter_and_a_cap():
     delays = [backoff_delay(n, 1.0, 5.0, rng) for n in range(5)]
     assert all(0.5 * min(5.0, 2 ** n) <= d < 1.5 * min(5.0, 2 ** n) for n, d in enumerate(delays))
     assert backoff_delay(3, 0.0, 5.0) == 0.0
+
+
+@pytest.mark.parametrize("scenario, what", [("node joins -> restart -> all succeed", "membership change"),
+                                            ("wait -> node lost -> restart -> all succeed", "node lost")])
+def test_the_re_rendezvous_warning_names_the_class_once(make_agent, caplog, scenario, what):
+    """Not ``membership change: membership change: re-rendezvous``."""
+    caplog.set_level(logging.WARNING, logger="fsm_agent.agent")
+    Scenario(scenario).run(make_agent)
+    lines = [r.getMessage() for r in caplog.records if what in r.getMessage()]
+    assert lines == [f"[default] {what}: re-rendezvous (not counted against max_restarts)"]

@@ -156,6 +156,11 @@ def test_options_fall_back_to_the_environment(monkeypatch):
     assert (options["ttl"], options["key_prefix"]) == (33, "/from/conf")
 
 
+def test_declared_conf_keys_are_the_options_read():
+    """``fsm-agent run`` checks ``--rdzv-conf`` keys against OPTIONS: it must name every option read."""
+    assert set(fsm_agent_etcd.read_options(None)) == set(fsm_agent_etcd.OPTIONS)
+
+
 def test_backend_is_listed_by_fsm_agent_plugins():
     out = subprocess.run([sys.executable, "-m", "fsm_agent", "plugins", "--json"], capture_output=True, text=True,
                          timeout=120, check=True).stdout

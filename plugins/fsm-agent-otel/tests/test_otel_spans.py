@@ -158,10 +158,11 @@ def test_otlp_exporter_sends_to_a_collector(tmp_path, agents, worker_script):
 
 @pytest.mark.parametrize("env, message", [
     ({"FSM_AGENT_OTEL_EXPORTER": "zipkin"},
-     "plugin otel: FSM_AGENT_OTEL_EXPORTER='zipkin': unknown exporter 'zipkin'; use a comma-separated list of "
-     "console, otlp, jsonl, none (or unset it for the global provider)"),
+     "FSM_AGENT_OTEL_EXPORTER='zipkin': unknown exporter 'zipkin'; use a comma-separated list of "
+     'console, otlp, jsonl, none (or unset it for the global provider), got "zipkin"'),
     ({"FSM_AGENT_OTEL_EXPORTER": "jsonl", "FSM_AGENT_OTEL_JSONL_FILE": "/proc/no-such-dir/spans.jsonl"},
-     "plugin otel: cannot write spans to /proc/no-such-dir: No such file or directory; fix FSM_AGENT_OTEL_JSONL_FILE"),
+     "plugin otel: cannot write spans to /proc/no-such-dir: No such file or directory; "
+     "fix --otel-jsonl-file (FSM_AGENT_OTEL_JSONL_FILE)"),
 ])
 def test_bad_options_are_a_one_line_error(tmp_path, agents, env, message):
     script = tmp_path / "ok.py"

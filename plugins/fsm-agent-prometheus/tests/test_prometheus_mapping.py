@@ -32,6 +32,32 @@ def test_off_by_default_and_when_zero():
     assert read_options({"FSM_AGENT_PROMETHEUS_PORT": "9464"}) == {"port": 9464, "addr": "127.0.0.1", "linger_s": 0.0}
 
 
+def test_options_are_flags_env_vars_and_file_keys(tmp_path, monkeypatch):
+    """Declared with fsm_agent_addoption: flag > env var > [plugins.prometheus] > default, as fsm-agent config shows."""
+    from fsm_agent import cli
+
+    for name in ("PORT", "ADDR", "LINGER_S"):
+        monkeypatch.delenv(f"FSM_AGENT_PROMETHEUS_{name}", raising=False)
+    monkeypatch.setenv("FSM_AGENT_PROMETHEUS_LINGER_S", "5")
+    path = tmp_path / "fsm.toml"
+    path.write_text("[plugins.prometheus]\nport = 9100\naddr = \"0.0.0.0\"\nlinger_s = 1\n")
+    resolved = cli.resolve_run_args(["--config", str(path), "--prometheus-port", "9464"], "fsm-agent config",
+                                    for_config=True)
+    config, _, _ = cli.config_from_args(resolved.args, set_omp_num_threads=False)
+    assert fsm_agent_prometheus.run_options(config) == {"port": 9464, "addr": "0.0.0.0", "linger_s": 5.0}
+    sources = {name: str(resolved.sources[f"plugins.prometheus.{name}"]) for name in ("port", "addr", "linger_s")}
+    assert sources == {"port": "cli --prometheus-port", "addr": f"file {path}",
+                       "linger_s": "env FSM_AGENT_PROMETHEUS_LINGER_S"}
+
+
+def test_a_config_built_in_python_reads_the_environment(monkeypatch):
+    from fsm_agent import LaunchConfig
+
+    monkeypatch.setenv("FSM_AGENT_PROMETHEUS_PORT", "9464")
+    assert fsm_agent_prometheus.run_options(LaunchConfig())["port"] == 9464
+    assert fsm_agent_prometheus.run_options(LaunchConfig(plugins={"prometheus": {"port": 9000}}))["port"] == 9000
+
+
 @pytest.mark.parametrize("env, message", [
     ({"FSM_AGENT_PROMETHEUS_PORT": "http"}, "expected a number"),
     ({"FSM_AGENT_PROMETHEUS_PORT": "70000"}, "must be 0 \\(off\\) or a TCP port"),

@@ -143,15 +143,19 @@ def test_python_api_run_is_scraped_too(tmp_path, monkeypatch, prom):
     assert prom.value(final, "fsm_agent_state_duration_seconds_sum", role="default", state="HEALTHY") >= 2.0
 
 
-def test_a_busy_port_warns_and_the_job_still_runs(tmp_path, agents, prom):
+@pytest.mark.parametrize("given", ["env", "flag", "file"])
+def test_a_busy_port_warns_and_the_job_still_runs(tmp_path, agents, prom, given):
+    """The port reaches the exporter from the env var, the flag and the config file alike."""
     script = tmp_path / "ok.py"
     script.write_text("print('ok')\n")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = agents.start("--standalone", "--nproc-per-node", "1", str(script),
-                            env={"FSM_AGENT_PROMETHEUS_PORT": str(port)})
+        (tmp_path / "fsm.toml").write_text(f"[plugins.prometheus]\nport = {port}\n")
+        flags = {"env": [], "flag": ["--prometheus-port", str(port)], "file": ["--config", "fsm.toml"]}[given]
+        proc = agents.start("--standalone", "--nproc-per-node", "1", *flags, str(script),
+                            env={"FSM_AGENT_PROMETHEUS_PORT": str(port) if given == "env" else ""})
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert f"prometheus: cannot serve on 127.0.0.1:{port}" in err
@@ -196,5 +200,5 @@ def test_a_malformed_port_is_a_one_line_error(tmp_path, agents):
     proc = agents.start("--standalone", str(script), env={"FSM_AGENT_PROMETHEUS_PORT": "http"})
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
-    assert err.strip().splitlines()[-1].endswith(
-        "plugin prometheus: FSM_AGENT_PROMETHEUS_PORT='http': expected a number (e.g. FSM_AGENT_PROMETHEUS_PORT=0)")
+    assert err.strip().splitlines() == ["fsm-agent: error: FSM_AGENT_PROMETHEUS_PORT='http': expected an integer, "
+                                        'got "http"']

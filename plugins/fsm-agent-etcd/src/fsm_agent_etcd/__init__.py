@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from fsm_agent.plugins import hookimpl
-from fsm_agent.plugins.rendezvous_c10d import FreshStoreHandler
+from fsm_agent.plugins.rendezvous_c10d import DYNAMIC_HANDLER_CONF_KEYS, FreshStoreHandler
 
 BACKEND_NAME = "etcd-v3"
 DEFAULT_PORT = 2379
@@ -38,6 +38,10 @@ def __getattr__(name):  # torch is imported when a handler is built, not when fs
 
         return EtcdV3Store
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+#: The ``--rdzv-conf`` keys ``read_options`` reads (torch's DynamicRendezvousHandler reads its own too).
+OPTIONS = ("read_timeout", "protocol", "ca_cert", "ssl_cert", "ssl_cert_key", "key_prefix", "ttl", "poll_interval")
 
 
 def read_options(params) -> dict[str, Any]:
@@ -66,7 +70,7 @@ def read_options(params) -> dict[str, Any]:
             value = os.environ.get(f"FSM_AGENT_ETCD_{name.upper()}", "")
         return default if value in (None, "") else value
 
-    options = {
+    options = {  # keep OPTIONS in step
         "read_timeout": float(option("read_timeout", 60)),
         "protocol": str(option("protocol", "http")).strip().lower(),
         "ca_cert": option("ca_cert", None),
@@ -131,4 +135,4 @@ def create_etcd_v3_handler(params):
 
 @hookimpl
 def fsm_agent_register_backends(registry):
-    registry.add_rendezvous(BACKEND_NAME, create_etcd_v3_handler)
+    registry.add_rendezvous(BACKEND_NAME, create_etcd_v3_handler, conf_keys=(*DYNAMIC_HANDLER_CONF_KEYS, *OPTIONS))

@@ -1,6 +1,7 @@
 """fsm-agent-prometheus: the agent's metrics and state durations, served in Prometheus format over HTTP.
 
-Off unless ``FSM_AGENT_PROMETHEUS_PORT`` is set to a port (see ``read_options``). Each agent then
+Off unless a port is set: ``--prometheus-port``, ``FSM_AGENT_PROMETHEUS_PORT`` or
+``[plugins.prometheus] port`` in the config file (see ``fsm_agent_addoption``). Each agent then
 serves ``http://127.0.0.1:<port>/metrics`` from its own ``CollectorRegistry`` while it runs.
 Torch's dotted metric names become Prometheus names by the rules in ``metric_for`` (and the
 README): ``workers.<role>.remaining_restarts`` -> ``torchelastic_workers_remaining_restarts{role}``,
@@ -71,9 +72,42 @@ def __getattr__(name):  # prometheus_client is imported only when the exporter i
 FSM_AGENT_KINDS = ("metrics",)
 
 
+def _check_port(port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ValueError("expected 0 (off) or a TCP port 1..65535")
+
+
+def _check_seconds(seconds: float) -> None:
+    if seconds < 0:
+        raise ValueError("expected seconds >= 0")
+
+
+@hookimpl
+def fsm_agent_addoption(options):
+    """``--prometheus-port`` / ``FSM_AGENT_PROMETHEUS_PORT`` / ``[plugins.prometheus] port``, and so on."""
+    options.add("port", type=int, default=0, check=_check_port,
+                help="serve the agent's metrics on http://ADDR:PORT/metrics while it runs; 0: off")
+    options.add("addr", type=str, default="127.0.0.1",
+                help="the address the metrics server binds; 0.0.0.0 exposes it to the network")
+    options.add("linger_s", type=float, default=0.0, check=_check_seconds,
+                help="after the run, serve until one more scrape read the final metrics, at most this many "
+                     "seconds; 0: stop at once")
+
+
+def run_options(config: Any) -> dict[str, Any]:
+    """The options for a run: resolved by the CLI (``config.plugins``), else from the environment
+    (a ``LaunchConfig`` built in Python carries only what its ``plugins`` holds).
+
+    Raises:
+        ValueError: a malformed environment variable (named with the fix).
+    """
+    given = dict(config.plugin_options(PLUGIN_NAME)) if hasattr(config, "plugin_options") else {}
+    return given if {"port", "addr", "linger_s"} <= set(given) else {**read_options(), **given}
+
+
 @hookimpl
 def fsm_agent_configure(config, agent):
-    """Start the exporter for this run when ``FSM_AGENT_PROMETHEUS_PORT`` is set.
+    """Start the exporter for this run when a port is set.
 
     Raises:
         ConfigError: a malformed option (the CLI prints it on one line and exits 2).
@@ -81,7 +115,7 @@ def fsm_agent_configure(config, agent):
     from fsm_agent.errors import ConfigError
 
     try:
-        options = read_options()
+        options = run_options(config)
     except ValueError as exc:
         raise ConfigError(f"plugin prometheus: {exc}") from None
     if not options["port"]:
