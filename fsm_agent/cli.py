@@ -1255,9 +1255,9 @@ def run_command(argv: list[str], prog: str = "fsm-agent run") -> int:
     """Parse ``argv`` like torchrun (plus env vars, the config file and plugin options), launch
     this node's agent and return its exit code."""
     config, entrypoint, entrypoint_args = config_from_args(resolve_run_args(argv, prog).args)
-    from fsm_agent.launch import launch_agent  # lazy: the CLI must answer --help without the agent
+    from fsm_agent.launch import run_agent  # lazy: the CLI must answer --help without the agent
 
-    return launch_agent(config, entrypoint, entrypoint_args).exit_code
+    return run_agent(config, entrypoint, entrypoint_args).exit_code
 
 
 def _dispatch(argv: list[str]) -> int:
