@@ -136,13 +136,16 @@ def run_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple = ()
     return result
 
 
-def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple | list = ()) -> dict[int, Any]:
+def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple | list = (),
+                 health_check_server: Any = None) -> dict[int, Any]:
     """Run one agent to the end. Mirrors ``torch.distributed.launcher.api.launch_agent``.
 
     Args:
         config: fsm-agent's ``LaunchConfig`` or torch's (its field names and defaults are kept).
         entrypoint: a program path (``sys.executable`` for Python) or a picklable callable.
         args: the entrypoint's arguments.
+        health_check_server: accepted for torch's signature and not used (torch's open-source
+            ``HealthCheckServer`` starts nothing; fsm-agent's liveness is ``--status-port``'s ``/healthz``).
 
     Returns:
         ``{global_rank: return value}`` of this node's workers (callable entrypoints; ``{}``
@@ -301,8 +304,8 @@ class elastic_launch:
         AgentFailedError / SignalException: as ``launch_agent``.
     """
 
-    def __init__(self, config: LaunchConfig, entrypoint: str | Callable):
-        self._config, self._entrypoint = config, entrypoint
+    def __init__(self, config: LaunchConfig, entrypoint: str | Callable, health_check_server: Any = None):
+        self._config, self._entrypoint, self._health_check_server = config, entrypoint, health_check_server
 
     def __call__(self, *args: Any) -> dict[int, Any]:
-        return launch_agent(self._config, self._entrypoint, args)
+        return launch_agent(self._config, self._entrypoint, args, health_check_server=self._health_check_server)

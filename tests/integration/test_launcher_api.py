@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -95,6 +96,39 @@ def test_run_agent_returns_the_run_result(tmp_path):
                           log_dir=str(tmp_path))
     result = run_agent(config, _fail_on_rank_one)
     assert result.is_failed() and result.exit_code == 1 and sorted(result.failures) == [1]
+
+
+def test_a_stop_signal_raises_torchs_signal_exception():
+    """SIGTERM to the agent (this process) mid-run: workers stopped, torch's SignalException, as torch."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from fsm_agent import elastic_launch
+
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SignalException) as info:
+        elastic_launch(torch_config(nproc_per_node=1, run_id="sig"), _terminate_the_agent)()
+    assert info.value.sigval == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is handler  # the caller's handler is back
+
+
+def _terminate_the_agent():
+    import os
+    import signal
+    import time
+
+    os.kill(os.getppid(), signal.SIGTERM)
+    time.sleep(60)  # stopped by the agent
+
+
+def test_a_rendezvous_that_never_completes_raises_agent_failed_error():
+    """No worker failed: fsm_agent.AgentFailedError with the RunResult (torch lets its error through)."""
+    from fsm_agent import AgentFailedError, launch_agent
+
+    config = LaunchConfig(min_nodes=2, max_nodes=2, rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                          rdzv_timeout=2)
+    with pytest.raises(AgentFailedError, match=r"not all 2 nodes came within 2 s") as info:
+        launch_agent(config, sys.executable, ["-c", "pass"])
+    assert info.value.result.is_failed() and info.value.result.failures == {}
 
 
 def test_torch_field_names_on_fsm_agents_launch_config(tmp_path):
