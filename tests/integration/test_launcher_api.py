@@ -244,8 +244,9 @@ def _orphan_and_report_its_parent(directory):
 
 
 def test_static_workers_see_master_port_and_restarts_never_see_old_keys(tmp_path, agents):
-    """Two static nodes, two counted restarts: every attempt's workers get --master-addr:--master-port
-    (the agents' store, TORCHELASTIC_USE_AGENT_STORE=True) and none sees a key an earlier attempt wrote."""
+    """Two static nodes, two counted restarts: every attempt's workers get --master-addr and
+    --master-port / PET_MASTER_PORT (the agents' store, TORCHELASTIC_USE_AGENT_STORE=True), and none
+    sees a key an earlier attempt wrote."""
     script = write(tmp_path / "w.py", """
         import json, os, sys, time
         from datetime import timedelta
@@ -265,9 +266,11 @@ def test_static_workers_see_master_port_and_restarts_never_see_old_keys(tmp_path
             sys.exit(1)
     """)
     port = free_port()
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-              "--max-restarts", "2", "--monitor-interval", "0.2"]
-    nodes = [agents.start(*common, "--node-rank", str(n), script) for n in (0, 1)]
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--max-restarts", "2",
+              "--monitor-interval", "0.2"]
+    # Node 0 names the port with the flag, node 1 with torchrun's environment variable.
+    nodes = [agents.start(*common, "--node-rank", "0", "--master-port", str(port), script),
+             agents.start(*common, "--node-rank", "1", script, env={"PET_MASTER_PORT": str(port)})]
     outputs = [node.communicate(timeout=180) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(err for _, err in outputs)
     seen = {(a, r): json.loads((tmp_path / f"seen_{a}_{r}.json").read_text()) for a in range(3) for r in (0, 1)}
