@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -276,6 +277,20 @@ def test_static_workers_see_master_port_and_restarts_never_see_old_keys(tmp_path
     seen = {(a, r): json.loads((tmp_path / f"seen_{a}_{r}.json").read_text()) for a in range(3) for r in (0, 1)}
     assert {(s["addr"], s["port"], s["agent_store"]) for s in seen.values()} == {("127.0.0.1", str(port), "True")}
     assert all(s["stale"] == [] for s in seen.values()), seen
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_training_restarts_under_static_master_port(tmp_path, agents, trial):
+    """examples/train_digits.py, rank 1 crashing once, under --master-port: gloo's restarted group
+    meets (under torchrun some tries fail: gloo connects to the previous attempt's addresses)."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
+    result = agents.run("--master-port", str(free_port()), "--nproc-per-node", "2", "--max-restarts", "1",
+                        str(example), "--epochs", "4", "--crash-rank", "1", "--crash-epoch", "2",
+                        "--checkpoint", str(tmp_path / "ck.pt"), "--result-file", str(tmp_path / "res.json"),
+                        timeout=240)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "res.json").read_text())
+    assert summary["restart_count"] == 1 and summary["resumed_from"] == 1
 
 
 def test_torch_launch_config_static_endpoint_is_the_workers_master_port(tmp_path):
