@@ -1,6 +1,8 @@
 """fsm-agent: an elastic agent for PyTorch distributed training, driven by a statechart with plugins.
 
-Public API: ``launch_agent``/``elastic_launch`` (torch's launcher API), ``LaunchConfig``, the data
+Public API: ``launch_agent``/``elastic_launch`` (torch's launcher API: ``{global_rank: value}``, or
+``WorkerGroupFailedError``, a torch ``ChildFailedError``), ``run_agent`` (the same run, returning
+the ``RunResult``), ``LaunchConfig``, the data
 model (``WorkerSpec``, ``Worker``, ``WorkerGroup``, ``WorkerState``, ``RunResult``), ``hookimpl``, and
 ``heartbeat()`` for workers (progress reports for ``--hang-timeout``).
 """
@@ -12,8 +14,11 @@ from fsm_agent.states.worker_state import WorkerState
 from fsm_agent.worker import RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec
 
 
+_LAUNCH_NAMES = ("launch_agent", "elastic_launch", "run_agent", "WorkerGroupFailedError", "AgentFailedError")
+
+
 def __getattr__(name):  # the launcher pulls in the agent; keep `import fsm_agent` light
-    if name in ("launch_agent", "elastic_launch", "WorkerGroupFailedError"):
+    if name in _LAUNCH_NAMES:
         from fsm_agent import launch
 
         return getattr(launch, name)
@@ -21,4 +26,4 @@ def __getattr__(name):  # the launcher pulls in the agent; keep `import fsm_agen
 
 
 __all__ = ["LaunchConfig", "WorkerSpec", "Worker", "WorkerGroup", "WorkerState", "WorkerFailure",
-           "RunResult", "hookimpl", "heartbeat", "launch_agent", "elastic_launch", "WorkerGroupFailedError"]
+           "RunResult", "hookimpl", "heartbeat", *_LAUNCH_NAMES]

@@ -493,8 +493,9 @@ def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] 
     add("--node-rank", default=0, type=int, help="rank of this node (static rendezvous only)")
     add("--master-addr", default="127.0.0.1", help="address of the rank-0 node (static rendezvous only)")
     add("--master-port", default=None, type=int,
-        help=f"port on the rank-0 node (static rendezvous only; {DEFAULT_MASTER_PORT} when unset). "
-             "Giving it turns off the implicit single-node (--standalone) rendezvous")
+        help=f"port on the rank-0 node (static rendezvous only; {DEFAULT_MASTER_PORT} when unset): the agents' "
+             "store, and the workers' MASTER_PORT. Giving it turns off the implicit single-node (--standalone) "
+             "rendezvous")
     add("--local-addr", default=None, help="this node's address (default: its FQDN)")
     add("--logs-specs", action="store", default=None,
         help="name of a torchrun.logs_specs entry point that lays out the log files [env FSM_AGENT_LOGS_SPECS]")
@@ -1371,9 +1372,9 @@ def run_command(argv: list[str], prog: str = "fsm-agent run") -> int:
     resolved = resolve_run_args(argv, prog)
     config, entrypoint, entrypoint_args = config_from_args(resolved.args)
     check_rdzv_conf(resolved, config)
-    from fsm_agent.launch import launch_agent  # lazy: the CLI must answer --help without the agent
+    from fsm_agent.launch import run_agent  # lazy: the CLI must answer --help without the agent
 
-    return launch_agent(config, entrypoint, entrypoint_args).exit_code
+    return run_agent(config, entrypoint, entrypoint_args).exit_code
 
 
 def _dispatch(argv: list[str]) -> int:

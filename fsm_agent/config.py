@@ -64,6 +64,7 @@ class LaunchConfig:
         run_id: ``--rdzv-id``; agents with the same id and endpoint form one job.
         role: ``--role``.
         rdzv_endpoint / rdzv_backend / rdzv_configs: ``--rdzv-endpoint``, ``--rdzv-backend``, ``--rdzv-conf``.
+        rdzv_timeout: torch's legacy field: when not -1, seconds put into ``rdzv_configs["timeout"]``.
         max_restarts: ``--max-restarts``.
         monitor_interval: ``--monitor-interval`` seconds (periodic checks only; exits are event-driven).
         start_method: ``--start-method`` for callable entrypoints.
@@ -71,11 +72,14 @@ class LaunchConfig:
         redirects / tee: ``-r`` / ``-t`` values as torch's ``Std`` strings ("0".."3" or "0:3,1:2").
         local_ranks_filter: ``--local-ranks-filter`` as a set of local ranks, or None for all.
         log_line_prefix_template: ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``.
-        logs_specs: name of a ``torchrun.logs_specs`` entry point, or None for the built-in layout.
+        logs_specs: a torch ``LogsSpecs`` instance (as torch's LaunchConfig takes), the name of a
+            ``torchrun.logs_specs`` entry point (``--logs-specs``), or None for the built-in layout.
         local_addr: ``--local-addr``.
         node_rank / master_addr / master_port: static-rendezvous flags.
         event_log_handler: ``--event-log-handler`` (torch's event destination name).
         numa_binding: ``--numa-binding``.
+        numa_options: torch's ``NumaOptions`` (Python API); sets ``numa_binding`` to its affinity mode.
+        metrics_cfg: torch's metrics configuration, handed to ``torch.distributed.elastic.metrics``.
         signals_to_handle: ``--signals-to-handle`` (comma-separated signal names).
         duplicate_stdout_filters / duplicate_stderr_filters: substrings copied to filtered_*.log.
         virtual_local_rank: ``--virtual-local-rank``.
@@ -99,6 +103,7 @@ class LaunchConfig:
     rdzv_endpoint: str = ""
     rdzv_backend: str = "static"
     rdzv_configs: dict[str, Any] = attrs.field(factory=dict)
+    rdzv_timeout: int = -1
     max_restarts: int = 0
     monitor_interval: float = 0.1
     start_method: str = "spawn"
@@ -107,13 +112,15 @@ class LaunchConfig:
     tee: str = "0"
     local_ranks_filter: frozenset[int] | None = None
     log_line_prefix_template: str | None = None
-    logs_specs: str | None = None
+    logs_specs: Any = None
     local_addr: str | None = None
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
     event_log_handler: str = "null"
     numa_binding: str | None = None
+    numa_options: Any = None
+    metrics_cfg: dict[str, str] = attrs.field(factory=dict)
     signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
@@ -129,6 +136,11 @@ class LaunchConfig:
     plugins: dict[str, dict[str, Any]] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
+        if self.rdzv_timeout != -1:  # torch's LaunchConfig.__post_init__ does the same
+            object.__setattr__(self, "rdzv_configs", {**self.rdzv_configs, "timeout": self.rdzv_timeout})
+        if self.numa_options is not None and self.numa_binding is None:
+            mode = getattr(self.numa_options, "affinity_mode", None)
+            object.__setattr__(self, "numa_binding", str(getattr(mode, "value", mode)))
         _check(0 < self.min_nodes <= self.max_nodes,
                f"--nnodes {self.min_nodes}:{self.max_nodes}: need 0 < MIN <= MAX (e.g. --nnodes 1:2)")
         _check(self.nproc_per_node > 0,
@@ -145,6 +157,44 @@ class LaunchConfig:
 
     def evolve(self, **changes: Any) -> "LaunchConfig":
         return attrs.evolve(self, **changes)
+
+    @classmethod
+    def coerce(cls, config: Any) -> "LaunchConfig":
+        """``config`` itself, or torch's ``torch.distributed.launcher.api.LaunchConfig`` turned into one.
+
+        torch's fields keep torch's values (its defaults included: ``rdzv_backend="etcd"``,
+        ``role="default_role"``, ``max_restarts=3``, ``rdzv_configs["timeout"]=900``); the static
+        backend's ``rdzv_configs["rank"]`` becomes ``node_rank``. An empty ``run_id`` gets a random
+        one, written back to ``config.run_id``, as torch's ``launch_agent`` does.
+
+        Raises:
+            ConfigError: ``config`` is neither, or a value is out of range.
+        """
+        if isinstance(config, cls):
+            return config
+        torch_names = ("min_nodes", "max_nodes", "nproc_per_node", "rdzv_backend", "rdzv_configs")
+        if not all(hasattr(config, name) for name in torch_names):
+            raise ConfigError(f"launch config {type(config).__name__!r}: expected fsm_agent.LaunchConfig or "
+                              "torch.distributed.launcher.api.LaunchConfig")
+        if not config.run_id:
+            import logging
+            import uuid
+
+            config.run_id = str(uuid.uuid4().int)
+            logging.getLogger(__name__).warning("config has no run_id, generated a random run_id: %s", config.run_id)
+        rdzv_configs = dict(config.rdzv_configs)
+        node_rank = int(rdzv_configs.get("rank", 0)) if config.rdzv_backend == "static" else 0
+        same = ("min_nodes", "max_nodes", "nproc_per_node", "run_id", "role", "rdzv_endpoint", "rdzv_backend",
+                "max_restarts", "monitor_interval", "start_method", "log_line_prefix_template", "local_addr",
+                "event_log_handler", "signals_to_handle", "virtual_local_rank", "logs_specs", "numa_options")
+        values = {name: getattr(config, name) for name in same if hasattr(config, name)}
+        shutdown_timeout = getattr(config, "shutdown_timeout", None)
+        return cls(**values, rdzv_configs=rdzv_configs, node_rank=node_rank,
+                   metrics_cfg=dict(getattr(config, "metrics_cfg", None) or {}),
+                   duplicate_stdout_filters=tuple(getattr(config, "duplicate_stdout_filters", None) or ()),
+                   duplicate_stderr_filters=tuple(getattr(config, "duplicate_stderr_filters", None) or ()),
+                   shutdown_timeout=float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+                                          if shutdown_timeout is None else shutdown_timeout))
 
     def plugin_options(self, plugin: str) -> Mapping[str, Any]:
         """The options plugin ``plugin`` declared in ``fsm_agent_addoption``, as resolved (read-only).
@@ -397,7 +447,7 @@ RENDEZVOUS_OPTIONS: dict[str, tuple[Kind, str]] = {
     "keep_alive_interval": (POSITIVE_SECONDS, "c10d: seconds between keep-alive heartbeats (torch: 5)"),
     "keep_alive_max_attempt": (POSITIVE_INT, "c10d: missed heartbeats before a node is dead (torch: 3)"),
     "is_host": (BOOL, "c10d: whether this node hosts the rendezvous store (torch: inferred from the endpoint)"),
-    "timeout": (POSITIVE_SECONDS, "static: seconds to wait for all nodes (torch: 600)"),
+    "timeout": (POSITIVE_SECONDS, "static: seconds to wait for all nodes (torchrun: 900)"),
 }
 
 #: Every file key, in documentation order. Top-level keys, then ``[rendezvous]``, then ``[logs]``.

@@ -1,7 +1,12 @@
 """The Python API: ``launch_agent(config, entrypoint, args)`` and ``elastic_launch(config, fn)(*args)``.
 
-Mirrors ``torch.distributed.launcher.api``: build the WorkerSpec, the plugins and the agent from
-a LaunchConfig, run it, print the summary and hand back the result.
+Mirrors ``torch.distributed.launcher.api``: both take fsm-agent's or torch's ``LaunchConfig``,
+return ``{global_rank: return value}`` and raise ``WorkerGroupFailedError`` (a torch
+``ChildFailedError``) when workers failed. ``run_agent`` is what the CLI runs: it prints the
+summary and returns the richer ``RunResult`` instead of raising.
+
+``WorkerGroupFailedError`` derives from torch's class, so it is created on first use (module
+``__getattr__``): an agent that never imports torch (the ``fsm`` backend) still never does.
 """
 
 from __future__ import annotations
@@ -67,7 +72,9 @@ def rendezvous_parameters(config: LaunchConfig):
 def _logs_layout(config: LaunchConfig) -> LogsLayout | TorchLogsSpecsLayout:
     filters = frozenset(config.local_ranks_filter) if config.local_ranks_filter else None
     if config.logs_specs:
-        specs = load_logs_specs(config.logs_specs, config.log_dir, config.redirects, config.tee, filters)
+        specs = config.logs_specs
+        if isinstance(specs, str):  # a torchrun.logs_specs entry point name (--logs-specs)
+            specs = load_logs_specs(specs, config.log_dir, config.redirects, config.tee, filters)
         return TorchLogsSpecsLayout(specs, config.run_id, config.log_line_prefix_template)
     return LogsLayout(log_dir=config.log_dir, run_id=config.run_id,
                       redirects=parse_std(config.redirects, "-r/--redirects"),
@@ -106,16 +113,67 @@ def create_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple) 
         raise
 
 
-def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple = ()) -> RunResult:
-    """Run one agent to the end; print the summary on failure. Mirrors torch's ``launch_agent``.
+def run_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple = ()) -> RunResult:
+    """Run one agent to the end; on failure print the summary and copy the root cause's error file
+    to an outer launcher's ``TORCHELASTIC_ERROR_FILE``. What ``fsm-agent run`` does.
+
+    Args:
+        config: fsm-agent's ``LaunchConfig`` or torch's (``LaunchConfig.coerce``).
+        entrypoint: a program path (``sys.executable`` for Python) or a picklable callable.
+        args: the entrypoint's arguments (``${local_rank}`` is substituted).
 
     Returns:
-        The RunResult (``result.exit_code`` is what the CLI exits with).
+        The RunResult (``result.exit_code`` is what the CLI exits with); never raises for worker,
+        rendezvous or signal failures.
 
     Raises:
         ConfigError / PluginError: before any worker started (bad backend name, plugin import error).
     """
+    result, name = _launch_in_scope(config, entrypoint, args)
+    if result.is_failed():
+        print(format_summary(name, result), file=sys.stderr, flush=True)
+        propagate_to_parent(result, name)
+    return result
+
+
+def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple | list = (),
+                 health_check_server: Any = None) -> dict[int, Any]:
+    """Run one agent to the end. Mirrors ``torch.distributed.launcher.api.launch_agent``.
+
+    Args:
+        config: fsm-agent's ``LaunchConfig`` or torch's (its field names and defaults are kept).
+        entrypoint: a program path (``sys.executable`` for Python) or a picklable callable.
+        args: the entrypoint's arguments.
+        health_check_server: accepted for torch's signature and not used (torch's open-source
+            ``HealthCheckServer`` starts nothing; fsm-agent's liveness is ``--status-port``'s ``/healthz``).
+
+    Returns:
+        ``{global_rank: return value}`` of this node's workers (callable entrypoints; ``{}``
+        for programs), as torch.
+
+    Raises:
+        WorkerGroupFailedError: workers failed; it *is a* torch ``ChildFailedError`` (so
+            ``except ChildFailedError`` and ``@record`` handle it), with fsm-agent's ``result``.
+        AgentFailedError: the run failed without a worker failure (rendezvous, agent error).
+        SignalException: torch's, when a stop signal ended the run (torch raises it too).
+        ConfigError / PluginError: before any worker started.
+    """
+    result, name = _launch_in_scope(config, entrypoint, tuple(args))
+    if not result.is_failed():
+        return result.return_values
+    if result.failures:
+        raise _worker_group_failed_error()(name, result)
+    if result.signal is not None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        raise SignalException(f"Process {os.getpid()} got signal: {result.signal}", sigval=result.signal)
+    raise AgentFailedError(name, result)
+
+
+def _launch_in_scope(config: LaunchConfig, entrypoint: str | Callable, args: tuple) -> tuple[RunResult, str]:
+    config = LaunchConfig.coerce(config)
     _configure_logging()
+    _initialize_metrics(config.metrics_cfg)
     # Handle stop signals from the first instruction: until the agent installs its own handlers
     # (at the start of run(), before the first rendezvous) a signal ends the launch cleanly.
     # They stay until run() puts the agent's own in place, and are undone when the launch ends.
@@ -127,16 +185,19 @@ def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple =
             signal.signal(sig, handler)
 
 
-def _launch(config: LaunchConfig, entrypoint: str | Callable, args: tuple) -> RunResult:
+def _initialize_metrics(metrics_cfg: dict[str, str]) -> None:
+    """torch's ``metrics.initialize_metrics(MetricsConfig(cfg))``, only when a config was given."""
+    if metrics_cfg:
+        from torch.distributed.elastic import metrics
+
+        metrics.initialize_metrics(metrics.MetricsConfig(dict(metrics_cfg)))
+
+
+def _launch(config: LaunchConfig, entrypoint: str | Callable, args: tuple) -> tuple[RunResult, str]:
     agent = create_agent(config, entrypoint, args)
     if agent.run_log_dir:
         log.info("logs in %s, events in %s", agent.run_log_dir, agent.events_path)
-    result = agent.run()
-    name = agent.spec.get_entrypoint_name()
-    if result.is_failed():
-        print(format_summary(name, result), file=sys.stderr, flush=True)
-        propagate_to_parent(result, name)
-    return result
+    return agent.run(), agent.spec.get_entrypoint_name()
 
 
 def _stop_signals(names: str) -> list[int]:
@@ -149,34 +210,102 @@ def _exit_on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
 
-class WorkerGroupFailedError(FsmAgentError):
-    """Raised by ``elastic_launch`` when the job failed; torch raises ``ChildFailedError`` here.
+class AgentFailedError(FsmAgentError):
+    """Raised by ``launch_agent``/``elastic_launch`` when the run failed with no worker failure to
+    report (the rendezvous failed or timed out, the agent itself failed); torch lets the
+    rendezvous or agent exception through here.
 
     Attributes:
-        result: the RunResult; ``failures`` maps global rank to WorkerFailure.
+        name: the entrypoint's name.
+        result: the RunResult (``result.error`` says what failed).
     """
 
     def __init__(self, name: str, result: RunResult):
-        super().__init__(format_summary(name, result))
-        self.result = result
-        self.failures: dict[int, WorkerFailure] = result.failures
+        super().__init__(f"{name} FAILED: {result.error or result.verdict or result.state.value}")
+        self.name, self.result = name, result
+
+    def __reduce__(self):
+        return (type(self), (self.name, self.result))
+
+
+_WORKER_GROUP_FAILED_ERROR: type | None = None
+
+
+def _worker_group_failed_error() -> type:
+    """The ``WorkerGroupFailedError`` class, made on first use (it derives from torch's ChildFailedError)."""
+    global _WORKER_GROUP_FAILED_ERROR
+    if _WORKER_GROUP_FAILED_ERROR is not None:
+        return _WORKER_GROUP_FAILED_ERROR
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    class WorkerGroupFailedError(ChildFailedError, FsmAgentError):
+        """Workers failed. *Is a* torch ``ChildFailedError``, as torch's launcher raises.
+
+        The message is fsm-agent's summary (root cause first). Attributes:
+
+        - ``name``: the entrypoint's name; ``failures``: ``{global_rank: torch ProcessFailure}``
+          (what torch's ``@record`` and ``get_first_failure()`` read; the root cause first);
+        - ``result``: fsm-agent's RunResult; ``worker_failures``: ``{global_rank: WorkerFailure}``
+          (exit code, message, traceback, hostname, failure class); ``root_cause``: the first
+          WorkerFailure.
+        """
+
+        def __init__(self, name: str, result: RunResult):
+            self.result = result
+            self.worker_failures: dict[int, WorkerFailure] = dict(result.failures)
+            ChildFailedError.__init__(self, name, _process_failures(result))
+            self.args = (format_summary(name, result),)
+
+        @property
+        def root_cause(self) -> WorkerFailure | None:
+            return self.result.root_cause
+
+        def __reduce__(self):
+            return (type(self), (self.name, self.result))
+
+    WorkerGroupFailedError.__module__ = __name__
+    WorkerGroupFailedError.__qualname__ = "WorkerGroupFailedError"
+    _WORKER_GROUP_FAILED_ERROR = WorkerGroupFailedError
+    return WorkerGroupFailedError
+
+
+def _process_failures(result: RunResult) -> dict[int, Any]:
+    """``{global_rank: torch ProcessFailure}``, root cause first; each timestamp is fsm-agent's
+    (error.json time, else exit time), so torch's ``get_first_failure`` names the same root cause."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    root = result.root_cause
+    failures = {}
+    for rank, failure in sorted(result.failures.items(), key=lambda item: item[1] is not root):
+        try:
+            process = ProcessFailure(local_rank=failure.local_rank, pid=failure.pid, exitcode=failure.exitcode,
+                                     error_file=failure.error_file)
+        except Exception:  # an error.json torch cannot parse: described without it
+            process = ProcessFailure(local_rank=failure.local_rank, pid=failure.pid, exitcode=failure.exitcode,
+                                     error_file="<N/A>")
+        process.timestamp = int(failure.error_timestamp or failure.timestamp)
+        failures[rank] = process
+    return failures
+
+
+def __getattr__(name: str) -> Any:
+    if name == "WorkerGroupFailedError":
+        return _worker_group_failed_error()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class elastic_launch:
     """``elastic_launch(config, entrypoint)(*args)`` -> ``{global_rank: return value}`` of this node.
 
-    Mirrors ``torch.distributed.launcher.api.elastic_launch``.
+    Mirrors ``torch.distributed.launcher.api.elastic_launch``; ``config`` may be torch's LaunchConfig.
 
     Raises:
-        WorkerGroupFailedError: the workers failed (torch: ChildFailedError).
+        WorkerGroupFailedError: the workers failed; *is a* torch ``ChildFailedError``.
+        AgentFailedError / SignalException: as ``launch_agent``.
     """
 
-    def __init__(self, config: LaunchConfig, entrypoint: str | Callable):
-        self._config, self._entrypoint = config, entrypoint
+    def __init__(self, config: LaunchConfig, entrypoint: str | Callable, health_check_server: Any = None):
+        self._config, self._entrypoint, self._health_check_server = config, entrypoint, health_check_server
 
     def __call__(self, *args: Any) -> dict[int, Any]:
-        result = launch_agent(self._config, self._entrypoint, args)
-        if result.is_failed():
-            name = self._entrypoint if isinstance(self._entrypoint, str) else self._entrypoint.__qualname__
-            raise WorkerGroupFailedError(name, result)
-        return result.return_values
+        return launch_agent(self._config, self._entrypoint, args, health_check_server=self._health_check_server)

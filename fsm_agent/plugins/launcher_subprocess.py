@@ -38,6 +38,7 @@ from fsm_agent.plugins import hookimpl
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 
 
 @hookimpl
@@ -51,15 +52,25 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
-def become_subreaper() -> bool:
+def become_subreaper(on: bool = True) -> bool:
     """Make orphaned descendants (daemonized grandchildren of workers) reparent to this process.
 
     Linux's ``PR_SET_CHILD_SUBREAPER``: a worker's double-forked daemon then becomes our child
-    instead of init's, so ``sweep_orphans`` can find and stop it.
+    instead of init's, so ``sweep_orphans`` can find and stop it. ``on=False`` clears the flag.
+    Returns whether the call succeeded (False off Linux).
     """
     if not sys.platform.startswith("linux"):
         return False
-    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+
+
+def is_subreaper() -> bool:
+    """Whether this process is a child subreaper now (``PR_GET_CHILD_SUBREAPER``; False off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    flag = ctypes.c_int(0)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0)
+    return bool(flag.value)
 
 
 def _helper_pids() -> set[int]:
@@ -178,12 +189,14 @@ class SubprocessLauncher:
         self._cgroup: WorkerCgroup | None = None
         self._keeper: Keeper | None = None
         self._cgroup_tried = False
-        become_subreaper()
+        #: Whether this process was a subreaper before start() made it one (None: not holding the flag).
+        self._was_subreaper: bool | None = None
 
     # -- start ----------------------------------------------------------------------------------
     def start(self, spec, envs: dict[int, dict[str, str]], logs: dict[int, WorkerLogs],
               filtered: tuple[str | None, str | None] = (None, None)) -> dict[int, int]:
         self._ensure_cgroup()
+        self._hold_subreaper()
         # Processes that exist before the workers (e.g. servers a test harness started) are not
         # ours to sweep or reap. With a cgroup the sweep is the cgroup's, so only children count.
         if self._cgroup is not None:
@@ -358,6 +371,8 @@ class SubprocessLauncher:
             swept = sweep_orphans(keep=live | self._not_ours) if self._handles else []
             if swept:
                 log.warning("stopped %d leftover process(es) of the workers: %s", len(swept), swept)
+        if not live:
+            self._release_subreaper()
         for h in self._handles.values():
             for reader in h.readers:
                 reader.join(2.0)
@@ -371,6 +386,22 @@ class SubprocessLauncher:
         for sink in self._filtered:
             if sink is not None:
                 sink.close()
+
+    def _hold_subreaper(self) -> None:
+        """Be a child subreaper while workers run (an in-process caller must not stay one)."""
+        if self._was_subreaper is None:
+            self._was_subreaper = is_subreaper()
+            become_subreaper()
+
+    def _release_subreaper(self) -> None:
+        """Put the flag back as start() found it, then reap the orphans adopted meanwhile that died
+        (the sweep has stopped the rest): none of them is left as a zombie of the caller."""
+        if self._was_subreaper is None:
+            return
+        if not self._was_subreaper:
+            become_subreaper(False)
+        self._was_subreaper = None
+        _reap_children(self._not_ours | _helper_pids())
 
     def shutdown(self) -> None:
         """Remove the workers' cgroup and reap its keeper (called when the agent is done)."""

@@ -11,6 +11,9 @@ import attrs
 from fsm_agent.errors import ConfigError, PluginError
 
 KINDS = ("rendezvous", "launcher")
+#: torch's etcd backends: they need etcd's v2 API (off by default since etcd 3.4, gone in 3.6) and
+#: python-etcd; fsm-agent serves etcd through the fsm-agent-etcd plugin's ``etcd-v3`` instead.
+TORCH_ETCD_BACKENDS = ("etcd", "etcd-v2")
 _FLAG = {"rendezvous": "--rdzv-backend", "launcher": "--launcher"}
 
 
@@ -105,7 +108,17 @@ class BackendRegistry:
             return self._factories[kind][name]
         except KeyError:
             known = ", ".join(self.names(kind)) or "(none)"
+            if kind == "rendezvous" and name in TORCH_ETCD_BACKENDS:
+                raise ConfigError(_etcd_hint(name, "etcd-v3" in self._factories[kind])) from None
             raise ConfigError(
                 f"unknown {kind} backend {name!r}: known backends are {known}; "
                 f"fix {_FLAG[kind]} or install a plugin that provides it"
             ) from None
+
+
+def _etcd_hint(name: str, installed: bool) -> str:
+    how = ("use --rdzv-backend etcd-v3 (installed)" if installed else
+           "use --rdzv-backend etcd-v3 after `pip install fsm-agent-etcd` (plugins/fsm-agent-etcd in "
+           "fsm-agent's repository)")
+    return (f"--rdzv-backend {name}: torch's {name} backend needs etcd's v2 API and python-etcd, which fsm-agent "
+            f"does not use; for etcd {how}, or use c10d")

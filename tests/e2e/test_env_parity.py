@@ -5,9 +5,9 @@ unset, no PET_*/TORCHELASTIC_* variables); each worker dumps ``dict(os.environ)`
 inherit unchanged from the parent are dropped; every other key must be present in both with the
 same value, except exactly these differences (``EXPECTED`` lists them per case):
 
-* ``MASTER_PORT`` - differs by nature: an OS-chosen free port in every run (fsm-agent also picks a
-  fresh port for the workers' store each round, even for static rendezvous, where torchrun hands
-  workers ``--master-port`` itself). Both must be valid port numbers.
+* ``MASTER_PORT`` - differs by nature under ``--standalone``: an OS-chosen free port in every run.
+  Both must be valid port numbers. With static rendezvous both runs get the same ``--master-port``
+  and both hand it to the workers as is, so there it must be equal.
 * ``TORCHELASTIC_ERROR_FILE`` - differs by nature: the log directory is a fresh temporary
   directory (``torchelastic_*`` vs ``fsm_agent_*``). Both must end in the same
   ``<run_id>_<random>/attempt_0/<local_rank>/error.json`` shape.
@@ -49,7 +49,7 @@ CASES = {
     "standalone-2": (["--standalone", "--nproc-per-node", "2"], {}, 2,
                      STANDALONE | {"TORCHELASTIC_USE_AGENT_STORE"}),
     "static-master-port-2": (["--master-port", "{port}", "--nproc-per-node", "2"], {}, 2,
-                             {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", SIGNALS}),
+                             {"TORCHELASTIC_ERROR_FILE", SIGNALS}),
     "standalone-unshared-store": (["--standalone", "--nproc-per-node", "1"],
                                   {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, 1, STANDALONE),
 }
@@ -57,8 +57,10 @@ _ERROR_FILE_TAIL = re.compile(r"/[^/]+_[^/]+/attempt_0/(\d+)/error\.json$")
 
 
 def _run_both(launcher, flags: list[str], extra_env: dict[str, str], nproc: int):
+    port = str(free_port())  # one --master-port for both runs, one after the other
+
     def flags_now() -> list[str]:
-        return [f.replace("{port}", str(free_port())) for f in flags]
+        return [f.replace("{port}", port) for f in flags]
 
     env = {**extra_env, "FSM_E2E_TAG": "torch_"}
     launcher.torchrun(*flags_now(), launcher.probe, env=env, unset=("OMP_NUM_THREADS",)).wait().check()

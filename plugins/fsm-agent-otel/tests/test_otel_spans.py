@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from opentelemetry.trace import SpanKind, StatusCode
 
-from fsm_agent import LaunchConfig, launch_agent
+from fsm_agent import LaunchConfig, run_agent
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ STATE_TRACE = ["INIT", "HEALTHY", "STOPPED", "HEALTHY", "SUCCEEDED"]
 def test_one_span_per_state_visit_with_a_crash_and_a_restart(tmp_path, memory_spans, worker_script):
     config = LaunchConfig(nproc_per_node=2, max_restarts=1, rdzv_backend="c10d", rdzv_endpoint="localhost:0",
                           run_id="otel-crash", role="trainer", log_dir=str(tmp_path / "logs"))
-    result = launch_agent(config, sys.executable, (worker_script,))
+    result = run_agent(config, sys.executable, (worker_script,))
     assert result.exit_code == 0 and result.restart_count == 1
 
     spans = memory_spans.get_finished_spans()
@@ -60,7 +60,7 @@ def test_one_span_per_state_visit_with_a_crash_and_a_restart(tmp_path, memory_sp
 def test_a_failed_run_marks_the_run_span_as_an_error(tmp_path, memory_spans, worker_script):
     config = LaunchConfig(nproc_per_node=2, max_restarts=0, rdzv_backend="c10d", rdzv_endpoint="localhost:0",
                           run_id="otel-fail", log_dir=str(tmp_path / "logs"))
-    result = launch_agent(config, sys.executable, (worker_script,))
+    result = run_agent(config, sys.executable, (worker_script,))
     assert result.exit_code == 7
     spans = {s.name: s for s in memory_spans.get_finished_spans()}
     assert set(spans) == {"fsm-agent run", "INIT", "HEALTHY", "FAILED"}

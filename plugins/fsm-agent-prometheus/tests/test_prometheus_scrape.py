@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from fsm_agent import LaunchConfig, launch_agent
+from fsm_agent import LaunchConfig, run_agent
 
 pytestmark = pytest.mark.slow
 
@@ -107,7 +107,7 @@ def test_metrics_scraped_during_a_run_with_a_crash_and_a_restart(tmp_path, agent
 
 
 def test_python_api_run_is_scraped_too(tmp_path, monkeypatch, prom):
-    """launch_agent in this process; a thread scrapes while the agent runs in the main thread."""
+    """run_agent in this process; a thread scrapes while the agent runs in the main thread."""
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(WAIT_FOR_RELEASE + "\n    run_until_released()\n"))
     port, release = prom.free_port(), tmp_path / "release"
@@ -129,7 +129,7 @@ def test_python_api_run_is_scraped_too(tmp_path, monkeypatch, prom):
     try:
         config = LaunchConfig(nproc_per_node=1, rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id="prom-api",
                               log_dir=str(tmp_path / "logs"))
-        result = launch_agent(config, sys.executable, (str(script),))
+        result = run_agent(config, sys.executable, (str(script),))
     finally:
         done.set()
         thread.join(timeout=10)
