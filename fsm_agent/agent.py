@@ -260,7 +260,7 @@ class ElasticAgent:
                 self._step()
         finally:
             self._restore_signal_handlers(previous)
-            self.close()
+            self._release()
         gave_up = self.state == S.FAILED and self._decision is not None and not self._decision.restart
         result = RunResult(state=self.state, return_values=dict(self._return_values),
                            failures=dict(self._failures), error=self._error, signal=self._signal,
@@ -846,10 +846,15 @@ class ElasticAgent:
             signal.set_wakeup_fd(wakeup)
 
     def close(self) -> None:
-        """Release what the agent holds: the launcher (and its zygote), the hang detector, the
-        worker store, the rendezvous (torch's ``shutdown()``, unless this node leaves alone) and
-        the wake-up pipe. ``run()`` calls it on its way out; call it for an agent built but never
-        run. Idempotent."""
+        """Release what an agent built but never run holds: what ``run()`` releases on its way out
+        (see ``_release``) and its temporary log directory (a ``--log-dir`` stays). Idempotent."""
+        self._release()
+        getattr(self._logs, "cleanup", lambda: None)()
+
+    def _release(self) -> None:
+        """Release the launcher (and its zygote), the hang detector, the worker store, the
+        rendezvous (torch's ``shutdown()``, unless this node leaves alone) and the wake-up pipe.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True

@@ -321,8 +321,7 @@ def test_static_rendezvous_waits_900_seconds_by_default():
         try:
             return agent._rdzv_handler.timeout.total_seconds()
         finally:
-            agent._release()
-            agent._logs.cleanup()
+            agent.close()
 
     assert timeout_of() == 900
     assert timeout_of(timeout=30) == 30
