@@ -9,11 +9,11 @@ from fsm_agent import _early_signals
 
 _early_signals.install()  # first: the agent command handles signals from its first milliseconds on
 
-from fsm_agent.config import LaunchConfig  # noqa: E402
-from fsm_agent.heartbeat import heartbeat  # noqa: E402
-from fsm_agent.plugins import hookimpl  # noqa: E402
-from fsm_agent.states.worker_state import WorkerState  # noqa: E402
-from fsm_agent.worker import RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec  # noqa: E402
+from fsm_agent.config import LaunchConfig
+from fsm_agent.heartbeat import heartbeat
+from fsm_agent.plugins import hookimpl
+from fsm_agent.states.worker_state import WorkerState
+from fsm_agent.worker import RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec
 
 
 def __getattr__(name):  # the launcher pulls in the agent; keep `import fsm_agent` light

@@ -17,8 +17,8 @@ import sys
 import threading
 import time
 import traceback
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import attrs
@@ -727,7 +727,7 @@ class ElasticAgent:
         """``call()`` (a rendezvous or store call that may block), cut short by a stop signal.
 
         torch's store calls (TCPStore's connect and ``wait_for_workers`` in StaticTCPRendezvous,
-        ``store.wait`` in the exit barrier, a plugin's gRPC call) block in C++ and retry on EINTR: a
+        ``store.wait`` in the exit barrier, a plugin's network client) block in C++ and retry on EINTR: a
         Python signal handler runs only once they return, minutes later. So ``call`` runs in a
         daemon thread and this thread waits on the signal wakeup fd, which every signal makes
         readable whatever thread the kernel delivers it to. A stop signal then raises SignalStop at

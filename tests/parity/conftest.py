@@ -34,6 +34,7 @@ import pytest
 
 from fsm_agent.testing.processes import wait_until
 from tests.e2e.conftest import Launcher, Proc, Result, free_port, write_script
+from tests.multihost.conftest import netns_hosts  # noqa: F401 (a fixture of the multi-host parity tests)
 
 TORCHRUN, FSM_AGENT = "torchrun", "fsm-agent"
 TOOLS = (TORCHRUN, FSM_AGENT)
@@ -242,7 +243,7 @@ class ConnectWatch:
             while time.monotonic() < deadline and proc.alive():
                 try:
                     conn, _ = self._sock.accept()
-                except (socket.timeout, BlockingIOError):
+                except (TimeoutError, BlockingIOError):
                     continue
                 conn.close()
                 return
@@ -282,6 +283,22 @@ def send_and_time(proc: Proc, sig: int, timeout: float = 60.0) -> tuple[Result, 
     return result, (proc.finished or time.monotonic()) - sent
 
 
-__all__ = ["FSM_AGENT", "TORCHRUN", "TOOLS", "SIGNAL_PROBE", "ConnectWatch", "Outcome", "Parity", "Tool",
-           "assert_at_least_as_good", "catches", "exit_class", "wait_catching", "free_port", "probe_records", "send_and_time",
-           "wait_for_probes", "wait_listening"]
+__all__ = [
+    "FSM_AGENT",
+    "SIGNAL_PROBE",
+    "TOOLS",
+    "TORCHRUN",
+    "ConnectWatch",
+    "Outcome",
+    "Parity",
+    "Tool",
+    "assert_at_least_as_good",
+    "catches",
+    "exit_class",
+    "free_port",
+    "probe_records",
+    "send_and_time",
+    "wait_catching",
+    "wait_for_probes",
+    "wait_listening",
+]

@@ -25,9 +25,9 @@ import pytest
 
 from fsm_agent.testing.processes import wait_until
 from tests.e2e.conftest import Result, free_port
-from tests.multihost.conftest import NetnsHosts, netns_hosts  # noqa: F401 (the fixture)
+from tests.multihost.conftest import NetnsHosts
 from tests.parity.conftest import (FSM_AGENT, TORCHRUN, ConnectWatch, Tool, assert_at_least_as_good, exit_class,
-                                   parity, probe_records, wait_catching, wait_for_probes, wait_listening)  # noqa: F401
+                                   probe_records, wait_catching, wait_for_probes, wait_listening)
 
 pytestmark = pytest.mark.slow
 
@@ -268,7 +268,7 @@ def _static_flags(hosts: NetnsHosts, node_rank: int) -> list[str]:
 
 
 @pytest.mark.parametrize("node_rank,sig", [(0, signal.SIGINT), (1, signal.SIGTERM)], ids=["store-host", "other-node"])
-def test_netns_static_node_alone_stops_at_once(netns_hosts, node_rank, sig):  # noqa: F811
+def test_netns_static_node_alone_stops_at_once(netns_hosts, node_rank, sig):
     """One static node on its own host waits for the other; a stop signal ends it with 128+N."""
     agent = netns_hosts.start_agent(node_rank, *_static_flags(netns_hosts, node_rank), final_world=99)
     time.sleep(6.0)  # started, imported torch, inside StaticTCPRendezvous (listening / retrying its connect)
@@ -282,7 +282,7 @@ def test_netns_static_node_alone_stops_at_once(netns_hosts, node_rank, sig):  # 
     assert not netns_hosts.pids_in(netns_hosts.names[node_rank]), "processes left in the host"
 
 
-def test_netns_static_job_stops_with_the_signal(netns_hosts):  # noqa: F811
+def test_netns_static_job_stops_with_the_signal(netns_hosts):
     """Both static nodes run their workers; SIGINT to one and SIGHUP to the other end each with 128+N."""
     agents = [netns_hosts.start_agent(r, *_static_flags(netns_hosts, r), final_world=99) for r in (0, 1)]
     netns_hosts.wait_for(lambda: len(netns_hosts.records("reduced")) == 2, 120, "both workers reduced",

@@ -57,7 +57,7 @@ def stop(proc, sig: int) -> None:
     proc.send_signal(sig)
     if not wait_until(lambda: proc.poll() is not None, STOP_BOUND_S):
         os.killpg(proc.pid, signal.SIGKILL)
-    out, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
     took = time.monotonic() - sent
     why = f"exit {proc.returncode} after {took:.1f}s\n{err[-4000:]}"
     assert proc.returncode == 128 + sig and took < STOP_BOUND_S, why
