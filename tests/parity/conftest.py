@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from fsm_agent.testing.processes import wait_until
+from tests.e2e import conftest as e2e
 from tests.e2e.conftest import Launcher, Proc, Result, free_port, write_script
 from tests.multihost.conftest import netns_hosts  # noqa: F401 (a fixture of the multi-host parity tests)
 
@@ -142,6 +143,10 @@ def probe_records(out_dir: Path, kind: str, tag: str = "") -> dict[int, dict]:
         if rank.isdigit():
             found[int(rank)] = json.loads(path.read_text())
     return found
+
+
+#: The e2e kit's fixture, for parity-module tests of fsm-agent alone.
+launcher = e2e.launcher
 
 
 class Parity:

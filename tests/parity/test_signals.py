@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import psutil
@@ -26,8 +27,18 @@ import pytest
 from fsm_agent.testing.processes import wait_until
 from tests.e2e.conftest import Result, free_port
 from tests.multihost.conftest import NetnsHosts
-from tests.parity.conftest import (FSM_AGENT, TORCHRUN, ConnectWatch, Tool, assert_at_least_as_good, exit_class,
-                                   probe_records, wait_catching, wait_for_probes, wait_listening)
+from tests.parity.conftest import (
+    FSM_AGENT,
+    TORCHRUN,
+    ConnectWatch,
+    Tool,
+    assert_at_least_as_good,
+    exit_class,
+    probe_records,
+    wait_catching,
+    wait_for_probes,
+    wait_listening,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -295,3 +306,17 @@ def test_netns_static_job_stops_with_the_signal(netns_hosts):
         assert code == 128 + sig and took < STOP_BOUND_S, f"exit {code} after {took:.1f}s\n{agent.output()}"
     for name in netns_hosts.names[:2]:
         assert not netns_hosts.pids_in(name), "processes left in the hosts"
+
+
+# -- the early handlers are the agent command's only ------------------------------------------------------
+CHECK_DISPOSITIONS = ("import signal, sys, fsm_agent; "
+                      "ok = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and "
+                      "signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL and "
+                      "signal.getsignal(signal.SIGINT) is signal.default_int_handler; sys.exit(0 if ok else 3)")
+
+
+def test_importing_fsm_agent_elsewhere_keeps_the_default_signal_actions(launcher):
+    """A worker (or any program) that imports fsm_agent, even with --forward-signals in its argv,
+    keeps Python's signal dispositions: only ``fsm-agent run``/``fsmrun`` installs early handlers."""
+    launcher.run([sys.executable, "-c", CHECK_DISPOSITIONS, "--forward-signals", "SIGUSR1"]).check(0)
+    launcher.run([sys.executable, "-c", CHECK_DISPOSITIONS, "run"]).check(0)
