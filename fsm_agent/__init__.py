@@ -7,6 +7,10 @@ model (``WorkerSpec``, ``Worker``, ``WorkerGroup``, ``WorkerState``, ``RunResult
 ``heartbeat()`` for workers (progress reports for ``--hang-timeout``).
 """
 
+from fsm_agent import _early_signals
+
+_early_signals.install()  # first: the agent command handles signals from its first milliseconds on
+
 from fsm_agent.config import LaunchConfig
 from fsm_agent.heartbeat import heartbeat
 from fsm_agent.plugins import hookimpl

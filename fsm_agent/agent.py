@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -43,6 +44,7 @@ EXIT_BARRIER_PREFIX = "torchelastic/agent/terminal_state"  # torch's key: torchr
 #: of theirs raises the agent takes its last resort (see ``_fire_error``).
 ERROR_TRIGGERS = ("rendezvous_failed", "agent_errored")
 STACK_DUMP_WAIT_S = 5.0  # at most this long for an aborted hung worker to write its stacks and exit
+EXIT_BARRIER_RELEASE_WAIT_S = 5.0  # at most this long for a failing agent's exit-barrier check-in
 
 
 class SignalStop(BaseException):
@@ -506,16 +508,14 @@ class ElasticAgent:
         """Join the next rendezvous round, assign ranks, and set up this attempt's worker store."""
         started = time.monotonic()
         group = self._worker_group
-        self._interruptible = True
-        try:
-            if self._signal is not None:
-                raise SignalStop(self._signal)
+
+        def join():
             info = self._rdzv_handler.next_rendezvous()
-            (base_global, world, base_role, role_world), job_restart_count = assign_ranks(
-                info.store, info.rank, info.world_size, self.spec.role, self.spec.local_world_size,
-                self.restart_count)
-        finally:
-            self._interruptible = False
+            return info, assign_ranks(info.store, info.rank, info.world_size, self.spec.role,
+                                      self.spec.local_world_size, self.restart_count)
+
+        info, ((base_global, world, base_role, role_world), job_restart_count) = self._interruptible_call(
+            "rendezvous", join)
         if job_restart_count is not None:  # one job, one count: adopt the highest of the round
             self.restart_count = max(self.restart_count, job_restart_count)
         group.store, group.group_rank, group.group_world_size = info.store, info.rank, info.world_size
@@ -594,8 +594,11 @@ class ElasticAgent:
         self._broadcast("fsm_agent_workers_started", worker_group=group, pids=dict(pids))
 
     def _stop_workers(self, event=None) -> None:
-        """Stop every live worker (SIGTERM, then SIGKILL after shutdown_timeout s each)."""
-        self._launcher.stop(signal.SIGTERM, self.spec.shutdown_timeout)
+        """Stop every live worker: the stop signal the agent received (torch's ``_shutdown(death_sig=
+        e.sigval)``: SIGINT as SIGINT, SIGHUP as SIGHUP, ...), else SIGTERM (a restart, a failure);
+        then SIGKILL after shutdown_timeout s. A second stop signal meanwhile SIGKILLs them at once."""
+        death_sig = self._signal if self._signal is not None else signal.SIGTERM
+        self._launcher.stop(death_sig, self.spec.shutdown_timeout)
         self._close_worker_store()
 
     def _count_restart(self, event=None) -> None:
@@ -676,26 +679,25 @@ class ElasticAgent:
         group = self._worker_group
         if not group.group_world_size or group.group_world_size <= 1:
             return
-        self._interruptible = True
+
+        def barrier():
+            group.store.wait([self._check_in_at_exit_barrier()], timedelta(seconds=self.spec.exit_barrier_timeout))
+
         try:
-            if self._signal is not None:
-                raise SignalStop(self._signal)
-            last_member_key = self._check_in_at_exit_barrier()
-            group.store.wait([last_member_key], timedelta(seconds=self.spec.exit_barrier_timeout))
+            self._interruptible_call("exit-barrier", barrier)
         except SignalStop:
             raise
         except Exception as exc:  # torch swallows barrier errors too: the local result stands
             log.warning("exit barrier did not complete within %ss: %s", self.spec.exit_barrier_timeout, exc)
-        finally:
-            self._interruptible = False
 
     def _release_exit_barrier(self, event=None) -> None:
         """A failing agent checks in at the exit barrier so its peers stop waiting for it."""
         group = self._worker_group
         if group.store is None or not group.group_world_size or group.group_world_size <= 1:
             return
-        try:
-            self._check_in_at_exit_barrier()
+        try:  # bounded: a store host that is gone without a reset would hold a stop for the store's timeout
+            self._interruptible_call("exit-barrier-release", self._check_in_at_exit_barrier,
+                                     interruptible=False, timeout=EXIT_BARRIER_RELEASE_WAIT_S)
         except Exception as exc:  # the store may be gone with the failure; peers then time out
             log.warning("could not release the exit barrier: %s", exc)
 
@@ -813,11 +815,95 @@ class ElasticAgent:
 
     # -- signals and cleanup ---------------------------------------------------------------------
     def _on_signal(self, signum: int, frame) -> None:
+        """A stop signal (``--signals-to-handle``): the first stops the job (its workers get the same
+        signal, the agent exits 128+N); another while they stop SIGKILLs them at once (a second Ctrl-C)."""
         if self._signal is None:
             self._signal = signum
-            log.warning("received %s: stopping the workers", signal.Signals(signum).name)
+            log.warning("received %s: stopping the workers with %s", signal.Signals(signum).name,
+                        signal.Signals(signum).name)
             if self._interruptible:
                 raise SignalStop(signum)
+            return
+        pids = self._launcher.pids()
+        if pids:
+            log.warning("received %s again: killing the workers (SIGKILL)", signal.Signals(signum).name)
+        for local_rank in pids:
+            self._launcher.signal_worker(local_rank, signal.SIGKILL)
+
+    def _interruptible_call(self, name: str, call: Callable[[], Any], *, interruptible: bool = True,
+                            timeout: float | None = None) -> Any:
+        """``call()`` (a rendezvous or store call that may block), cut short by a stop signal.
+
+        torch's store calls (TCPStore's connect and ``wait_for_workers`` in StaticTCPRendezvous,
+        ``store.wait`` in the exit barrier, a plugin's network client) block in C++ and retry on EINTR: a
+        Python signal handler runs only once they return, minutes later. So ``call`` runs in a
+        daemon thread and this thread waits on the signal wakeup fd, which every signal makes
+        readable whatever thread the kernel delivers it to. A stop signal then raises SignalStop at
+        once; the abandoned call ends with the process (the CLI exits with ``os._exit``; the
+        rendezvous ``shutdown()`` is skipped on a signal, as in torch). Short timeouts in a retry
+        loop would not do: a store host that gives up after each short wait drops the clients that
+        already joined it. A backend whose blocking calls are Python (``interruptible = True``, as
+        the ``fsm`` backend's select-based waits) runs in this thread, where SignalStop interrupts
+        it, so its ``shutdown()`` (called on a signal too) never races a join still running.
+
+        Args:
+            name: the helper thread's name (``fsm-agent-<name>``).
+            interruptible: False: a stop signal does not cut the wait short (a check-in on the way out).
+            timeout: seconds to wait at most (None: as long as ``call`` takes).
+
+        Returns:
+            what ``call`` returned.
+
+        Raises:
+            SignalStop: a stop signal arrived first (``interruptible``), or had arrived before.
+            TimeoutError: ``timeout`` passed first.
+            whatever ``call`` raised.
+        """
+        if interruptible and self._signal is not None:
+            raise SignalStop(self._signal)
+        if getattr(self._rdzv_handler, "interruptible", False):
+            self._interruptible = interruptible  # the handler raises SignalStop into call()
+            try:
+                return call()
+            finally:
+                self._interruptible = False
+        outcome: dict[str, Any] = {}
+        done_r, done_w = os.pipe()
+
+        def run_call() -> None:
+            try:
+                outcome["value"] = call()
+            except BaseException as exc:  # re-raised in the agent's thread
+                outcome["error"] = exc
+            finally:
+                try:
+                    os.write(done_w, b"x")
+                except OSError:  # the agent stopped waiting and closed its end
+                    pass
+                os.close(done_w)
+
+        try:
+            threading.Thread(target=run_call, name=f"fsm-agent-{name}", daemon=True).start()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:  # the handler only records the signal here; the loop's next turn acts on it
+                if interruptible and self._signal is not None:
+                    raise SignalStop(self._signal)
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready, _, _ = select.select([done_r, self._wake_r], [], [], remaining)
+                if done_r in ready:
+                    break
+                if not ready:
+                    raise TimeoutError(f"{name} did not finish within {timeout:g}s")
+                try:  # a signal woke us: its Python handler runs before the next turn
+                    while os.read(self._wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+        finally:
+            os.close(done_r)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
     def _forward_signal(self, signum: int, frame) -> None:
         """Relay ``signum`` to each running worker's process group; nothing is stopped."""

@@ -502,7 +502,9 @@ def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] 
     add("--numa-binding", action="store", default=None, choices=NUMA_BINDING_MODES,
         help="bind each worker to the CPUs near its GPU [env FSM_AGENT_NUMA_BINDING]")
     add("--signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT", type=_returning(parse_signals),
-        help="comma-separated signals the agent traps and forwards to the workers")
+        help="comma-separated signals that stop the job: the workers get the same signal (SIGINT as SIGINT, "
+             "SIGUSR1 as SIGUSR1), SIGKILL after --shutdown-timeout or at a second such signal; the agent "
+             "exits 128+N")
     add("--shutdown-timeout", default=None, type=float,
         help=f"seconds between the stop signal and SIGKILL at shutdown; "
              f"unset: ${SHUTDOWN_TIMEOUT_ENV}, else {DEFAULT_SHUTDOWN_TIMEOUT_S:g}")
@@ -522,7 +524,7 @@ def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] 
     add_own("--forward-signals", env="FSM_AGENT_FORWARD_SIGNALS", default="", metavar="SIGNALS",
             type=_returning(parse_forward_signals),
             help="fsm-agent: comma-separated signals (e.g. SIGUSR1) passed on to every worker's process group "
-                 "without stopping anything, e.g. for checkpoint-on-preemption")
+                 "without stopping anything, e.g. for checkpoint-on-preemption; dropped while no worker runs")
     add_own("--events-file", env="FSM_AGENT_EVENTS_FILE", default=None, metavar="PATH",
             help="fsm-agent: JSON-lines file of agent events (default: events.jsonl in the log directory)")
     add_own("--launcher", env="FSM_AGENT_LAUNCHER", default="subprocess", metavar="NAME",

@@ -178,6 +178,9 @@ def _launch_in_scope(config: LaunchConfig, entrypoint: str | Callable, args: tup
     # (at the start of run(), before the first rendezvous) a signal ends the launch cleanly.
     # They stay until run() puts the agent's own in place, and are undone when the launch ends.
     original = {sig: signal.signal(sig, _exit_on_signal) for sig in _stop_signals(config.signals_to_handle)}
+    # A signal to relay (--forward-signals) that comes before there are workers is dropped, not fatal.
+    original.update({sig: signal.signal(sig, _drop_signal) for sig in _signals(config.forward_signals)
+                     if sig not in original})
     try:
         return _launch(config, entrypoint, args)
     finally:
@@ -200,14 +203,22 @@ def _launch(config: LaunchConfig, entrypoint: str | Callable, args: tuple) -> tu
     return agent.run(), agent.spec.get_entrypoint_name()
 
 
+def _signals(names: str) -> list[int]:
+    return [getattr(signal, n.strip()) for n in (names or "").split(",") if n.strip()]
+
+
 def _stop_signals(names: str) -> list[int]:
-    sigs = [getattr(signal, n.strip()) for n in names.split(",") if n.strip()]
+    sigs = _signals(names)
     # Started under nohup: SIGHUP stays ignored.
     return [s for s in sigs if not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN)]
 
 
 def _exit_on_signal(signum, frame):
     raise SystemExit(128 + signum)
+
+
+def _drop_signal(signum, frame):
+    log.info("%s before any worker started: not forwarded", signal.Signals(signum).name)
 
 
 class AgentFailedError(FsmAgentError):

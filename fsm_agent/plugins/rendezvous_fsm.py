@@ -439,6 +439,9 @@ class FsmRendezvousHandler:
     #: shutdown() only leaves this round; the agent may call it on every exit (torch's closes the job).
     shutdown_closes_rendezvous = False
     agent_hosts_worker_store = False
+    #: next_rendezvous and the store's waits are select-based Python: the agent calls them in its own
+    #: thread, where a stop signal interrupts them (so shutdown() never races a join still running).
+    interruptible = True
 
     def __init__(self, run_id: str, endpoint: str, min_nodes: int, max_nodes: int, local_addr: str | None = None,
                  settings: FsmRendezvousSettings | None = None):

@@ -39,7 +39,10 @@ import os, signal, time
 out = os.environ["FSM_E2E_OUT"]
 def on_term(signum, frame):
     open(os.path.join(out, "term_" + os.environ["RANK"]), "w").close()
+def on_usr1(signum, frame):
+    open(os.path.join(out, "usr1_" + os.environ["RANK"]), "w").close()
 signal.signal(signal.SIGTERM, on_term)
+signal.signal(signal.SIGUSR1, on_usr1)
 with open(os.path.join(out, "ready_" + os.environ["RANK"]), "w") as f:
     f.write(str(os.getpid()))
 time.sleep(120)
@@ -416,7 +419,8 @@ def test_shutdown_timeout_bounds_the_grace_period(launcher):
 
 @pytest.mark.parametrize("handled", [True, False], ids=["SIGUSR1-handled", "SIGUSR1-default"])
 def test_signals_to_handle(launcher, handled):
-    """A listed signal stops the workers and the agent exits 128+N; an unlisted one just kills the agent."""
+    """A listed signal stops the workers with that same signal (torch's ``death_sig``), SIGKILL after
+    the grace, and the agent exits 128+N; an unlisted one just kills the agent."""
     script = write_script(launcher.dir, "stubborn.py", STUBBORN)
     flags = ["--signals-to-handle", "SIGUSR1,SIGTERM"] if handled else []
     agent = launcher.fsm(*flags, "--shutdown-timeout", "1", script)
@@ -426,7 +430,8 @@ def test_signals_to_handle(launcher, handled):
     result = agent.wait()
     if handled:
         assert result.returncode == 128 + signal.SIGUSR1
-        assert (launcher.out / "term_0").exists(), "the worker was not sent SIGTERM"
+        assert (launcher.out / "usr1_0").exists(), "the worker was not sent SIGUSR1"
+        assert not (launcher.out / "term_0").exists(), "the worker was sent SIGTERM, not the agent's signal"
     else:
         assert result.returncode == -signal.SIGUSR1  # default action: the agent dies of the signal
     assert _pids_gone([worker_pid]), "the worker outlived its agent"

@@ -1,0 +1,82 @@
+"""Signals that reach ``fsm-agent run`` / ``fsmrun`` in its first milliseconds, before its options are read.
+
+``launch_agent`` handles stop signals and drops signals to relay (``--forward-signals``) until the
+agent's own handlers take over; but reading the options takes a while (importing the CLI), and
+until then a signal has its default action: SIGUSR1 ``--forward-signals``-listed kills the agent
+(exit 138), Ctrl-C prints a ``KeyboardInterrupt`` traceback. The console scripts import this package
+first, and the package imports this module first: from then on, in the agent command only (argv
+says ``fsm-agent run``, ``fsmrun`` or ``python -m fsm_agent run``), a stop signal ends the process
+with 128+N and no traceback, and a signal to relay is dropped. The names come from a quick look at
+argv and the environment (``--signals-to-handle``/``FSM_AGENT_SIGNALS_TO_HANDLE``/``PET_SIGNALS_TO_HANDLE``, ``--forward-signals``/
+``FSM_AGENT_FORWARD_SIGNALS``); ``launch_agent`` puts the full configuration's handlers in place.
+A worker or a program that imports ``fsm_agent`` is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+_DEFAULT_STOP = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+def _is_agent_command(argv: list[str], orig: list[str]) -> bool:
+    name = os.path.basename(argv[0]) if argv else ""
+    if name == "fsmrun":
+        return True
+    if name == "fsm-agent":
+        return argv[1:2] == ["run"]
+    for i, arg in enumerate(orig[:-2]):  # python [opts] -m fsm_agent run ...
+        if arg == "-m" and orig[i + 1] == "fsm_agent":
+            return orig[i + 2] == "run"
+    return False
+
+
+def _option(argv: list[str], flag: str, env: str, default: str) -> str:
+    value = os.environ.get(env, default)
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg in (flag, flag.replace("-", "_").replace("__", "--")) and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _names(value: str) -> list[int]:
+    sigs = []
+    for name in value.split(","):
+        sig = getattr(signal, name.strip(), None)
+        if isinstance(sig, signal.Signals) and sig not in (signal.SIGKILL, signal.SIGSTOP):
+            sigs.append(sig)
+    return sigs
+
+
+def _exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _drop(signum: int, frame: object) -> None:
+    pass
+
+
+def install() -> None:
+    """Install the early handlers when this process is the agent command (see the module docstring)."""
+    argv, orig = list(sys.argv), list(getattr(sys, "orig_argv", []))
+    if not _is_agent_command(argv, orig) or sys.platform == "win32":
+        return
+    args = argv[1:] if argv and os.path.basename(argv[0]) != "-m" else orig
+    try:
+        stop_env = "FSM_AGENT_SIGNALS_TO_HANDLE" if "FSM_AGENT_SIGNALS_TO_HANDLE" in os.environ else "PET_SIGNALS_TO_HANDLE"
+        stop = _names(_option(args, "--signals-to-handle", stop_env, _DEFAULT_STOP))
+        relay = _names(_option(args, "--forward-signals", "FSM_AGENT_FORWARD_SIGNALS", ""))
+        for sig in relay:
+            if signal.getsignal(sig) == signal.SIG_DFL:
+                signal.signal(sig, _drop)
+        for sig in stop:
+            if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):  # nohup's SIG_IGN stays
+                signal.signal(sig, _exit)
+    except (ValueError, OSError):  # not the main thread, or an odd platform: the defaults stay
+        pass
