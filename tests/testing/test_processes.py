@@ -56,11 +56,14 @@ def test_a_sigkilled_agent_s_temporary_directories_go_with_kill_all(tmp_path):
 
 
 def test_start_env_may_set_its_own_tmpdir(tmp_path):
-    with AgentProcesses(tmp_path, command=()) as processes:
-        proc = processes.start("--version", env={"TMPDIR": str(tmp_path)})
-        assert psutil.Process(proc.pid).environ()["TMPDIR"] == str(tmp_path)
-        proc.communicate(timeout=60)
+    """The agent (and so its workers) sees the TMPDIR a call gives; read by a worker, so no race
+    with a process that exits before psutil could read its environment."""
+    (tmp_path / "w.py").write_text("import os\nopen('seen_tmpdir', 'w').write(os.environ['TMPDIR'])\n")
+    with AgentProcesses(tmp_path) as processes:
+        proc = processes.start("--standalone", "--nproc-per-node", "1", "w.py", env={"TMPDIR": str(tmp_path)})
+        proc.communicate(timeout=120)
     assert proc.returncode == 0
+    assert (tmp_path / "seen_tmpdir").read_text() == str(tmp_path)
 
 
 def test_is_cgroup_keeper():
