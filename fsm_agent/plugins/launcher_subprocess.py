@@ -5,7 +5,7 @@ Programs (``python -u script``, ``python -m mod``, ``--no-python`` binaries) run
 ``multiprocessing`` and return their values through a file. Each worker leads its own process
 group (so grandchildren are signalled with it). Where cgroup v2 is writable, every worker and all
 it starts live in one cgroup per launcher, emptied and removed even if the agent is SIGKILLed
-(``fsm_agent.containment``); elsewhere each worker gets SIGKILL when the agent dies
+(``fsm_agent.plugins.containment``); elsewhere each worker gets SIGKILL when the agent dies
 (``PR_SET_PDEATHSIG``).
 Exits are noticed when the worker's pidfd/sentinel becomes readable: no sleep-polling.
 """
@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import attrs
 
-from fsm_agent.containment import Keeper, WorkerCgroup, enter_cgroup, keeper_pids
+from fsm_agent.plugins.containment import Keeper, WorkerCgroup, enter_cgroup, keeper_pids
 from fsm_agent.env import substitute_local_rank
 from fsm_agent.logs import WorkerLogs
 from fsm_agent.plugins import hookimpl

@@ -78,7 +78,7 @@ def remove_worker_cgroups(agent_pids: Iterable[int], timeout: float = 5.0) -> li
     Returns:
         the paths of the cgroups that were still there (each removed, unless still busy after ``timeout`` s).
     """
-    from fsm_agent.containment import PREFIX, WorkerCgroup, cgroup_dir
+    from fsm_agent.plugins.containment import PREFIX, WorkerCgroup, cgroup_dir
 
     parent = cgroup_dir()
     if parent is None:

@@ -1,4 +1,4 @@
-"""Worker containment in a cgroup v2 (fsm_agent.containment): nothing a worker starts survives its agent.
+"""Worker containment in a cgroup v2 (fsm_agent.plugins.containment): nothing a worker starts survives its agent.
 
 Real processes throughout: agents, workers that double-fork daemons, ``sleep`` children, the
 keeper. Every process is killed by pid or process group at the end (the ``launcher`` fixture
@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fsm_agent.containment import (
+from fsm_agent.plugins.containment import (
     ENV_VAR,
     PREFIX,
     Keeper,
@@ -40,7 +40,7 @@ import json, os, time
 if os.fork() == 0:
     os.setsid()
     if os.fork() == 0:
-        from fsm_agent.containment import cgroup_dir
+        from fsm_agent.plugins.containment import cgroup_dir
         path = os.path.join(os.environ["FSM_E2E_OUT"], "daemon_%d" % os.getpid())
         with open(path + ".tmp", "w") as f:
             json.dump({"pid": os.getpid(), "cgroup": cgroup_dir()}, f)
@@ -54,7 +54,7 @@ time.sleep(300)
 #: worker<restart count>.json, then exits 0 (1 on the first attempt with $FAIL_FIRST_ATTEMPT set).
 RECORDING_WORKER = r'''
 import json, os, sys, psutil
-from fsm_agent.containment import cgroup_dir
+from fsm_agent.plugins.containment import cgroup_dir
 count = os.environ["TORCHELASTIC_RESTART_COUNT"]
 helpers = [(p.pid, p.cmdline()) for p in psutil.Process(os.getppid()).children() if p.pid != os.getpid()]
 with open(os.path.join(os.environ["FSM_E2E_OUT"], "worker%s.json" % count), "w") as f:
@@ -217,7 +217,7 @@ def test_the_next_agent_removes_what_an_agent_killed_with_its_keeper_left(launch
 def test_off_switch_creates_no_cgroup(monkeypatch, caplog):
     monkeypatch.setenv(ENV_VAR, "off")
     before = set(os.listdir(cgroup_dir()))
-    with caplog.at_level(logging.DEBUG, logger="fsm_agent.containment"):
+    with caplog.at_level(logging.DEBUG, logger="fsm_agent.plugins.containment"):
         assert WorkerCgroup.create() is None
     assert [r.getMessage() for r in caplog.records] == [f"workers are not put in a cgroup: {ENV_VAR}=off"]
     assert set(os.listdir(cgroup_dir())) == before

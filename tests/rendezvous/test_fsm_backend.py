@@ -439,7 +439,7 @@ def test_parse_endpoint():
 
 
 def test_backend_imports_no_torch():
-    code = ("import sys, fsm_agent.plugins.rendezvous_fsm, fsm_agent.store; "
+    code = ("import sys, fsm_agent.plugins.rendezvous_fsm, fsm_agent.plugins.rendezvous_fsm.store; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

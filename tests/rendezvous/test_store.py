@@ -1,4 +1,5 @@
-"""fsm_agent.store: the JSON-lines key-value store the ``fsm`` rendezvous runs on."""
+"""fsm_agent.plugins.rendezvous_fsm.store: the JSON-lines key-value store the ``fsm`` rendezvous runs on
+(``python -m fsm_agent.store`` runs it on its own)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from datetime import timedelta
 import pytest
 
 from fsm_agent.errors import RendezvousFailed
-from fsm_agent.store import (PROTO, PrefixStore, StoreBindError, StoreClient, StoreConnectionError,
+from fsm_agent.plugins.rendezvous_fsm.store import (PROTO, PrefixStore, StoreBindError, StoreClient, StoreConnectionError,
                              StoreProtocolError, StoreServer, StoreTimeout)
 
 pytestmark = pytest.mark.timeout(60)
@@ -274,8 +275,11 @@ def test_no_pickle_on_the_wire(server, clients):
 def test_no_deserialiser_but_json_in_the_sources():
     root = pathlib.Path(__file__).resolve().parents[2] / "fsm_agent"
     banned_modules = {"pickle", "marshal", "shelve", "dill", "cloudpickle", "torch"}
-    for name in ("store.py", "plugins/rendezvous_fsm.py"):
-        tree = ast.parse((root / name).read_text())
+    package = sorted((root / "plugins" / "rendezvous_fsm").glob("*.py"))
+    assert {p.name for p in package} >= {"__init__.py", "handler.py", "planner.py", "params.py", "store.py"}
+    for path in [root / "store.py", *package]:
+        name = path.relative_to(root)
+        tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 assert not {a.name.split(".")[0] for a in node.names} & banned_modules, (name, node.lineno)
@@ -470,7 +474,7 @@ def test_a_server_gone_after_use_fails_at_once_not_as_a_squatter():
 
 
 def test_store_imports_no_torch():
-    code = "import sys, fsm_agent.store; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, fsm_agent.plugins.rendezvous_fsm.store; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from fsm_agent.containment import PREFIX, cgroup_dir, cgroup_unavailable
+from fsm_agent.plugins.containment import PREFIX, cgroup_dir, cgroup_unavailable
 from fsm_agent.testing import AgentProcesses
 from fsm_agent.testing.conformance import free_port
 from fsm_agent.testing.processes import is_cgroup_keeper, remove_worker_cgroups, tmpdir_env, wait_until
@@ -67,9 +67,9 @@ def test_start_env_may_set_its_own_tmpdir(tmp_path):
 
 
 def test_is_cgroup_keeper():
-    assert is_cgroup_keeper(["/usr/bin/python3", "-I", "-S", "/x/fsm_agent/containment.py", "--keep", "/cg/fsm-agent-1-a"])
+    assert is_cgroup_keeper(["/usr/bin/python3", "-I", "-S", "/x/fsm_agent/plugins/containment.py", "--keep", "/cg/fsm-agent-1-a"])
     assert not is_cgroup_keeper(["/usr/bin/python3", "-m", "fsm_agent", "run", "--keep", "train.py"])
-    assert not is_cgroup_keeper(["/usr/bin/python3", "/x/fsm_agent/containment.py"])
+    assert not is_cgroup_keeper(["/usr/bin/python3", "/x/fsm_agent/plugins/containment.py"])
 
 
 @pytest.mark.skipif(cgroup_unavailable() is not None, reason=f"no worker cgroups here: {cgroup_unavailable()}")

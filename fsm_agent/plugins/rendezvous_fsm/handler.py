@@ -1,389 +1,27 @@
-"""Built-in rendezvous ``fsm``: fsm-agent's own rendezvous on an ``fsm_agent.store`` server.
-
-No torch, no pickle, no sleeps. Beside the torch-compatible ``c10d`` backend; the two cannot join
-one rendezvous (different stores and state formats).
-
-Store
-    One agent hosts the store server in a daemon thread: the agent that can bind the
-    ``--rdzv-endpoint`` address (an address of its machine; the first to bind wins when several
-    agents share a machine). ``is_host=1|0`` in ``--rdzv-conf`` overrides the inference.
-    ``--rdzv-endpoint host:0`` (``--standalone``) binds a free port. The server listens on the
-    endpoint address only (``bind_addr=0.0.0.0`` to listen everywhere). ``python -m
-    fsm_agent.store`` runs the same server outside any agent (give the agents ``is_host=0``).
-
-State (one JSON document at ``fsm_rdzv/<run_id>/state``, changed only by compare_set)::
-
-    {"schema": 1, "round": 3, "complete": true, "closed": false, "seq": 5,
-     "nodes": {"<node id>": {"addr": "n1", "host": true, "node_rank": null, "seq": 0,
-                             "port": 41234, "rounds": 2}},
-     "participants": {"<node id>": 0},      # this round; ranks once complete, else null
-     "previous": ["<node id>", ...],         # live participants of the last completed round
-     "wait_list": {"<node id>": 12.5},       # server time the node started waiting
-     "last_join": 12.1,                      # server time of the last join into this round
-     "master": {"addr": "n1", "port": 41234}}
-
-    ``nodes`` are the live nodes that joined this run; a node id is ``<addr>_<pid>_<random>``.
-    All times are the store server's monotonic clock, so clock skew between machines is harmless.
-    ``fsm_rdzv/<run_id>/event`` is bumped when a round opens or completes or the rendezvous
-    closes: nodes waiting in ``next_rendezvous`` watch it (and the leases, and their own
-    deadline), not the state, so N joins cause O(N) wake-ups in all, not O(N^2). Each round's store is
-    ``PrefixStore("fsm_rdzv/<run_id>/round/<round>")``: every attempt starts with fresh keys.
-
-Keep-alive
-    Each node holds a lease key ``fsm_rdzv/<run_id>/alive/<node id>`` (ttl =
-    ``keep_alive_interval * keep_alive_max_attempt``, renewed every ``keep_alive_interval`` by a
-    daemon thread, and deleted by the server as soon as that thread's connection closes). When it
-    expires or is deleted the server wakes every watcher: a killed agent is seen at once, a
-    silent host (power off, partition) within ``keep_alive_timeout`` = 1.5 s by default.
-
-Rounds
-    A round completes when ``min <= n`` and one of: ``n == max``; no other live node can still
-    join and either no participant is new to the run or ``last_call_timeout`` passed since the
-    last join (the settle window); or ``rejoin_timeout`` passed since the last join (stragglers
-    that are alive but do not come). A participant that calls ``next_rendezvous`` again opens the
-    next round; live participants of the last round have reserved seats in it, so a new node
-    never pushes one of them out. Ranks: by ``node_rank`` hint, then the store host, then join
-    order (stable across rounds). A node that finds the round complete with ``max`` live
-    participants leaves at once with ``RendezvousNotNeeded``.
-
-Membership
-    ``membership_fd()`` becomes readable (and stays so until the next ``next_rendezvous``) when a
-    participant of this node's round is lost or left (``num_nodes_lost()``), when another node
-    opened the next round, or when nodes have waited ``last_call_timeout`` to join a round that
-    has room (``num_nodes_waiting()``). New nodes joining one by one within the settle window
-    cause one restart.
-
-``shutdown()`` leaves: it never closes the rendezvous for the others. The host's shutdown waits
-up to ``linger_timeout`` for the other nodes to leave, since the store goes with its process.
-"""
+"""The ``fsm`` rendezvous handler: torch's ``RendezvousHandler`` interface on the store beside it,
+driven by the planner (see the package docstring for the protocol)."""
 
 from __future__ import annotations
 
 import copy
 import errno
-import ipaddress
 import json
 import logging
-import math
 import os
 import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from fsm_agent.errors import ConfigError, RendezvousFailed, RendezvousNotNeeded
-from fsm_agent.plugins import hookimpl
-from fsm_agent.store import PrefixStore, StoreBindError, StoreClient, StoreError, StoreServer, format_endpoint
+from fsm_agent.plugins.rendezvous_fsm.params import BACKEND, FsmRendezvousSettings, free_port, is_loopback, parse_endpoint
+from fsm_agent.plugins.rendezvous_fsm.planner import SCHEMA, fresh_state, plan
+from fsm_agent.plugins.rendezvous_fsm.store import PrefixStore, StoreBindError, StoreClient, StoreError, StoreServer, format_endpoint
+
 
 log = logging.getLogger(__name__)
-
-BACKEND = "fsm"
-DEFAULT_PORT = 29400
-SCHEMA = 1
-_INF = float("inf")
-_TRUE = {"1", "true", "t", "yes", "y", "on"}
-_FALSE = {"0", "false", "f", "no", "n", "off"}
-
-
-# -- parameters (torch's RendezvousParameters, without torch) -----------------------------------------
-class FsmRendezvousParameters:
-    """What a rendezvous creator receives: torch's ``RendezvousParameters`` API without importing torch.
-
-    ``config`` holds the ``--rdzv-conf`` values (strings) plus ``node_rank``.
-    """
-
-    def __init__(self, backend: str, endpoint: str, run_id: str, min_nodes: int, max_nodes: int,
-                 local_addr: str | None = None, **config: Any):
-        if not backend:
-            raise ValueError("The rendezvous backend name must be a non-empty string.")
-        if min_nodes < 1 or max_nodes < min_nodes:
-            raise ValueError(f"need 1 <= min_nodes <= max_nodes, got {min_nodes}:{max_nodes}")
-        self.backend, self.endpoint, self.run_id = backend, endpoint, run_id
-        self.min_nodes, self.max_nodes, self.local_addr = min_nodes, max_nodes, local_addr
-        self.config = config
-
-    @classmethod
-    def from_launch_config(cls, config: Any) -> "FsmRendezvousParameters":
-        """From a ``LaunchConfig`` (``rdzv_*`` fields, ``local_addr``, ``node_rank``)."""
-        configs = dict(config.rdzv_configs)
-        configs.setdefault("node_rank", config.node_rank)
-        return cls(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
-                   min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr, **configs)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.config.get(key, default)
-
-    def get_as_bool(self, key: str, default: bool | None = None) -> bool | None:
-        value = self.get(key, default)
-        if value is None or isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-        raise ValueError(f"The rendezvous configuration option '{key}' does not represent a valid boolean value.")
-
-    def get_as_int(self, key: str, default: int | None = None) -> int | None:
-        value = self.get(key, default)
-        return None if value is None else int(value)
-
-    def __repr__(self) -> str:
-        return (f"FsmRendezvousParameters(backend={self.backend!r}, endpoint={self.endpoint!r}, "
-                f"run_id={self.run_id!r}, "
-                f"min_nodes={self.min_nodes}, max_nodes={self.max_nodes}, local_addr={self.local_addr!r}, "
-                f"config={self.config!r})")
-
-
-# -- settings ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class FsmRendezvousSettings:
-    """``--rdzv-conf`` keys of the ``fsm`` backend (seconds unless noted).
-
-    Attributes:
-        join_timeout: how long ``next_rendezvous`` may take (torch's key; 600).
-        last_call_timeout: settle window: a round with nodes new to the run completes this long
-            after its last join; nodes waiting to join a running round are reported after waiting
-            this long (0.5).
-        rejoin_timeout: how long a round waits for live nodes of the previous round before it
-            completes without them (60; above the default ``--shutdown-timeout`` of 30).
-        keep_alive_interval / keep_alive_max_attempt: lease renewal period and how many may be
-            missed; a silent node is lost after their product (0.5 x 3 = 1.5).
-        read_timeout: the round store's timeout for get/wait (torch's c10d key; 60).
-        handshake_timeout: how long a peer on the endpoint gets to answer the store hello (3).
-        linger_timeout: how long the store host's ``shutdown`` waits for other nodes to leave (5).
-        is_host: host the store (True), never (False), or infer from the endpoint (None).
-        bind_addr: the address the store listens on (default: the endpoint host).
-        node_rank: rank hint (``--node-rank``); lower hints get lower ranks.
-    """
-
-    join_timeout: float = 600.0
-    last_call_timeout: float = 0.5
-    rejoin_timeout: float = 60.0
-    keep_alive_interval: float = 0.5
-    keep_alive_max_attempt: int = 3
-    read_timeout: float = 60.0
-    handshake_timeout: float = 3.0
-    linger_timeout: float = 5.0
-    is_host: bool | None = None
-    bind_addr: str | None = None
-    node_rank: int | None = None
-
-    @property
-    def keep_alive_timeout(self) -> float:
-        return self.keep_alive_interval * self.keep_alive_max_attempt
-
-    @classmethod
-    def from_params(cls, params: Any) -> "FsmRendezvousSettings":
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = _param(params, f.name)
-            if f.name == "node_rank":
-                raw = raw if raw is not None else _param(params, "rank")
-                if raw is None:
-                    raw = getattr(params, "node_rank", None)
-            if raw is None:
-                continue
-            values[f.name] = _convert(f.name, raw, f.default)
-        settings = cls(**values)
-        for name in ("join_timeout", "keep_alive_interval", "read_timeout", "handshake_timeout"):
-            if getattr(settings, name) <= 0:
-                raise ConfigError(f"--rdzv-conf {name}={getattr(settings, name)!r}: must be > 0 seconds")
-        for name in ("last_call_timeout", "rejoin_timeout", "linger_timeout"):
-            if getattr(settings, name) < 0:
-                raise ConfigError(f"--rdzv-conf {name}={getattr(settings, name)!r}: must be >= 0 seconds")
-        if settings.keep_alive_max_attempt < 1:
-            raise ConfigError(f"--rdzv-conf keep_alive_max_attempt={settings.keep_alive_max_attempt}: must be >= 1")
-        return settings
-
-
-def _param(params: Any, key: str) -> Any:
-    getter = getattr(params, "get", None)
-    value = None
-    if callable(getter):
-        try:
-            value = getter(key, None)
-        except TypeError:
-            value = None
-    if value is None:
-        value = (getattr(params, "config", None) or {}).get(key)
-    return value
-
-
-def _convert(name: str, raw: Any, default: Any) -> Any:
-    if name == "is_host":
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).strip().lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-        raise ConfigError(f"--rdzv-conf is_host={raw!r}: use 1/true/yes or 0/false/no")
-    if name == "bind_addr":
-        return str(raw)
-    if name in ("node_rank", "keep_alive_max_attempt"):
-        try:
-            return int(raw)
-        except (TypeError, ValueError):
-            raise ConfigError(f"--rdzv-conf {name}={raw!r}: must be an integer") from None
-    try:
-        value = float(raw)
-    except (TypeError, ValueError, OverflowError):
-        value = math.nan
-    if not math.isfinite(value):
-        raise ConfigError(f"--rdzv-conf {name}={raw!r}: must be a finite number of seconds (e.g. {name}={default})")
-    return value
-
-
-def parse_endpoint(endpoint: str | None, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
-    """``host[:port]`` (``[v6]:port`` for IPv6) -> (host, port); empty -> ``localhost:29400``."""
-    text = (endpoint or "").strip()
-    if not text:
-        return "localhost", default_port
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ""
-    elif text.count(":") == 1:
-        host, _, port = text.partition(":")
-    else:
-        host, port = text, ""
-    if not host:
-        host = "localhost"
-    try:
-        return host, int(port) if port else default_port
-    except ValueError:
-        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: port {port!r} is not a number "
-                          f"(use host:port, e.g. node0:{default_port})") from None
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _free_port() -> int:
-    """A port that is free on this machine now (racy, as torch's ``get_free_port``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-# -- the state machine of one node, as a pure function ------------------------------------------------
-def fresh_state() -> dict:
-    return {"schema": SCHEMA, "round": 0, "complete": False, "closed": False, "seq": 0, "nodes": {},
-            "participants": {}, "previous": [], "wait_list": {}, "last_join": 0.0, "master": None}
-
-
-def rank_order(state: dict, participants) -> list[str]:
-    """Participants in rank order: node_rank hint, then the store host, then join order."""
-    nodes = state["nodes"]
-
-    def key(p: str):
-        n = nodes[p]
-        hint = n.get("node_rank")
-        return (hint if hint is not None else _INF, 0 if n.get("host") else 1, n.get("seq", 0), p)
-
-    return sorted(participants, key=key)
-
-
-def plan(state: dict, alive: set[str], me: str, me_info: dict, now: float, *, min_nodes: int, max_nodes: int,
-         last_call_timeout: float, rejoin_timeout: float, returned_round: int | None
-         ) -> tuple[dict | None, str, float | None]:
-    """One step of node ``me`` on the shared state: ``(new_state or None, action, wait_s)``.
-
-    ``new_state`` (when not None) is to be written with compare_set; then the caller re-reads and
-    calls again, except after ``not_needed`` (it raises once the write succeeded). Without a write,
-    ``action`` is ``finish`` (this round is ours), ``closed`` or ``wait`` (watch the state for at
-    most ``wait_s`` seconds; None: until it changes).
-    """
-    st = copy.deepcopy(state)
-    nodes, wl = st["nodes"], st["wait_list"]
-    changed = False
-    for n in list(nodes):  # nodes whose lease is gone have left or died
-        if n not in alive and n != me:
-            del nodes[n]
-            changed = True
-    for n in list(wl):
-        if n not in nodes:
-            del wl[n]
-            changed = True
-    if not st["complete"]:
-        for n in list(st["participants"]):
-            if n not in nodes:
-                del st["participants"][n]
-                changed = True
-    if st["closed"]:
-        return (st if changed else None), "closed", None
-    if me not in nodes:
-        nodes[me] = {**me_info, "seq": st["seq"], "rounds": 0}
-        st["seq"] += 1
-        changed = True
-    parts = st["participants"]
-
-    if st["complete"]:
-        live = [p for p in parts if p in nodes]
-        if me in parts:
-            if st["round"] != returned_round:
-                return (st if changed else None), "finish", None
-            # this node wants a new round (restart, lost node, joiners): open it
-            st["round"] += 1
-            st["complete"] = False
-            st["previous"] = sorted(live)
-            st["participants"] = {me: None}
-            st["master"] = None
-            nodes[me]["port"] = me_info["port"]
-            wl.pop(me, None)
-            st["last_join"] = now
-            return st, "wait", 0.0
-        if len(live) >= max_nodes:
-            del nodes[me]
-            wl.pop(me, None)
-            return st, "not_needed", None
-        if me not in wl:
-            wl[me] = now
-            changed = True
-        return (st if changed else None), "wait", None
-
-    if me not in parts:
-        reserved = [n for n in st["previous"] if n in nodes and n not in parts and n != me]
-        seats = max_nodes - len(parts) - (0 if me in st["previous"] else len(reserved))
-        if seats <= 0:
-            if me not in wl:
-                wl[me] = now
-                changed = True
-            return (st if changed else None), "wait", None
-        parts[me] = None
-        wl.pop(me, None)
-        nodes[me]["port"] = me_info["port"]
-        st["last_join"] = now
-        return st, "wait", 0.0
-
-    n = len(parts)
-    if n < min_nodes:
-        return (st if changed else None), "wait", None
-    pending = [x for x in nodes if x not in parts]
-    joinable = min(len(pending), max_nodes - n)
-    new_in_round = any(nodes[p].get("rounds", 0) == 0 for p in parts)
-    settle_at = st["last_join"] + (last_call_timeout if new_in_round else 0.0)
-    rejoin_at = st["last_join"] + rejoin_timeout
-    if n >= max_nodes or (joinable == 0 and now >= settle_at) or now >= rejoin_at:
-        order = rank_order(st, parts)
-        st["participants"] = {p: i for i, p in enumerate(order)}
-        st["complete"] = True
-        for p in order:
-            nodes[p]["rounds"] = nodes[p].get("rounds", 0) + 1
-            wl.pop(p, None)
-        st["master"] = {"addr": nodes[order[0]]["addr"], "port": nodes[order[0]]["port"]}
-        return st, "wait", 0.0
-    wake = settle_at if joinable == 0 else rejoin_at
-    return (st if changed else None), "wait", max(0.0, wake - now)
 
 
 # -- what next_rendezvous returns (torch's RendezvousInfo shape, without torch) ---------------------------
@@ -459,7 +97,7 @@ class FsmRendezvousHandler:
         if self.port == 0:
             raise ConfigError(f"--rdzv-endpoint {endpoint!r}: port 0 (a free port) only works on the node that hosts "
                               f"the store; this node {self._hosting_note}")
-        loopback = _is_loopback(self._connect_host)
+        loopback = is_loopback(self._connect_host)
         self.addr = local_addr or ("127.0.0.1" if loopback else socket.getfqdn())
         self.node_id = f"{self.addr}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         base = f"fsm_rdzv/{run_id}"
@@ -546,7 +184,7 @@ class FsmRendezvousHandler:
                 raise RendezvousFailed(self._describe(f"could not host the store on bind_addr={s.bind_addr}: {exc}",
                                                       note="tried to host the store")) from None
         bound = server._listener.getsockname()[0]
-        if not s.bind_addr and not _is_loopback(self._endpoint_host) and _is_loopback(bound):
+        if not s.bind_addr and not is_loopback(self._endpoint_host) and is_loopback(bound):
             log.warning("fsm rendezvous: --rdzv-endpoint host %s resolves to %s on this machine, so the store is "
                         "reachable from this machine only; use an IP address in --rdzv-endpoint or "
                         "--rdzv-conf bind_addr=0.0.0.0 for other nodes", self._endpoint_host, bound)
@@ -650,7 +288,7 @@ class FsmRendezvousHandler:
     def _join(self) -> RendezvousInfo:
         s = self.settings
         deadline = time.monotonic() + s.join_timeout
-        me_info = {"addr": self.addr, "host": self.hosts_store, "node_rank": s.node_rank, "port": _free_port()}
+        me_info = {"addr": self.addr, "host": self.hosts_store, "node_rank": s.node_rank, "port": free_port()}
         snap: _Snapshot | None = None
         while True:
             snap = snap or self._read()
@@ -934,9 +572,3 @@ def create_fsm_handler(params: Any) -> FsmRendezvousHandler:
     return FsmRendezvousHandler(run_id=str(params.run_id), endpoint=params.endpoint or "",
                                 min_nodes=int(params.min_nodes), max_nodes=int(params.max_nodes),
                                 local_addr=getattr(params, "local_addr", None), settings=settings)
-
-
-@hookimpl
-def fsm_agent_register_backends(registry):
-    registry.add_rendezvous(BACKEND, create_fsm_handler,
-                            conf_keys=(*(f.name for f in fields(FsmRendezvousSettings)), "rank"))

@@ -1,6 +1,6 @@
 """Built-in launcher ``preload``: workers forked from a zygote that has already imported torch.
 
-``--launcher preload`` starts one helper process (``fsm_agent.zygote``) that imports the modules
+``--launcher preload`` starts one helper process (``fsm_agent.plugins.launcher_preload.zygote``) that imports the modules
 of ``--preload-modules`` (default ``torch``) once; each worker of each attempt is then a fork
 of it running the script with ``runpy``, so a restarted worker skips ``import torch``. The
 worker sees what ``python -u script.py`` would: ``sys.argv``, ``__main__``, the environment,
@@ -71,7 +71,7 @@ class PreloadLauncher(SubprocessLauncher):
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._zygote = subprocess.Popen(
-            [sys.executable, "-m", "fsm_agent.zygote", self._modules, str(theirs.fileno())],
+            [sys.executable, "-m", "fsm_agent.plugins.launcher_preload.zygote", self._modules, str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), preexec_fn=set_parent_death_signal, stdin=subprocess.DEVNULL)
         theirs.close()
         self._sock = ours

@@ -1,11 +1,11 @@
 """The preload launcher's zygote: a process that imports heavy modules once, then forks workers.
 
-Started by ``fsm_agent.plugins.launcher_preload`` as ``python -m fsm_agent.zygote MODULES FD``
+Started by ``fsm_agent.plugins.launcher_preload`` as ``python -m fsm_agent.plugins.launcher_preload.zygote MODULES FD``
 where FD is its end of a ``SOCK_SEQPACKET`` socket pair. One JSON object per packet:
 
 - agent -> zygote: ``{"op": "spawn", "local_rank", "argv", "env", "cwd", "mode", "cgroup"}`` with two
   fds (stdout, stderr) attached by SCM_RIGHTS; ``mode`` is ``script`` | ``module`` | ``exec``;
-  ``cgroup`` is the directory of the workers' cgroup (``fsm_agent.containment``) or null.
+  ``cgroup`` is the directory of the workers' cgroup (``fsm_agent.plugins.containment``) or null.
 - zygote -> agent: ``{"spawned": local_rank, "pid": pid}`` and, when a worker ends,
   ``{"exited": pid, "code": exitcode}`` (``-N`` for death by signal N, as subprocess).
 
@@ -28,7 +28,7 @@ import signal
 import socket
 import sys
 
-from fsm_agent.containment import enter_cgroup
+from fsm_agent.plugins.containment import enter_cgroup
 
 _PR_SET_PDEATHSIG = 1
 MAX_FDS = 2

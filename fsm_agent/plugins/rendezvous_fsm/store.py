@@ -1,0 +1,994 @@
+"""A small key-value store for fsm-agent's own rendezvous: a TCP server and a client, no torch.
+
+Why not torch's TCPStore: it needs torch in the agent, and torch's dynamic rendezvous keeps its
+state pickled in it. This store speaks line-delimited JSON only; nothing a peer sends is ever
+unpickled or evaluated.
+
+Protocol (one JSON object per line, UTF-8, in both directions; one reply per request, in order):
+
+* The client opens with ``{"op": "hello", "proto": "fsm-store/1"}``; the server answers
+  ``{"ok": true, "proto": "fsm-store/1", "now": T}``. A peer that does not answer that way is not
+  an fsm store (a port held by an unrelated program fails fast, see ``StoreProtocolError``).
+* Requests are ``{"op": NAME, ...}``; replies are ``{"ok": true, ...}`` or
+  ``{"ok": false, "error": "timeout" | "bad_request", "message": "..."}``.
+* Keys are strings; values are bytes, sent base64-encoded.
+* ``now`` is the server's monotonic clock in seconds. Rendezvous deadlines and key leases use
+  this one clock, so clock skew between machines does not matter.
+
+Operations (``StoreClient`` method in brackets): set, get (blocks until the key exists), add
+(atomic counter), compare_set, multi_get (blocks until all exist), multi_set, check, wait,
+delete_key, num_keys, and for the rendezvous: get_versioned (values, versions, a prefix listing
+and ``now`` in one round trip), watch (block until a key's version changes), touch (extend
+leases). Every mutation gives the key a new version (a server-wide counter); a missing key has
+version 0.
+
+Blocking operations (get, multi_get, wait, watch) wait on the server: the server answers when a
+mutation satisfies them or their timeout passes. Clients never poll and never sleep, except
+between attempts to connect to a server that is not listening yet (a short backoff).
+
+Leases: ``set(key, value, ttl=s)`` makes the key expire ``s`` seconds after its last ``set`` or
+``touch``; ``ephemeral=True`` also deletes it when the connection that set it closes (the
+process died). Deletion by expiry is a mutation: watchers wake at once.
+
+The server (``StoreServer``) is one ``selectors`` loop in a daemon thread, so every operation is
+atomic without locks. ``python -m fsm_agent.store --host H --port P`` (a stable name for ``main`` below) runs one on its own.
+"""
+
+from __future__ import annotations
+
+import base64
+import heapq
+import itertools
+import json
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Any, Iterable, Sequence
+
+from fsm_agent.errors import RendezvousFailed
+
+log = logging.getLogger(__name__)
+
+PROTO = "fsm-store/1"
+#: Largest request or reply line, in bytes; a longer line closes the connection.
+MAX_LINE = 64 * 1024 * 1024
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+#: How long a connected peer gets to answer the hello (and a reply gets beyond its op's timeout).
+DEFAULT_HANDSHAKE_TIMEOUT = 3.0
+_RECV = 256 * 1024
+
+
+# -- errors ------------------------------------------------------------------------------------------
+class StoreError(RendezvousFailed):
+    """A store operation failed; the message names the endpoint."""
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """A blocking get/multi_get/wait did not complete within its timeout."""
+
+
+class StoreConnectionError(StoreError, ConnectionError):
+    """The server could not be reached, or the connection broke during a request."""
+
+
+class StoreProtocolError(StoreError):
+    """The peer at the endpoint does not speak the fsm-store protocol (or sent a malformed reply)."""
+
+
+class StoreBindError(StoreError):
+    """The server could not listen at the requested address. ``errno`` is the OSError's errno."""
+
+    def __init__(self, message: str, errno_: int | None = None):
+        super().__init__(message)
+        self.errno = errno_
+
+
+def _b64(value: bytes) -> str:
+    return base64.b64encode(value).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text.encode("ascii"), validate=True)
+
+
+def _to_bytes(value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"store values must be str or bytes, not {type(value).__name__}")
+
+
+def _seconds(timeout: timedelta | float | None) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+def format_endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not allowed")  # NaN/Infinity would break deadlines and leases
+
+
+def _encode(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode("utf-8") + b"\n"
+
+
+# -- server ------------------------------------------------------------------------------------------
+class _Entry:
+    __slots__ = ("value", "version", "expiry", "owner")
+
+    def __init__(self, value: bytes, version: int):
+        self.value, self.version = value, version
+        self.expiry: float | None = None
+        self.owner: _Conn | None = None
+
+
+class _Conn:
+    __slots__ = ("sock", "inbuf", "outbuf", "lines", "waiter", "owned", "closed", "name", "close_after_flush")
+
+    def __init__(self, sock: socket.socket, name: str):
+        self.sock, self.name = sock, name
+        self.inbuf = bytearray()
+        self.outbuf = bytearray()
+        self.lines: deque[bytes] = deque()
+        self.waiter: _Waiter | None = None
+        self.owned: set[str] = set()
+        self.closed = False
+        self.close_after_flush = False
+
+
+class _Waiter:
+    __slots__ = ("conn", "kind", "keys", "versions", "deadline", "done")
+
+    def __init__(self, conn: _Conn, kind: str, keys: list[str], versions: dict[str, int] | None, deadline: float):
+        self.conn, self.kind, self.keys, self.versions, self.deadline = conn, kind, keys, versions, deadline
+        self.done = False
+
+
+class StoreServer:
+    """The store server: listens on ``host:port`` (127.0.0.1, any free port by default).
+
+    ``start()`` binds and listens in the caller's thread (so a busy port raises at once) and then
+    serves from a daemon thread; ``close()`` stops it. Everything lives in memory.
+
+    Raises:
+        StoreBindError: from ``start()``, when the address cannot be bound (``.errno`` tells why:
+            EADDRINUSE, EADDRNOTAVAIL, ...).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, backlog: int = 1024):
+        self._host, self._req_port, self._backlog = host, port, backlog
+        self._listener: socket.socket | None = None
+        self._sel: selectors.BaseSelector | None = None
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._stopping = False
+        self._data: dict[str, _Entry] = {}
+        self._clock = itertools.count(1)
+        self._waiting: dict[str, set[_Waiter]] = {}
+        self._deadlines: list[tuple[float, int, _Waiter]] = []
+        self._expiries: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+        self._conns: set[_Conn] = set()
+        self.port = port
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def bind(self) -> "StoreServer":
+        """Bind and listen (no serving yet). Raises StoreBindError."""
+        try:
+            infos = socket.getaddrinfo(self._host or None, self._req_port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+        except socket.gaierror as exc:
+            raise StoreBindError(f"fsm store: cannot resolve {self._host!r}: {exc}", None) from None
+        family, _, _, _, addr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT only; a listener still wins
+            sock.bind(addr)
+            sock.listen(self._backlog)
+        except OSError as exc:
+            sock.close()
+            raise StoreBindError(f"fsm store: cannot listen on {format_endpoint(self._host, self._req_port)}: "
+                                 f"{exc.strerror or exc}", exc.errno) from None
+        sock.setblocking(False)
+        self._listener = sock
+        self.port = sock.getsockname()[1]
+        return self
+
+    def start(self) -> "StoreServer":
+        """Bind (if not yet) and serve from a daemon thread."""
+        if self._listener is None:
+            self.bind()
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ, None)
+        self._wake_r.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._thread = threading.Thread(target=self._serve, name=f"fsm-store-{self.port}", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Bind (if not yet) and serve in this thread until ``close()``."""
+        self.start()
+        self._thread.join()
+
+    @property
+    def host(self) -> str:
+        return self._host
+
+    @property
+    def endpoint(self) -> str:
+        return format_endpoint(self._host, self.port)
+
+    def close(self) -> None:
+        """Stop serving and close every connection (peers see their connection close)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._thread is not None and self._thread.is_alive():
+            try:
+                self._wake_w.send(b"x")
+            except OSError:
+                pass
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout=10)
+        else:
+            self._cleanup()
+
+    def __enter__(self):
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _cleanup(self) -> None:
+        for conn in list(self._conns):
+            try:
+                conn.sock.close()
+            except OSError:
+                pass
+        self._conns.clear()
+        for s in (self._listener, self._wake_r, self._wake_w):
+            if s is not None:
+                try:
+                    s.close()
+                except OSError:
+                    pass
+        if self._sel is not None:
+            self._sel.close()
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        sel = self._sel
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                self._expire(now)
+                self._time_out_waiters(now)
+                nxt = min(self._deadlines[0][0] if self._deadlines else float("inf"),
+                          self._expiries[0][0] if self._expiries else float("inf"))
+                timeout = 3600.0 if nxt == float("inf") else min(3600.0, max(0.0, nxt - time.monotonic()))
+                for key, mask in sel.select(timeout):
+                    if key.data == "wake":
+                        try:
+                            key.fileobj.recv(64)
+                        except OSError:
+                            pass
+                    elif key.data is None:
+                        self._accept()
+                    else:
+                        conn: _Conn = key.data
+                        if mask & selectors.EVENT_READ:
+                            self._read(conn)
+                        if mask & selectors.EVENT_WRITE and not conn.closed:
+                            self._flush(conn)
+        except Exception:  # a bug in the server: log it, do not leave clients hanging
+            log.exception("fsm store server at %s crashed", self.endpoint)
+        finally:
+            self._cleanup()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("fsm store: accept failed: %s", exc)
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
+            self._conns.add(conn)
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            chunk = conn.sock.recv(_RECV)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(conn)
+            return
+        conn.inbuf += chunk
+        while True:
+            i = conn.inbuf.find(b"\n")
+            if i < 0:
+                break
+            conn.lines.append(bytes(conn.inbuf[:i]))
+            del conn.inbuf[:i + 1]
+        if len(conn.inbuf) > MAX_LINE:
+            conn.close_after_flush = True
+            conn.lines.clear()
+            self._reply(conn, {"ok": False, "error": "bad_request", "message": f"line longer than {MAX_LINE} bytes"})
+            return
+        self._process(conn)
+
+    def _process(self, conn: _Conn) -> None:
+        while conn.lines and conn.waiter is None and not conn.closed and not conn.close_after_flush:
+            line = conn.lines.popleft()
+            if not line.strip():
+                continue
+            try:
+                req = json.loads(line, parse_constant=_reject_constant)
+                if not isinstance(req, dict):
+                    raise ValueError("a request must be a JSON object")
+            except (ValueError, UnicodeDecodeError) as exc:
+                conn.close_after_flush = True
+                self._reply(conn, {"ok": False, "error": "bad_request",
+                                   "message": f"not an fsm-store request ({PROTO}, JSON lines): {exc}"})
+                break
+            try:
+                self._handle(conn, req)
+            except Exception as exc:  # one bad request never takes the server down
+                self._reply(conn, {"ok": False, "error": "bad_request",
+                                   "message": f"bad {req.get('op')!r} request: {type(exc).__name__}: {exc}"})
+
+    def _reply(self, conn: _Conn, obj: dict) -> None:
+        if conn.closed:
+            return
+        conn.outbuf += _encode(obj)
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.outbuf:
+            try:
+                n = conn.sock.send(conn.outbuf)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._drop(conn)
+                return
+            del conn.outbuf[:n]
+        if conn.outbuf:
+            self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+        else:
+            if conn.close_after_flush:
+                self._drop(conn)
+                return
+            try:
+                self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+            except (KeyError, ValueError):
+                pass
+
+    def _drop(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        self._conns.discard(conn)
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+        if conn.waiter is not None:
+            self._unregister(conn.waiter)
+        for key in list(conn.owned):
+            entry = self._data.get(key)
+            if entry is not None and entry.owner is conn:
+                self._delete(key)
+
+    # -- data ------------------------------------------------------------------------------------
+    def _put(self, key: str, value: bytes) -> _Entry:
+        entry = self._data.get(key)
+        if entry is None:
+            entry = self._data[key] = _Entry(value, next(self._clock))
+        else:
+            entry.value, entry.version = value, next(self._clock)
+            if entry.owner is not None:
+                entry.owner.owned.discard(key)
+            entry.owner, entry.expiry = None, None
+        self._notify(key)
+        return entry
+
+    def _delete(self, key: str) -> bool:
+        entry = self._data.pop(key, None)
+        if entry is None:
+            return False
+        if entry.owner is not None:
+            entry.owner.owned.discard(key)
+        next(self._clock)
+        self._notify(key)
+        return True
+
+    def _version(self, key: str) -> int:
+        entry = self._data.get(key)
+        return entry.version if entry is not None else 0
+
+    def _lease(self, key: str, entry: _Entry, ttl: float | None, now: float) -> None:
+        if ttl is None:
+            return
+        entry.expiry = now + min(max(0.0, float(ttl)), 1e6)
+        heapq.heappush(self._expiries, (entry.expiry, next(self._seq), key))
+
+    def _expire(self, now: float) -> None:
+        while self._expiries and self._expiries[0][0] <= now:
+            when, _, key = heapq.heappop(self._expiries)
+            entry = self._data.get(key)
+            if entry is not None and entry.expiry is not None and entry.expiry <= now:
+                self._delete(key)
+
+    # -- waiting ---------------------------------------------------------------------------------
+    def _satisfied(self, w: _Waiter) -> bool:
+        if w.kind == "watch":
+            return any(self._version(k) != v for k, v in w.versions.items())
+        return all(k in self._data for k in w.keys)
+
+    def _answer(self, w: _Waiter) -> dict:
+        if w.kind == "get":
+            return {"ok": True, "value": _b64(self._data[w.keys[0]].value)}
+        if w.kind == "multi_get":
+            return {"ok": True, "values": [_b64(self._data[k].value) for k in w.keys]}
+        if w.kind == "watch":
+            return {"ok": True, "now": time.monotonic(),
+                    "changed": {k: self._version(k) for k, v in w.versions.items() if self._version(k) != v}}
+        return {"ok": True}
+
+    def _block(self, conn: _Conn, kind: str, keys: list[str], timeout: Any,
+               versions: dict[str, int] | None = None) -> None:
+        w = _Waiter(conn, kind, keys, versions, 0.0)
+        if self._satisfied(w):
+            self._reply(conn, self._answer(w))
+            return
+        seconds = min(float(timeout), 1e6) if timeout is not None else 300.0
+        if seconds <= 0:
+            self._reply(conn, self._timed_out(w))
+            return
+        w.deadline = time.monotonic() + seconds
+        conn.waiter = w
+        for k in keys:
+            self._waiting.setdefault(k, set()).add(w)
+        heapq.heappush(self._deadlines, (w.deadline, next(self._seq), w))
+
+    def _timed_out(self, w: _Waiter) -> dict:
+        if w.kind == "watch":
+            return {"ok": True, "now": time.monotonic(), "changed": {}}
+        missing = [k for k in w.keys if k not in self._data]
+        return {"ok": False, "error": "timeout", "message": f"keys not set: {missing[:5]}"}
+
+    def _unregister(self, w: _Waiter) -> None:
+        w.done = True
+        for k in w.keys:
+            s = self._waiting.get(k)
+            if s is not None:
+                s.discard(w)
+                if not s:
+                    del self._waiting[k]
+        if w.conn.waiter is w:
+            w.conn.waiter = None
+
+    def _finish(self, w: _Waiter, reply: dict) -> None:
+        self._unregister(w)
+        self._reply(w.conn, reply)
+        self._process(w.conn)  # requests that arrived while this one blocked
+
+    def _notify(self, key: str) -> None:
+        waiters = self._waiting.get(key)
+        if not waiters:
+            return
+        for w in list(waiters):
+            if not w.done and self._satisfied(w):
+                self._finish(w, self._answer(w))
+
+    def _time_out_waiters(self, now: float) -> None:
+        while self._deadlines and (self._deadlines[0][2].done or self._deadlines[0][0] <= now):
+            _, _, w = heapq.heappop(self._deadlines)
+            if not w.done:
+                self._finish(w, self._timed_out(w))
+
+    # -- operations ------------------------------------------------------------------------------
+    def _handle(self, conn: _Conn, req: dict) -> None:
+        op = req.get("op")
+        now = time.monotonic()
+        if op == "hello":
+            self._reply(conn, {"ok": True, "proto": PROTO, "now": now})
+        elif op == "set":
+            key = str(req["key"])
+            entry = self._put(key, _unb64(req["value"]))
+            self._lease(key, entry, req.get("ttl"), now)
+            if req.get("ephemeral"):
+                entry.owner = conn
+                conn.owned.add(key)
+            self._reply(conn, {"ok": True, "version": entry.version})
+        elif op == "multi_set":
+            keys, values = [str(k) for k in req["keys"]], req["values"]
+            if len(keys) != len(values):
+                raise ValueError("keys and values differ in length")
+            for k, v in zip(keys, values):
+                self._put(k, _unb64(v))
+            self._reply(conn, {"ok": True})
+        elif op == "get":
+            self._block(conn, "get", [str(req["key"])], req.get("timeout"))
+        elif op == "multi_get":
+            self._block(conn, "multi_get", [str(k) for k in req["keys"]], req.get("timeout"))
+        elif op == "wait":
+            self._block(conn, "wait", [str(k) for k in req["keys"]], req.get("timeout"))
+        elif op == "watch":
+            versions = {str(k): int(v) for k, v in dict(req["versions"]).items()}
+            self._block(conn, "watch", list(versions), req.get("timeout"), versions)
+        elif op == "add":
+            key, amount = str(req["key"]), int(req["amount"])
+            entry = self._data.get(key)
+            current = int(entry.value) if entry is not None else 0
+            value = current + amount
+            self._put(key, str(value).encode())
+            self._reply(conn, {"ok": True, "value": value})
+        elif op == "compare_set":
+            key, expected, desired = str(req["key"]), _unb64(req["expected"]), _unb64(req["desired"])
+            entry = self._data.get(key)
+            if entry is None:
+                if expected == b"":
+                    self._put(key, desired)
+                    result = desired
+                else:
+                    result = expected  # torch's TCPStore answers so too: "not swapped"
+            elif entry.value == expected:
+                result = self._put(key, desired).value
+            else:
+                result = entry.value
+            self._reply(conn, {"ok": True, "value": _b64(result), "version": self._version(key), "now": now})
+        elif op == "check":
+            self._reply(conn, {"ok": True, "value": all(str(k) in self._data for k in req["keys"])})
+        elif op == "exists":
+            self._reply(conn, {"ok": True, "values": [str(k) in self._data for k in req["keys"]]})
+        elif op == "delete":
+            self._reply(conn, {"ok": True, "value": self._delete(str(req["key"]))})
+        elif op == "num_keys":
+            self._reply(conn, {"ok": True, "value": len(self._data)})
+        elif op == "get_versioned":
+            keys = [str(k) for k in req.get("keys", ())]
+            entries = [self._data.get(k) for k in keys]
+            reply = {"ok": True, "now": now,
+                     "values": [_b64(e.value) if e is not None else None for e in entries],
+                     "versions": [e.version if e is not None else 0 for e in entries]}
+            prefix = req.get("prefix")
+            if prefix is not None:
+                prefix = str(prefix)
+                reply["listing"] = {k: e.version for k, e in self._data.items() if k.startswith(prefix)}
+            self._reply(conn, reply)
+        elif op == "touch":
+            ttl = float(req["ttl"])
+            found = []
+            for k in req["keys"]:
+                entry = self._data.get(str(k))
+                if entry is not None:
+                    self._lease(str(k), entry, ttl, now)
+                found.append(entry is not None)
+            self._reply(conn, {"ok": True, "values": found})
+        elif op == "time":
+            self._reply(conn, {"ok": True, "now": now})
+        else:
+            self._reply(conn, {"ok": False, "error": "bad_request", "message": f"unknown op {op!r}"})
+
+
+# -- client ------------------------------------------------------------------------------------------
+class StoreClient:
+    """A connection to a ``StoreServer``, with the method names of ``torch.distributed.Store``.
+
+    One request at a time per client (a lock serialises threads); give each thread that blocks in
+    ``watch``/``wait`` its own client. The connection is opened on first use and reopened on the
+    next request after it broke.
+
+    Args:
+        host / port: the server.
+        timeout: default timeout of get, multi_get and wait (torch's store timeout; 300 s).
+        connect_timeout: how long to keep trying to connect while the server is not listening yet.
+        handshake_timeout: how long a peer that accepted the connection gets to answer the hello,
+            and how long past its op's own timeout a reply may take before the server counts as dead.
+        fail_fast_refused: give up at the first refused connection (used after this process found
+            the port taken: a refusal then means the holder is not a store server).
+
+    Raises (every method): StoreTimeout, StoreConnectionError, StoreProtocolError; all are
+    ``fsm_agent.errors.RendezvousFailed`` and name the endpoint.
+    """
+
+    def __init__(self, host: str, port: int, *, timeout: timedelta | float = DEFAULT_TIMEOUT,
+                 connect_timeout: float = 60.0, handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+                 fail_fast_refused: bool = False):
+        self.host, self.port = host, int(port)
+        self._timeout = timedelta(seconds=_seconds(timeout))
+        self.connect_timeout = float(connect_timeout)
+        self.handshake_timeout = float(handshake_timeout)
+        self.fail_fast_refused = fail_fast_refused
+        self._sock: socket.socket | None = None
+        self._buf = bytearray()
+        self._lock = threading.RLock()
+        # Guards only _sock and _closed, so abort() (which must not wait for a request in flight)
+        # and _open() agree: a socket opened after abort() is closed at once, never used.
+        self._sock_guard = threading.Lock()
+        self._closed = False
+        self._was_connected = False  # a handshake succeeded once: a refusal now means the server is gone
+        self.server_now: float | None = None  # the server clock at the last reply that carried it
+
+    @property
+    def endpoint(self) -> str:
+        return format_endpoint(self.host, self.port)
+
+    # torch's Store API: timeout
+    @property
+    def timeout(self) -> timedelta:
+        return self._timeout
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timedelta(seconds=_seconds(timeout))
+
+    def __repr__(self) -> str:
+        return f"StoreClient({self.endpoint})"
+
+    # -- connection ------------------------------------------------------------------------------
+    def connect(self) -> "StoreClient":
+        """Open the connection now (retrying refused connects for ``connect_timeout``) and shake hands."""
+        with self._lock:
+            if self._sock is None:
+                self._open()
+        return self
+
+    def _open(self) -> None:
+        if self._closed:
+            raise StoreConnectionError(f"fsm store client for {self.endpoint} is closed")
+        deadline = time.monotonic() + self.connect_timeout
+        delay, last = 0.01, None
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                sock = socket.create_connection((self.host, self.port),
+                                                timeout=max(0.05, min(self.handshake_timeout, remaining)))
+                break
+            except socket.gaierror as exc:
+                raise StoreConnectionError(
+                    f"fsm store at {self.endpoint}: cannot resolve {self.host!r}: {exc}") from None
+            except OSError as exc:
+                last = exc
+                if self._was_connected and isinstance(exc, ConnectionRefusedError):
+                    raise StoreConnectionError(
+                        f"fsm store at {self.endpoint}: connection refused: the store this client used is "
+                        f"gone (the agent hosting it exited?)") from None
+                if self.fail_fast_refused and isinstance(exc, ConnectionRefusedError) and remaining <= 0:
+                    raise StoreProtocolError(
+                        f"fsm store at {self.endpoint}: the port is taken but nothing accepts connections on it "
+                        f"(another program holds it)") from None
+                if remaining <= 0:
+                    raise StoreConnectionError(
+                        f"fsm store at {self.endpoint}: could not connect within {self.connect_timeout:g} s: "
+                        f"{exc.strerror or exc}") from None
+            if self._closed:  # abort() while the server is not up yet: stop retrying
+                raise StoreConnectionError(f"fsm store client for {self.endpoint} is closed")
+            # The server is not listening yet (its host starts later): the one wait outside the server.
+            time.sleep(min(delay, max(0.0, remaining)))
+            delay = min(delay * 2, 0.25)
+        del last
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._sock_guard:
+            if self._closed:  # aborted while connecting: do not hand a live socket to a dying client
+                sock.close()
+                raise StoreConnectionError(f"fsm store client for {self.endpoint} is closed")
+            self._sock, self._buf = sock, bytearray()
+        try:
+            self._send({"op": "hello", "proto": PROTO})
+            reply = self._recv(time.monotonic() + self.handshake_timeout, handshake=True)
+        except StoreTimeout:
+            self._reset()
+            raise StoreProtocolError(
+                f"fsm store at {self.endpoint}: the peer accepted the connection but did not answer the "
+                f"{PROTO} hello within {self.handshake_timeout:g} s: the port is held by another program, "
+                f"not an fsm-agent store") from None
+        except StoreError:
+            self._reset()
+            raise
+        if reply.get("proto") != PROTO or not reply.get("ok"):
+            self._reset()
+            raise StoreProtocolError(f"fsm store at {self.endpoint}: the peer is not an {PROTO} server "
+                                     f"(hello answered with {str(reply)[:120]!r})")
+        self.server_now = reply.get("now")
+        self._was_connected = True
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock, self._buf = None, bytearray()
+
+    def close(self) -> None:
+        """Close the connection; the server drops this client's ephemeral keys."""
+        self.abort()  # a request in flight on another thread ends now instead of holding the lock
+        with self._lock:
+            self._reset()
+
+    def abort(self) -> None:
+        """Shut the socket down without waiting for a request in flight: wakes a thread blocked on it.
+
+        The client stays closed: no later request reconnects.
+        """
+        with self._sock_guard:
+            self._closed = True
+            sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _send(self, obj: dict) -> None:
+        try:
+            self._sock.sendall(_encode(obj))
+        except OSError as exc:
+            self._reset()
+            raise StoreConnectionError(f"fsm store at {self.endpoint}: connection lost while sending "
+                                       f"{obj.get('op')!r}: {exc}") from None
+
+    def _recv(self, deadline: float, handshake: bool = False) -> dict:
+        while True:
+            i = self._buf.find(b"\n")
+            if i >= 0:
+                line = bytes(self._buf[:i])
+                del self._buf[:i + 1]
+                try:
+                    reply = json.loads(line)
+                    if not isinstance(reply, dict):
+                        raise ValueError("not an object")
+                except (ValueError, UnicodeDecodeError):
+                    self._reset()
+                    raise StoreProtocolError(f"fsm store at {self.endpoint}: malformed reply {line[:80]!r} "
+                                             f"(is the port held by another program?)") from None
+                return reply
+            if len(self._buf) > MAX_LINE:
+                self._reset()
+                raise StoreProtocolError(f"fsm store at {self.endpoint}: reply longer than {MAX_LINE} bytes")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StoreTimeout(f"fsm store at {self.endpoint}: no reply")
+            self._sock.settimeout(remaining)
+            try:
+                chunk = self._sock.recv(_RECV)
+            except socket.timeout:
+                continue
+            except OSError as exc:
+                self._reset()
+                raise StoreConnectionError(f"fsm store at {self.endpoint}: connection lost: {exc}") from None
+            if not chunk:
+                self._reset()
+                what = "closed the connection during the handshake (not an fsm-agent store?)" if handshake \
+                    else "closed the connection (the agent hosting the store exited?)"
+                raise (StoreProtocolError if handshake else StoreConnectionError)(
+                    f"fsm store at {self.endpoint}: {what}")
+            self._buf += chunk
+
+    def _request(self, req: dict, wait: float | None = None) -> dict:
+        with self._lock:
+            if self._sock is None:
+                self._open()
+            try:
+                self._send(req)
+                deadline = time.monotonic() + (wait or 0.0) + max(self.handshake_timeout, 30.0)
+                try:
+                    reply = self._recv(deadline)
+                except StoreTimeout:
+                    self._reset()
+                    raise StoreConnectionError(
+                        f"fsm store at {self.endpoint}: no reply to {req.get('op')!r} in time: the server "
+                        f"is unresponsive") from None
+            except BaseException:
+                # interrupted mid-request (a signal, an error): the stream is out of step, start over
+                self._reset()
+                raise
+        if "now" in reply:
+            self.server_now = reply["now"]
+        if not reply.get("ok"):
+            if reply.get("error") == "timeout":
+                raise StoreTimeout(f"fsm store at {self.endpoint}: {req.get('op')} timed out after "
+                                   f"{wait:g} s ({reply.get('message', '')})")
+            raise StoreError(f"fsm store at {self.endpoint}: {req.get('op')} failed: "
+                             f"{reply.get('error')}: {reply.get('message', '')}")
+        return reply
+
+    def _wait_s(self, timeout: timedelta | float | None) -> float:
+        s = _seconds(timeout)
+        return self._timeout.total_seconds() if s is None else s
+
+    # -- torch.distributed.Store API -------------------------------------------------------------
+    def set(self, key: str, value: str | bytes, *, ttl: float | None = None, ephemeral: bool = False) -> int:
+        """Set ``key``; returns its new version. ``ttl``/``ephemeral``: see the module docstring."""
+        req = {"op": "set", "key": key, "value": _b64(_to_bytes(value))}
+        if ttl is not None:
+            req["ttl"] = float(ttl)
+        if ephemeral:
+            req["ephemeral"] = True
+        return self._request(req)["version"]
+
+    def get(self, key: str, timeout: timedelta | float | None = None) -> bytes:
+        """The value of ``key``, waiting (up to ``timeout``, default the store timeout) until it is set."""
+        wait = self._wait_s(timeout)
+        return _unb64(self._request({"op": "get", "key": key, "timeout": wait}, wait)["value"])
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the integer at ``key`` (missing: 0); returns the new value."""
+        return int(self._request({"op": "add", "key": key, "amount": int(amount)})["value"])
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        """Set ``key`` to ``desired_value`` if it holds ``expected_value`` (missing counts as ``b""``).
+
+        Returns the value after the call: ``desired_value`` if swapped, else the current value
+        (or ``expected_value`` when the key is missing and ``expected_value`` is not empty, as torch).
+        """
+        req = {"op": "compare_set", "key": key, "expected": _b64(_to_bytes(expected_value)),
+               "desired": _b64(_to_bytes(desired_value))}
+        return _unb64(self._request(req)["value"])
+
+    def compare_set_versioned(self, key: str, expected_value: str | bytes, desired_value: str | bytes
+                              ) -> tuple[bytes, int, float]:
+        """``compare_set`` that also returns the key's version and the server time: ``(value, version, now)``."""
+        req = {"op": "compare_set", "key": key, "expected": _b64(_to_bytes(expected_value)),
+               "desired": _b64(_to_bytes(desired_value))}
+        reply = self._request(req)
+        return _unb64(reply["value"]), int(reply["version"]), float(reply["now"])
+
+    def multi_get(self, keys: Sequence[str], timeout: timedelta | float | None = None) -> list[bytes]:
+        """Values of ``keys``, waiting until all are set (as torch's TCPStore)."""
+        wait = self._wait_s(timeout)
+        reply = self._request({"op": "multi_get", "keys": list(keys), "timeout": wait}, wait)
+        return [_unb64(v) for v in reply["values"]]
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        self._request({"op": "multi_set", "keys": list(keys), "values": [_b64(_to_bytes(v)) for v in values]})
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """True if every key is set (never blocks)."""
+        return bool(self._request({"op": "check", "keys": list(keys)})["value"])
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | float | None = None) -> None:
+        """Block until every key is set; StoreTimeout after ``timeout`` (default: the store timeout)."""
+        wait = self._wait_s(timeout)
+        self._request({"op": "wait", "keys": list(keys), "timeout": wait}, wait)
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._request({"op": "delete", "key": key})["value"])
+
+    def num_keys(self) -> int:
+        return int(self._request({"op": "num_keys"})["value"])
+
+    # -- extensions for the rendezvous -----------------------------------------------------------
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return list(self._request({"op": "exists", "keys": list(keys)})["values"])
+
+    def get_versioned(self, keys: Sequence[str], prefix: str | None = None
+                      ) -> tuple[list[bytes | None], list[int], dict[str, int], float]:
+        """``(values, versions, listing, now)``: never blocks. Missing keys: value None, version 0.
+
+        ``listing`` maps every key that starts with ``prefix`` to its version (empty without a prefix).
+        """
+        req: dict[str, Any] = {"op": "get_versioned", "keys": list(keys)}
+        if prefix is not None:
+            req["prefix"] = prefix
+        reply = self._request(req)
+        values = [None if v is None else _unb64(v) for v in reply["values"]]
+        return values, list(reply["versions"]), dict(reply.get("listing", {})), float(reply["now"])
+
+    def watch(self, versions: dict[str, int], timeout: timedelta | float) -> tuple[dict[str, int], float]:
+        """Block until one of ``versions``' keys has another version (0 = missing), or ``timeout``.
+
+        Returns ``(changed, now)``: the new versions of the keys that changed (empty on timeout).
+        """
+        wait = max(0.0, _seconds(timeout))
+        reply = self._request({"op": "watch", "versions": dict(versions), "timeout": wait}, wait)
+        return dict(reply["changed"]), float(reply["now"])
+
+    def touch(self, keys: Sequence[str], ttl: float) -> list[bool]:
+        """Extend the leases of ``keys`` to ``ttl`` s from now; False for keys that no longer exist."""
+        return list(self._request({"op": "touch", "keys": list(keys), "ttl": float(ttl)})["values"])
+
+    def server_time(self) -> float:
+        return float(self._request({"op": "time"})["now"])
+
+
+class PrefixStore:
+    """``torch.distributed.PrefixStore`` for fsm stores: every key becomes ``<prefix>/<key>``."""
+
+    def __init__(self, prefix: str, store: Any):
+        self.prefix, self.underlying_store = prefix, store
+
+    def _k(self, key: str) -> str:
+        return f"{self.prefix}/{key}"
+
+    @property
+    def timeout(self) -> timedelta:
+        return self.underlying_store.timeout
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.underlying_store.set_timeout(timeout)
+
+    def set(self, key: str, value: str | bytes, **kw: Any) -> Any:
+        return self.underlying_store.set(self._k(key), value, **kw)
+
+    def get(self, key: str, timeout: timedelta | float | None = None) -> bytes:
+        return self.underlying_store.get(self._k(key), timeout)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.underlying_store.add(self._k(key), amount)
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        return self.underlying_store.compare_set(self._k(key), expected_value, desired_value)
+
+    def multi_get(self, keys: Sequence[str], timeout: timedelta | float | None = None) -> list[bytes]:
+        return self.underlying_store.multi_get([self._k(k) for k in keys], timeout)
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        self.underlying_store.multi_set([self._k(k) for k in keys], values)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self.underlying_store.check([self._k(k) for k in keys])
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | float | None = None) -> None:
+        self.underlying_store.wait([self._k(k) for k in keys], timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self.underlying_store.delete_key(self._k(key))
+
+    def num_keys(self) -> int:
+        return self.underlying_store.num_keys()
+
+    def __repr__(self) -> str:
+        return f"PrefixStore({self.prefix!r}, {self.underlying_store!r})"
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    """``python -m fsm_agent.store --host 0.0.0.0 --port 29400``: a store outside any agent."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m fsm_agent.store", description=main.__doc__)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    parser.add_argument("--port", type=int, default=29400)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    server = StoreServer(args.host, args.port)
+    try:
+        server.bind()
+    except StoreBindError as exc:
+        print(exc, flush=True)
+        return 1
+    print(f"fsm store listening on {server.endpoint} (pid {os.getpid()})", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
