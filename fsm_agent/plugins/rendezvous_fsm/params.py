@@ -18,6 +18,12 @@ _TRUE = {"1", "true", "t", "yes", "y", "on"}
 _FALSE = {"0", "false", "f", "no", "n", "off"}
 
 
+def bool_word(value: object) -> bool | None:
+    """True for 1/true/yes/on (and t, y), False for 0/false/no/off (and f, n), None otherwise."""
+    text = str(value).strip().lower()
+    return True if text in _TRUE else False if text in _FALSE else None
+
+
 # -- parameters (torch's RendezvousParameters, without torch) -----------------------------------------
 class FsmRendezvousParameters:
     """What a rendezvous creator receives: torch's ``RendezvousParameters`` API without importing torch.
@@ -50,12 +56,10 @@ class FsmRendezvousParameters:
         value = self.get(key, default)
         if value is None or isinstance(value, bool):
             return value
-        text = str(value).strip().lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-        raise ValueError(f"The rendezvous configuration option '{key}' does not represent a valid boolean value.")
+        answer = bool_word(value)
+        if answer is None:
+            raise ValueError(f"The rendezvous configuration option '{key}' does not represent a valid boolean value.")
+        return answer
 
     def get_as_int(self, key: str, default: int | None = None) -> int | None:
         value = self.get(key, default)
@@ -145,14 +149,10 @@ def _param(params: Any, key: str) -> Any:
 
 def _convert(name: str, raw: Any, default: Any) -> Any:
     if name == "is_host":
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).strip().lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-        raise ConfigError(f"--rdzv-conf is_host={raw!r}: use 1/true/yes or 0/false/no")
+        answer = raw if isinstance(raw, bool) else bool_word(raw)
+        if answer is None:
+            raise ConfigError(f"--rdzv-conf is_host={raw!r}: use 1/true/yes or 0/false/no")
+        return answer
     if name == "bind_addr":
         return str(raw)
     if name in ("node_rank", "keep_alive_max_attempt"):
