@@ -23,7 +23,7 @@ import pytest
 
 from fsm_agent.testing.node_loss import NodeLossJob
 from fsm_agent.testing.processes import wait_until
-from tests.e2e.conftest import free_port
+from tests.e2e.conftest import free_port, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -80,10 +80,12 @@ def start_store_host(job: NodeLossJob, port: int) -> None:
     assert wait_until(listening, timeout=60), job.diagnostics()
 
 
-def lose_peer_and_check(job: NodeLossJob, port: int, sig: int, detect_bound_s: float) -> dict:
-    """a (the store host) and b form a world of 2; b is lost by ``sig``; a goes on as a world of 1."""
+def lose_peer_and_check(job: NodeLossJob, port: int, sig: int, detect_bound_s: float,
+                        peer_command: list[str] | None = None) -> dict:
+    """a (the store host) and b (``peer_command``: e.g. torchrun) form a world of 2; b is lost by
+    ``sig``; a goes on as a world of 1."""
     start_store_host(job, port)
-    job.start("b")
+    job.start("b", command=peer_command)
     job.wait_for_world(2, {"a", "b"})
     job.finish_next_world()
     lost_at = job.lose("b", sig)
@@ -139,3 +141,11 @@ def test_standby_is_promoted_when_a_participant_dies(job_factory):
     assert job.transitions("c") == [("INIT", "HEALTHY", "start"), ("HEALTHY", "SUCCEEDED", "workers_succeeded")]
     after = sorted((r["name"], r["group_world"], r["restart_count"]) for r in job.records() if r["ts"] >= lost_at)
     assert after == [("a", 2, 0), ("c", 2, 0)]
+
+
+def test_torchrun_peer_killed_fsm_agent_survivor_goes_on(job_factory):
+    """A mixed job on one c10d endpoint: the fsm-agent node notices its torchrun peer's death (torch's
+    state is shared, so torchrun's keep-alives are what expire) and goes on alone."""
+    port = free_port()
+    lose_peer_and_check(job_factory(c10d_flags(port)), port, signal.SIGKILL, detect_bound_s=KEEP_ALIVE_S + 1 + MARGIN_S,
+                        peer_command=torchrun_cmd())
