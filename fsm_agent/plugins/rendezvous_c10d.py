@@ -101,8 +101,9 @@ class FreshStoreHandler:
     Public for third-party backends built on torch's ``DynamicRendezvousHandler`` (the
     ``fsm-agent-etcd`` package wraps its handler with it): with ``agent_hosts_worker_store``
     the group-rank-0 agent hosts a new, empty TCPStore for every attempt's workers;
-    ``num_nodes_lost`` and ``leave`` (see the module docstring) work on any backend of that
-    handler. All other calls go to the wrapped handler unchanged.
+    ``num_nodes_lost``, ``leave`` and ``num_nodes_waiting`` (see the module docstring and
+    each method) work on any backend of that handler. All other calls go to the wrapped handler
+    unchanged.
 
     Args:
         handler: torch's ``DynamicRendezvousHandler``.
