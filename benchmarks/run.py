@@ -554,10 +554,10 @@ class Bench:
         # torch 2.13's torchrun shares its rendezvous TCPStore with the workers across attempts, and
         # a restarted gloo group then reads the previous attempt's addresses and fails to connect
         # (pytorch/pytorch#135712). Unless --torchrun-shared-store, torchrun runs whose workers
-        # rebuild a process group after a restart ((c), (g)) use torch's own opt-out.
+        # rebuild a process group after a restart ((c), (g); (i): see there) use torch's own opt-out.
         self.torchrun_restart_env = {} if args.torchrun_shared_store else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         if self.torchrun_restart_env:
-            self.notes.append("(c) and (g): torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (workers host "
+            self.notes.append("(c), (g) and (i): torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (workers host "
                               "a fresh store per attempt); with torch's default shared store the restarted gloo "
                               "group fails to connect (stale keys, pytorch/pytorch#135712) — see "
                               "--torchrun-shared-store")
@@ -1223,7 +1223,8 @@ def scenario_i(bench: Bench) -> list[Row]:
                        f"SIGKILL agent+worker → survivor's worker running again (world 1)", "s")
         row.never = f"never (watched {cutoff:g} s)"
         if backend != "fsm":
-            row.notes.append(f"both launchers' {backend}/c10d runs: --rdzv-conf {conf} (keep-alive {expiry:g} s)")
+            row.notes.append(f"fsm-agent's {backend} and torchrun's c10d runs: --rdzv-conf {conf} "
+                             f"(keep-alive {expiry:g} s)")
             row.goal = f"≤ keep-alive + 5 s = {expiry + 5:g} s; torchrun never"
             row.check = lambda r, bound=expiry + 5: (bool(r.fsm) and all(v is not None and v <= bound for v in r.fsm)
                                                     and not r.errors[FSM] and all(v is None for v in r.tr))

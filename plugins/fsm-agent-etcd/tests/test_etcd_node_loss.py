@@ -31,8 +31,14 @@ def etcd_flags(etcd_server, keep_alive: str) -> list[str]:
 
 @pytest.fixture
 def job(tmp_path):
-    made = []
-    yield lambda flags: made.append(NodeLossJob(tmp_path, flags)) or made[-1]
+    """``job(flags)``: a NodeLossJob in tmp_path; its agents and workers are killed at teardown."""
+    made: list[NodeLossJob] = []
+
+    def make(flags: list[str]) -> NodeLossJob:
+        made.append(NodeLossJob(tmp_path, flags))
+        return made[-1]
+
+    yield make
     for one in made:
         one.close()
 
