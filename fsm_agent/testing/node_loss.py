@@ -4,7 +4,8 @@ For backends' node-loss tests (``c10d``, ``etcd-v3``, ...): every agent runs
 ``python -m fsm_agent run --events-file ... FLAGS worker.py OUT NAME``. Each worker writes one
 record (``start_<name>_<world>_<pid>.json`` in ``out``: its pid, WORLD_SIZE, GROUP_RANK,
 TORCHELASTIC_RESTART_COUNT, the time) and then sleeps until its agent stops it, unless the file
-``out/finish`` exists: then it exits 0 at once (the survivors' new world ends the job)::
+``out/finish`` exists: then it exits 0 at once (the survivors' new world ends the job). A worker
+of agent ``name`` exits 3 once ``crash(name)`` made ``out/crash_<name>``::
 
     job = NodeLossJob(tmp_path, flags)
     try:
@@ -47,8 +48,14 @@ path = os.path.join(out, "start_%s_%d_%d.json" % (name, world, os.getpid()))
 with open(path + ".tmp", "w") as f:
     json.dump(record, f)
 os.replace(path + ".tmp", path)
-if not os.path.exists(os.path.join(out, "finish")):
-    time.sleep(600)  # until the agent stops us (a membership change)
+crash = os.path.join(out, "crash_" + name)
+deadline = time.time() + 600
+if not os.path.exists(os.path.join(out, "finish")):  # read at start only: it ends the *next* world
+    while time.time() < deadline:  # until the agent stops us (a membership change)
+        if os.path.exists(crash):  # crash(name): this worker fails once
+            os.remove(crash)
+            sys.exit(3)
+        time.sleep(0.1)
     sys.exit(5)
 '''
 
@@ -157,6 +164,12 @@ class NodeLossJob:
     def finish_next_world(self) -> None:
         """Workers started from now on exit 0 at once (so the survivors' next world ends the job)."""
         (self.out / "finish").touch()
+
+    def crash(self, name: str) -> float:
+        """The running worker of agent ``name`` exits 3 within 0.1 s; returns the time."""
+        at = time.time()
+        (self.out / f"crash_{name}").touch()
+        return at
 
     def lose(self, name: str, sig: int = signal.SIGKILL) -> float:
         """SIGKILL agent ``name`` and its workers (a machine dying), or send ``sig`` to the agent

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pickle
 import signal
 import socket
+import time
 from datetime import timedelta
 
 import pytest
@@ -149,3 +150,25 @@ def test_torchrun_peer_killed_fsm_agent_survivor_goes_on(job_factory):
     port = free_port()
     lose_peer_and_check(job_factory(c10d_flags(port)), port, signal.SIGKILL, detect_bound_s=KEEP_ALIVE_S + 1 + MARGIN_S,
                         peer_command=torchrun_cmd())
+
+
+def test_a_rerendezvous_with_a_standby_settles_once(job_factory):
+    """Three agents, ``--nnodes 1:2``, c the standby; b's worker fails once (a counted restart). The
+    re-rendezvous puts c and the restarting node in torch's wait list for two seats; the node left
+    there must stay a standby. torch's ``num_nodes_waiting`` keeps counting it, and the two in the
+    round would re-rendezvous every time they poll, for ever."""
+    port = free_port()
+    job = job_factory(c10d_flags(port))
+    start_store_host(job, port)
+    job.start("b", "--max-restarts", "1")
+    job.wait_for_world(2, {"a", "b"})
+    job.start("c", "--max-restarts", "1")
+    assert wait_until(lambda: len(rendezvous_state(port).redundancy_list) == 1, timeout=60), job.diagnostics()
+    crashed_at = job.crash("b")
+    assert wait_until(lambda: len({r["name"] for r in job.records() if r["ts"] > crashed_at}) >= 2, timeout=60), \
+        job.diagnostics()
+    time.sleep(15)  # a churning round restarts its workers every 1-3 s
+    starts = [r for r in job.records() if r["ts"] > crashed_at]
+    assert len(starts) == 2 and {r["group_world"] for r in starts} == {2}, (starts, job.diagnostics())
+    for name in "abc":
+        assert job.agent(name).poll() is None, job.diagnostics()
