@@ -64,7 +64,7 @@ WORKERS = HERE / "workers"
 PLAIN = str(WORKERS / "plain.py")
 TORCH_WORKER = str(WORKERS / "torch_worker.py")
 FSM, TR = "fsm-agent", "torchrun"
-SCENARIOS = "abcdefgh"
+SCENARIOS = "abcdefghi"
 #: Seconds fsm-agent's cgroup keepers get to end by themselves before a sweep kills them.
 KEEPER_GRACE_S = 15.0
 TITLES = {
@@ -76,6 +76,7 @@ TITLES = {
     "f": "multi-agent rendezvous on loopback",
     "g": "node loss (--nnodes 2:3)",
     "h": "hung worker",
+    "i": "node loss, idle workers (--nnodes 1:2)",
 }
 
 
@@ -111,8 +112,15 @@ class Sizes:
     hang_timeout_s: float          # (h) fsm-agent --hang-timeout
     hang_grace_s: float            # (h) torchrun: watch this long past the timeout, then give up
     hang_trials_torchrun: int      # (h)
+    idle_loss_trials: int          # (i) per fsm-agent backend, and torchrun
+    idle_loss_cutoff_s: float      # (i) wait for the survivor after the kill
+    idle_loss_rdzv_conf: str       # (i) --rdzv-conf for the c10d and etcd-v3 runs
     trial_timeout_s: float         # any single launch
 
+
+#: (i): keep-alive 1 s x 5 (torch's own heartbeats can be 3 s apart after a round completes: 1 x 2
+#: would drop live nodes on a busy machine); last call 1 s, so a lone survivor's round completes soon.
+IDLE_LOSS_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
 
 FULL = Sizes(
     trials=5, startup_p=[1, 4, 8], startup_torch_p=[1, 4, 8], startup_torch_trials=3, restart_p=4, restart_intervals=[0.1, 5.0],
@@ -120,7 +128,7 @@ FULL = Sizes(
     idle_p=4, idle_s=20.0, idle_trials=3, rdzv_k=[2, 4, 8, 16], rdzv_trials=3, node_loss_nproc=1,
     node_loss_trials_fsm=10, node_loss_trials_torchrun=3, node_loss_cutoff_s=90.0, node_loss_goal_s=10.0,
     node_loss_rdzv_conf="", hang_p=4, hang_timeout_s=3.0, hang_grace_s=10.0, hang_trials_torchrun=2,
-    trial_timeout_s=180.0,
+    idle_loss_trials=3, idle_loss_cutoff_s=30.0, idle_loss_rdzv_conf=IDLE_LOSS_CONF, trial_timeout_s=180.0,
 )
 QUICK = Sizes(
     trials=1, startup_p=[4], startup_torch_p=[1], startup_torch_trials=1, restart_p=2, restart_intervals=[0.1],
@@ -130,7 +138,8 @@ QUICK = Sizes(
     # torch's defaults (keep-alive 5 s x 3, last call 30 s) cost >= 41 s per node-loss trial;
     # quick mode checks that the scenario works, so it shortens them for every c10d run.
     node_loss_rdzv_conf="last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2",
-    hang_p=2, hang_timeout_s=2.0, hang_grace_s=3.0, hang_trials_torchrun=1, trial_timeout_s=120.0,
+    hang_p=2, hang_timeout_s=2.0, hang_grace_s=3.0, hang_trials_torchrun=1, idle_loss_trials=1,
+    idle_loss_cutoff_s=15.0, idle_loss_rdzv_conf=IDLE_LOSS_CONF, trial_timeout_s=120.0,
 )
 
 
@@ -539,13 +548,16 @@ class Bench:
         self.fast_backend = "c10d"
         self.preimport: list[str] | None = None
         self.single_backend = "?"  # the rendezvous backend fsm-agent's single-node flags end up using
+        self._etcd: subprocess.Popen | None = None  # (i): one etcd for every etcd-v3 trial, started on demand
+        self._etcd_endpoint: str | None = None
+        self.etcd_error = ""
         # torch 2.13's torchrun shares its rendezvous TCPStore with the workers across attempts, and
         # a restarted gloo group then reads the previous attempt's addresses and fails to connect
         # (pytorch/pytorch#135712). Unless --torchrun-shared-store, torchrun runs whose workers
-        # rebuild a process group after a restart ((c), (g)) use torch's own opt-out.
+        # rebuild a process group after a restart ((c), (g); (i): see there) use torch's own opt-out.
         self.torchrun_restart_env = {} if args.torchrun_shared_store else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         if self.torchrun_restart_env:
-            self.notes.append("(c) and (g): torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (workers host "
+            self.notes.append("(c), (g) and (i): torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (workers host "
                               "a fresh store per attempt); with torch's default shared store the restarted gloo "
                               "group fails to connect (stale keys, pytorch/pytorch#135712) — see "
                               "--torchrun-shared-store")
@@ -652,7 +664,46 @@ class Bench:
             kill_pid(proc.pid)
         return len(victims)
 
+    def etcd_endpoint(self) -> str | None:
+        """127.0.0.1:PORT of an etcd this bench started (``$FSMBENCH_ETCD`` or ``etcd`` on PATH), or
+        None (``etcd_error`` says why). Its process group is killed by ``close``."""
+        if self._etcd_endpoint is not None or self.etcd_error:
+            return self._etcd_endpoint
+        import shutil
+        import urllib.request
+
+        binary = os.environ.get("FSMBENCH_ETCD") or shutil.which("etcd")
+        if not binary:
+            self.etcd_error = "no etcd binary (set $FSMBENCH_ETCD or put etcd on PATH)"
+            return None
+        port, peer = free_port(), free_port()
+        url, peer_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{peer}"
+        with open(self.tmp / "etcd.log", "wb") as out:
+            self._etcd = subprocess.Popen(
+                [binary, "--name", "fsmbench", "--data-dir", str(self.tmp / "etcd"), "--listen-client-urls", url,
+                 "--advertise-client-urls", url, "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls",
+                 peer_url, "--initial-cluster", f"fsmbench={peer_url}"],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and self._etcd.poll() is None:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as answer:
+                    if json.loads(answer.read()).get("health") == "true":
+                        self._etcd_endpoint = f"127.0.0.1:{port}"
+                        return self._etcd_endpoint
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.etcd_error = f"etcd ({binary}) not healthy within 30 s (log: {self.tmp / 'etcd.log'})"
+        return None
+
     def close(self) -> None:
+        if self._etcd is not None:
+            try:
+                os.killpg(self._etcd.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self._etcd.wait(timeout=30)
         for proc in list(self.live):
             proc.kill()
         left = self.sweep()
@@ -664,6 +715,14 @@ class Bench:
             import shutil
 
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def variant_trials(trials: int, variants: list, made: dict) -> Iterable[tuple[int, str, str, list]]:
+    """``(i, launcher, backend, rows)`` for trial i of every variant, interleaved: torchrun's value
+    feeds every row of ``made`` ({backend: Row}), fsm-agent's only its backend's."""
+    for i in range(trials):
+        for who, backend in interleaved(i, variants):
+            yield i, who, backend, (list(made.values()) if who == TR else [made[backend]])
 
 
 def interleaved(trial: int, variants: list) -> list:
@@ -969,26 +1028,23 @@ def scenario_f(bench: Bench) -> list[Row]:
                 for b in dict.fromkeys(b for w, b in variants if w == FSM)}
         if k == 16:
             made[fast].goal, made[fast].check = "≤ 0.6", ratio_le(0.6)
-        for i in range(sz.rdzv_trials):
-            for who, backend in interleaved(i, variants):
-                targets = list(made.values()) if who == TR else [made[backend]]
-
-                def measure(who=who, backend=backend):
-                    with bench.trial(f"f_k{k}_{who}_{backend}") as t:
-                        port, run_id = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
-                        argv = [*multi_node_args(backend, port, run_id, str(k)), "--nproc-per-node", 1,
-                                PLAIN, "exit"]
-                        procs = [t.launch(who, argv, f"agent{j}") for j in range(k)]
-                        if not wait_exits(procs, sz.trial_timeout_s + 5 * k):
-                            raise TrialError(f"agents still running after {sz.trial_timeout_s + 5 * k:g} s" + t.tails())
-                        bad = [p for p in procs if p.rc != 0]
-                        if bad:
-                            raise TrialError(f"{bad[0].name} exit code {bad[0].rc}" + t.tails())
-                        value = all_ranks_t(t.events(), "started", k) - procs[0].t_launch
-                        for row in targets:
-                            row.add(who, value)
-                        log(f"  (f) K={k} #{i + 1} {who} {backend}: all running {value:.3f} s")
-                attempt(measure, targets, who, "f")
+        for i, who, backend, targets in variant_trials(sz.rdzv_trials, variants, made):
+            def measure(who=who, backend=backend):
+                with bench.trial(f"f_k{k}_{who}_{backend}") as t:
+                    port, run_id = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
+                    argv = [*multi_node_args(backend, port, run_id, str(k)), "--nproc-per-node", 1,
+                            PLAIN, "exit"]
+                    procs = [t.launch(who, argv, f"agent{j}") for j in range(k)]
+                    if not wait_exits(procs, sz.trial_timeout_s + 5 * k):
+                        raise TrialError(f"agents still running after {sz.trial_timeout_s + 5 * k:g} s" + t.tails())
+                    bad = [p for p in procs if p.rc != 0]
+                    if bad:
+                        raise TrialError(f"{bad[0].name} exit code {bad[0].rc}" + t.tails())
+                    value = all_ranks_t(t.events(), "started", k) - procs[0].t_launch
+                    for row in targets:
+                        row.add(who, value)
+                    log(f"  (f) K={k} #{i + 1} {who} {backend}: all running {value:.3f} s")
+            attempt(measure, targets, who, "f")
         rows += made.values()
     return rows
 
@@ -1143,8 +1199,94 @@ def scenario_h(bench: Bench) -> list[Row]:
     return [detected, restarted]
 
 
+# ------------------------------------------------------------------------------------------------
+# (i) node loss with idle workers: nothing fails but the rendezvous can tell the survivor
+# ------------------------------------------------------------------------------------------------
+
+
+def scenario_i(bench: Bench) -> list[Row]:
+    """Two agents (``--nnodes 1:2``, one plain worker each, idle in the world of 2: no collective
+    breaks); the second agent and its worker are SIGKILLed; timed: kill → the survivor's worker
+    running again in a world of 1. Only the rendezvous can tell the survivor (torchrun: never)."""
+    sz, conf, cutoff = bench.sizes, bench.sizes.idle_loss_rdzv_conf, bench.sizes.idle_loss_cutoff_s
+    rdzv = bench.backends.get("rendezvous", [])
+    backends = [b for b in ("fsm", "c10d", "etcd-v3") if not rdzv or b in rdzv]
+    notes = []
+    if "etcd-v3" in backends and bench.etcd_endpoint() is None:
+        backends.remove("etcd-v3")
+        notes.append(f"etcd-v3 not measured: {bench.etcd_error}")
+    keep_alive = dict(kv.split("=", 1) for kv in conf.split(",") if "=" in kv)
+    expiry = float(keep_alive.get("keep_alive_interval", 5)) * float(keep_alive.get("keep_alive_max_attempt", 3))
+    made = {}
+    for backend in backends:
+        row = Row("i", f"node loss, idle workers, --nnodes 1:2, fsm-agent --rdzv-backend {backend} vs torchrun c10d: "
+                       f"SIGKILL agent+worker → survivor's worker running again (world 1)", "s")
+        row.never = f"never (watched {cutoff:g} s)"
+        if backend != "fsm":
+            row.notes.append(f"fsm-agent's {backend} and torchrun's c10d runs: --rdzv-conf {conf} "
+                             f"(keep-alive {expiry:g} s)")
+            row.goal = f"≤ keep-alive + 5 s = {expiry + 5:g} s; torchrun never"
+            row.check = lambda r, bound=expiry + 5: (bool(r.fsm) and all(v is not None and v <= bound for v in r.fsm)
+                                                    and not r.errors[FSM] and all(v is None for v in r.tr))
+        made[backend] = row
+    if notes and made:
+        next(iter(made.values())).notes += notes
+    variants = [(TR, "c10d")] + [(FSM, b) for b in backends]
+    for i, who, backend, targets in variant_trials(sz.idle_loss_trials, variants, made):
+        def measure(who=who, backend=backend):
+            with bench.trial(f"i_{who}_{backend}") as t:
+                port, run_id = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
+                endpoint = bench.etcd_endpoint() if backend == "etcd-v3" else f"127.0.0.1:{port}"
+                argv = ["--nnodes", "1:2", "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id",
+                        run_id, "--local-addr", "127.0.0.1", "--nproc-per-node", 1, "--max-restarts", 0,
+                        "--monitor-interval", 0.1]
+                if backend != "fsm":
+                    argv += ["--rdzv-conf", conf]
+                finish = t.dir / "finish"  # made just before the kill: a world of 1 then ends the job
+                argv += [PLAIN, "idle", 2, finish]
+                # restarts_pg: when agent0's round of 1 completed before agent1 came, torchrun's shared
+                # store publishes no MASTER_ADDR for the next round (agent1 times out waiting for it)
+                host = t.launch(who, argv, "agent0", restarts_pg=True)
+                if backend != "etcd-v3":  # agent0 hosts the rendezvous store: the victim is agent1
+                    deadline = time.monotonic() + sz.trial_timeout_s
+                    while not listening_on(host.pid, port):
+                        if time.monotonic() > deadline or host.popen.poll() is not None:
+                            raise TrialError("agent0 never listened on the rendezvous port" + t.tails())
+                        time.sleep(0.05)
+                victim = t.launch(who, argv, "agent1", restarts_pg=True)
+                t.poll_events(lambda ev: len({e["group_rank"] for e in by_event(ev, "started", world_size=2)}) == 2,
+                              sz.trial_timeout_s, "two workers in a world of 2")
+                time.sleep(bench.rng.uniform(0.2, 1.2))  # a random moment relative to keep-alives
+                workers = [e["pid"] for e in by_event(t.events(), "started", world_size=2)
+                           if psutil is not None and _parent(e["pid"]) == victim.pid]
+                finish.touch()
+                t_kill = time.time()
+                os.kill(victim.pid, signal.SIGKILL)
+                for pid in workers:
+                    kill_pid(pid)
+                wait_exits([victim], 10)
+                wait_exits([host], cutoff)  # the survivor exits once its world-1 worker returned
+                if not host.running and host.rc != 0:
+                    raise TrialError(f"agent0 exit code {host.rc}" + t.tails())
+                again = [e["t"] for e in by_event(t.events(), "started", world_size=1) if e["t"] >= t_kill]
+                value = min(again) - t_kill if again else None
+                for row in targets:
+                    row.add(who, value)
+                show = f"{value:.3f} s" if value is not None else f"never (watched {cutoff:g} s)"
+                log(f"  (i) #{i + 1} {who} {backend}: survivor's worker running again {show}")
+        attempt(measure, targets, who, "i")
+    return list(made.values())
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
+        return None
+
+
 RUNNERS = {"a": scenario_a, "b": scenario_b, "c": scenario_c, "d": scenario_d, "e": scenario_e,
-           "f": scenario_f, "g": scenario_g, "h": scenario_h}
+           "f": scenario_f, "g": scenario_g, "h": scenario_h, "i": scenario_i}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1266,7 +1408,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Sizes]:
                        ("node_loss_trials_fsm", int), ("node_loss_trials_torchrun", int),
                        ("node_loss_cutoff_s", float), ("node_loss_goal_s", float), ("node_loss_rdzv_conf", str),
                        ("hang_p", int), ("hang_timeout_s", float), ("hang_grace_s", float),
-                       ("hang_trials_torchrun", int), ("trial_timeout_s", float)):
+                       ("hang_trials_torchrun", int), ("idle_loss_trials", int), ("idle_loss_cutoff_s", float),
+                       ("idle_loss_rdzv_conf", str), ("trial_timeout_s", float)):
         show = lambda v: ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v) if isinstance(v, list) \
             else (f"{v:g}" if isinstance(v, float) else repr(v) if v == "" else str(v))  # noqa: E731
         sizes.add_argument("--" + name.replace("_", "-"), type=kind, default=None, dest=name, metavar="V",

@@ -950,13 +950,15 @@ class ElasticAgent:
         self._close_worker_store()
         # torch's shutdown() closes the rendezvous for everyone, so it is skipped on a signal (as
         # torch does) and when this node was excluded (the others carry on without it); a backend
-        # whose shutdown only leaves says so and always gets it.
+        # whose shutdown only leaves says so and always gets it. A backend with ``leave()`` (c10d,
+        # etcd-v3) leaves the round instead, so the others notice at once, not after a keep-alive.
         leaving_alone = self._signal is not None or self.excludes_this_node()
-        if not leaving_alone or not getattr(self._rdzv_handler, "shutdown_closes_rendezvous", True):
+        leave = getattr(self._rdzv_handler, "leave", None) if leaving_alone else None
+        if not leaving_alone or not getattr(self._rdzv_handler, "shutdown_closes_rendezvous", True) or leave:
             try:
-                self._rdzv_handler.shutdown()
+                (leave or self._rdzv_handler.shutdown)()
             except Exception as exc:
-                log.warning("rendezvous shutdown failed: %s", exc)
+                log.warning("rendezvous %s failed: %s", "leave" if leave else "shutdown", exc)
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
 

@@ -7,6 +7,9 @@
     plain.py hang RANK DELAY           attempt 0: every rank calls fsm_agent.heartbeat() every
                                        50 ms; after DELAY s RANK records "hang" and stops
                                        (blocks without heartbeats); later attempts: exit 0
+    plain.py idle WORLD FILE           in a world smaller than WORLD once FILE exists (the harness
+                                       makes it just before it kills a node): started, returning;
+                                       otherwise started, then block until stopped
 
 Events go to $FSMBENCH_EVENTS (see _emit.py).
 """
@@ -18,7 +21,7 @@ T0 = time.time()  # the first thing the script does: "running user code"
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from _emit import ATTEMPT, RANK, emit, sleep_forever  # noqa: E402
+from _emit import ATTEMPT, RANK, WORLD_SIZE, emit, sleep_forever  # noqa: E402
 
 emit("started", T0)
 mode = sys.argv[1] if len(sys.argv) > 1 else "exit"
@@ -41,7 +44,9 @@ elif mode == "hang" and ATTEMPT == 0:
             emit("hang")
             sleep_forever()
         time.sleep(0.05)
-elif mode not in ("exit", "crash", "hang"):
+elif mode == "idle" and (WORLD_SIZE >= int(sys.argv[2]) or not os.path.exists(sys.argv[3])):
+    sleep_forever()
+elif mode not in ("exit", "crash", "hang", "idle"):
     sys.exit(f"plain.py: unknown mode {mode!r}")
 
 emit("returning")

@@ -304,6 +304,12 @@ def render() -> str:
         "`RendezvousHandler`. By default the workers' rank 0 hosts their store (`TORCHELASTIC_USE_AGENT_STORE=False`);"
         " a handler whose `agent_hosts_worker_store` attribute is true gets a fresh TCPStore hosted by group rank 0's "
         "agent for each attempt (see `fsm_agent/plugins/rendezvous_c10d.py`).",
+        "- Optional handler methods the agent uses when present: `num_nodes_lost()` (participants of this node's "
+        "round that are gone: a re-rendezvous of class `node_lost`, not counted), `membership_fd()` (an fd readable "
+        "while the membership changed, instead of polling every `--monitor-interval`) and `leave()` (called instead "
+        "of `shutdown()` when this node stops alone, on a signal or excluded, so the round stays open for the "
+        "others). A backend built on torch's `DynamicRendezvousHandler` gets the first and the last by returning "
+        "`FreshStoreHandler(handler, backend)` from `fsm_agent.plugins.rendezvous_c10d`, as `etcd-v3` does.",
         "",
         "## Options",
         "",

@@ -5,6 +5,19 @@ One change: MASTER_ADDR/MASTER_PORT are published afresh each round (torch's
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` path), and the group-rank-0 agent then hosts a new, empty
 TCPStore for that attempt's workers; torch 2.13 reuses one store across attempts, so restarted
 process groups find the previous attempt's keys (pytorch/pytorch#135712).
+
+Lost and departed nodes (``num_nodes_lost``, fsm-agent's optional backend API): torch tells the
+survivors nothing when a participant dies; its handler only drops a node whose keep-alive is
+older than ``keep_alive_interval * keep_alive_max_attempt`` (15 s by default) when it next reads
+the shared state. The wrapper remembers the participants of the round this node joined and,
+every ``--monitor-interval``, asks torch's own state holder (the read ``num_nodes_waiting``
+makes, served from torch's 1 s cache) whether one of them is gone; a suspect is confirmed by one
+fresh read (a node that re-joins leaves the round and enters the wait list in two writes). A node
+that stops on a signal or is excluded leaves the round (``leave``: torch's own exit operation)
+instead of closing the rendezvous, so the others see it at their next check, not after the
+keep-alive timeout. These read torch's private layout (``_state_holder``, ``_RendezvousState``):
+``check_torch_layout`` names what is missing in one line, and the supported torch range is
+``TORCH_LAYOUT_TESTED``.
 """
 
 from __future__ import annotations
@@ -56,24 +69,136 @@ def _fresh_store_per_round():
                     os.environ[_SHARE_SWITCH] = _switch_previous
 
 
+#: torch versions whose handler layout ``check_torch_layout`` was tested against (pyproject's range).
+TORCH_LAYOUT_TESTED = ">=2.4,<3"
+#: Seconds between a suspect loss and the fresh read that confirms it (a re-join takes two writes).
+CONFIRM_PAUSE_S = 0.05
+
+
+def check_torch_layout(handler) -> None:
+    """Check that ``handler`` (torch's ``DynamicRendezvousHandler``) has what ``num_nodes_lost`` reads.
+
+    Raises:
+        RendezvousFailed: one line naming the missing private torch name and the torch range tested.
+    """
+    import torch
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    needed = [(handler, "_state_holder"), (handler, "_heartbeat_lock"), (handler, "_this_node"),
+              (handler, "_op_executor"), (handler, "_stop_heartbeats"), (handler, "settings"),
+              (dr, "_BackendRendezvousStateHolder"), (dr, "_RendezvousExitOp")]
+    for owner, name in needed:
+        if not hasattr(owner, name):
+            _layout_error(torch.__version__, f"{type(owner).__name__}.{name}")
+    state = handler._state_holder.state
+    for name in ("round", "complete", "participants", "wait_list", "last_heartbeats"):
+        if not hasattr(state, name):
+            _layout_error(torch.__version__, f"{type(state).__name__}.{name}")
+
+
+def _layout_error(version: str, missing: str):
+    raise RendezvousFailed(
+        f"torch {version}'s dynamic rendezvous has no {missing}, which fsm-agent reads to notice lost nodes "
+        f"(tested with torch {TORCH_LAYOUT_TESTED}): install a torch in that range or use --rdzv-backend fsm")
+
+
 class FreshStoreHandler:
-    """Wraps a torch ``RendezvousHandler``: every round publishes a new MASTER_PORT.
+    """Wraps a torch ``DynamicRendezvousHandler``: a new MASTER_PORT every round, lost nodes noticed.
 
     Public for third-party backends built on torch's ``DynamicRendezvousHandler`` (the
     ``fsm-agent-etcd`` package wraps its handler with it): with ``agent_hosts_worker_store``
-    the group-rank-0 agent hosts a new, empty TCPStore for every attempt's workers. All other
-    calls go to the wrapped handler unchanged.
+    the group-rank-0 agent hosts a new, empty TCPStore for every attempt's workers;
+    ``num_nodes_lost``, ``leave`` and ``num_nodes_waiting`` (see the module docstring and
+    each method) work on any backend of that handler. All other calls go to the wrapped handler
+    unchanged.
+
+    Args:
+        handler: torch's ``DynamicRendezvousHandler``.
+        backend: its ``RendezvousBackend`` (for the confirming read); default: the handler's own.
+
+    Raises:
+        RendezvousFailed: torch's handler lacks the layout ``num_nodes_lost`` reads
+            (``check_torch_layout``).
     """
 
     #: The agent with group_rank 0 hosts the workers' TCPStore at MASTER_ADDR:MASTER_PORT.
     agent_hosts_worker_store = True
 
-    def __init__(self, handler):
+    def __init__(self, handler, backend=None):
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _BackendRendezvousStateHolder
+
+        check_torch_layout(handler)
         self._handler = handler
+        backend = backend if backend is not None else getattr(handler._state_holder, "_backend", None)
+        # torch's own state holder, never written through, without the 1 s cache: confirms a suspect.
+        self._fresh = (_BackendRendezvousStateHolder(backend, handler.settings, cache_duration=0)
+                       if backend is not None else None)
+        self._joined: tuple[int, frozenset] | None = None  # (round, participants) this node joined
 
     def next_rendezvous(self):
         with _fresh_store_per_round():
-            return self._handler.next_rendezvous()
+            info = self._handler.next_rendezvous()
+        state = self._handler._state_holder.state
+        self._joined = (state.round, frozenset(state.participants))
+        return info
+
+    def num_nodes_lost(self) -> int:
+        """Participants of this node's round that are gone: their keep-alive expired (torch drops
+        them when it reads the state) or they left (``leave``). This node counts itself when it is
+        no longer a participant (its own keep-alive lapsed). 0 before the first round.
+
+        Detection: within ``keep_alive_interval * keep_alive_max_attempt`` seconds of a node's last
+        keep-alive (torch's rendezvous conf, 5 x 3 s by default), plus the caller's polling
+        interval or torch's 1 s state cache, whichever is longer.
+
+        Raises:
+            torch ``RendezvousConnectionError``: the backend holding the state is unreachable.
+        """
+        if self._joined is None:
+            return 0
+        handler = self._handler
+        with handler._heartbeat_lock:
+            handler._state_holder.sync()
+            gone = self._gone(handler._state_holder.state)
+            if gone and self._fresh is not None:  # a node re-joining is briefly in no list: read again
+                time.sleep(CONFIRM_PAUSE_S)
+                self._fresh.sync()
+                gone &= self._gone(self._fresh.state)
+        return len(gone)
+
+    def num_nodes_waiting(self) -> int:
+        """torch's ``num_nodes_waiting``, except 0 while this node's round is complete with
+        ``max_nodes`` participants: a new round could not take more nodes. torch would answer the
+        wait list, and a node left on it (it joined the wait list just before the round refilled)
+        then makes every participant re-rendezvous again and again while it keeps missing the
+        seat (it polls every second, the participants re-join in milliseconds). Such a node
+        stays a standby: it joins the round after a participant is lost."""
+        waiting = self._handler.num_nodes_waiting()
+        state = self._handler._state_holder.state
+        full = (self._joined is not None and state.round == self._joined[0] and state.complete
+                and len(state.participants) >= self._handler.settings.max_nodes)
+        return 0 if full else waiting
+
+    def _gone(self, state) -> set:
+        """Members of the joined round in none of ``state``'s lists. A new round never holds this
+        node (only its own ``next_rendezvous`` adds it), so a round that moved on counts it."""
+        members = self._joined[1]
+        present = set(state.participants) | set(state.wait_list) | set(getattr(state, "redundancy_list", ()))
+        return set(members) - present
+
+    def leave(self) -> None:
+        """Leave this node's round without closing the rendezvous (torch's exit operation, the one
+        ``next_rendezvous`` starts with): the others see one node lost at their next check. For an
+        agent that stops on a signal or was excluded; torch's ``shutdown`` would close the
+        rendezvous for every node. Errors are logged by the caller."""
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+        handler = self._handler
+        handler._stop_heartbeats()
+        with handler._heartbeat_lock:
+            deadline = time.monotonic() + handler.settings.timeout.close.total_seconds()
+            handler._op_executor.run(_RendezvousExitOp(), deadline)
+        self._joined = None
 
     def __getattr__(self, name):
         return getattr(self._handler, name)
@@ -112,7 +237,7 @@ def create_c10d_handler(params):
     thread.join(deadline)
     if "value" in outcome:
         backend, store = outcome["value"]
-        return FreshStoreHandler(create_handler(store, backend, params))
+        return FreshStoreHandler(create_handler(store, backend, params), backend)
     waited = time.monotonic() - started
     try:  # torch retries a name that does not resolve as if the store were not up yet
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)

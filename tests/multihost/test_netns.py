@@ -4,11 +4,13 @@
 (b) ``--nnodes 2:3``: a non-store-host node is SIGKILLed with its workers; the survivors see it
     (``membership_changed``), re-rendezvous as 2 nodes and finish; the recovery time is measured;
 (c) a node that joins a running 2-node job causes exactly one re-rendezvous, not counted as a restart;
-(d) a node whose cable is pulled (no FIN, no RST: a partition) is found lost by the keep-alive.
+(d) a node whose cable is pulled (no FIN, no RST: a partition) is found lost by the keep-alive;
+(e) c10d: a node SIGKILLed, or SIGTERMed (it leaves), is noticed by the survivors themselves.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -209,4 +211,52 @@ def test_partitioned_node_is_lost_by_keep_alive(netns_hosts, record_property):
     assert timings["workers_restarted_s"] < RECOVERY_BOUND_S, timings
     for agent in survivors:
         assert transitions_since(agent, cut_at) == AFTER_LOSS, agent.output()
+        assert all(e["restart_count"] == 0 for e in agent.events_list())
+
+
+# -- (e) c10d: a node dies or leaves; the survivors notice it themselves ---------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_c10d_survivors_notice_a_lost_or_departed_node(netns_hosts, record_property, sig):
+    """torch's c10d rendezvous, ``--nnodes 2:3``: host 2 (not the store host) is SIGKILLed with its
+    workers, or its agent gets SIGTERM (it leaves its round). The survivors' workers sit idle in the
+    world of 3 (no collective fails), so only the rendezvous state can tell them: they re-rendezvous
+    as 2 (``node_lost``, not counted, ``--max-restarts 0``) within the keep-alive (1 x 5 s) + margin."""
+    hosts = netns_hosts
+    agents = []
+    for i in range(3):
+        flags = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                 hosts.endpoint(), "--rdzv-id", "netns-c10d-loss", "--monitor-interval", "0.1", "--max-restarts", "0",
+                 "--rdzv-conf", f"is_host={1 if i == 0 else 0},join_timeout=120,read_timeout=120,last_call_timeout=5,"
+                                "keep_alive_interval=1,keep_alive_max_attempt=5"]
+        agents.append(hosts.start_agent(i, *flags, final_world=2))
+    hosts.wait_for(lambda: hosts_with(hosts, "reduced", 3) == {"h0", "h1", "h2"}, JOB_TIMEOUT_S,
+                   "three hosts' workers to reduce in a world of 3", expect_running=agents)
+    victim, survivors = agents[2], agents[:2]
+    if sig == signal.SIGKILL:
+        lost_at = hosts.kill_node(victim)
+    else:
+        lost_at = time.time()
+        victim.proc.send_signal(sig)
+        assert victim.wait(60) == 128 + signal.SIGTERM, hosts.diagnostics()
+    hosts.wait_for(lambda: hosts_with(hosts, "start", 2) == {"h0", "h1"}, RECOVERY_BOUND_S * 2,
+                   "the survivors' workers to start in a world of 2", expect_running=survivors)
+    for agent in survivors:
+        assert agent.wait(JOB_TIMEOUT_S) == 0, hosts.diagnostics()
+    records = [r for r in records_of_world(hosts, "reduced", 2) if r["host"] in ("h0", "h1")]
+    check_world(hosts, 2, ["h0", "h1"], records[0]["env"]["MASTER_ADDR"])
+    detected = max(first_ts(a, "membership_changed", lost_at) for a in survivors)
+    restarted = max(r["ts"] for r in records_of_world(hosts, "start", 2))
+    timings = {"detect_s": detected - lost_at, "workers_restarted_s": restarted - lost_at}
+    for name, value in timings.items():
+        record_property(name, round(value, 3))
+    print(f"\nc10d {signal.Signals(sig).name} -> survivors: " + ", ".join(f"{k}={v:.3f}" for k, v in timings.items()))
+    assert timings["detect_s"] < (5 if sig == signal.SIGKILL else 0) + 1 + 10, timings  # keep-alive + check + margin
+    assert timings["workers_restarted_s"] < RECOVERY_BOUND_S, timings
+    for agent in survivors:
+        assert transitions_since(agent, lost_at) == AFTER_LOSS, agent.output()
+        changes = [e for e in agent.events_list() if e["kind"] == "transition" and e["ts"] >= lost_at
+                   and e["trigger"] == "membership_changed"]
+        assert {e.get("failure_class") for e in changes} == {"node_lost"}, changes
         assert all(e["restart_count"] == 0 for e in agent.events_list())

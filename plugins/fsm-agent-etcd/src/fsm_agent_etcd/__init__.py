@@ -130,7 +130,7 @@ def create_etcd_v3_handler(params):
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
     backend, store = create_backend(params)
-    return FreshStoreHandler(create_handler(store, backend, params))
+    return FreshStoreHandler(create_handler(store, backend, params), backend)
 
 
 @hookimpl
