@@ -516,8 +516,18 @@ def _callable_worker(fn: Callable, args: tuple, env: dict[str, str], stdout: str
     except ImportError:  # torch missing: run without the error file
         def record(f):
             return f
-    value = record(fn)(*args)
-    with open(result_path, "wb") as f:
-        pickle.dump(value, f)
+
+    def run_and_keep() -> None:  # under @record, so a value that cannot go back is the error recorded
+        value = fn(*args)
+        try:
+            data = pickle.dumps(value)
+        except Exception as exc:
+            raise TypeError(f"the return value of {getattr(fn, '__qualname__', fn)!s} ({type(value).__name__}) "
+                            f"cannot be pickled, so the agent cannot hand it back: {type(exc).__name__}: {exc}; "
+                            f"return something picklable") from None
+        with open(result_path, "wb") as f:
+            f.write(data)
+
+    record(run_and_keep)()
     sys.stdout.flush()
     sys.stderr.flush()
