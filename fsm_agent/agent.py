@@ -26,7 +26,7 @@ import pluggy
 from fsm_agent import errorfile
 from fsm_agent.env import worker_env
 from fsm_agent.errors import FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
-from fsm_agent.hang import HangDetector, dump_stacks
+from fsm_agent.hang import HangDetector, announce_stack_dump, dump_stacks
 from fsm_agent.logs import LogsLayout, WorkerLogs
 from fsm_agent.plugins.manager import reject_listener_wrappers
 from fsm_agent.ranks import assign_ranks
@@ -571,6 +571,8 @@ class ElasticAgent:
                     with open(os.path.join(os.path.dirname(error_file), "stacks.txt"), "w") as f:
                         f.write(stacks)
             else:
+                wlogs = self._worker_logs.get(local_rank)
+                announce_stack_dump(wlogs.stderr if wlogs else None, local_rank, pid)
                 self._launcher.signal_worker(local_rank, signal.SIGABRT)
                 # Let faulthandler finish writing before the group's SIGTERM can cut the dump short.
                 exit_fds = [fd for fd, rank in self._launcher.wait_fds().items() if rank == local_rank]
