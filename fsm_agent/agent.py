@@ -797,7 +797,8 @@ class ElasticAgent:
     def _describe_rendezvous_error(self, exc: BaseException) -> str:
         rdzv = self.spec.rendezvous
         key, seconds = _round_timeout(self._rdzv_handler, rdzv.config)
-        where = f"backend={rdzv.backend} endpoint={rdzv.endpoint or '(default)'} run_id={rdzv.run_id} {key}={seconds:g}s"
+        where = (f"backend={rdzv.backend} endpoint={rdzv.endpoint or '(default)'} run_id={rdzv.run_id} "
+                 f"{key}={seconds:g}s")
         if rdzv.backend in _BACKENDS_WITH_IS_HOST:  # elsewhere is_host means nothing
             where += f" is_host={rdzv.config.get('is_host', 'inferred from the endpoint')}"
         detail = str(exc) or _empty_rendezvous_error_detail(exc, rdzv, key, seconds)
