@@ -29,7 +29,7 @@ import pluggy
 from fsm_agent import errorfile
 from fsm_agent.env import worker_env
 from fsm_agent.errors import FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
-from fsm_agent.hang import HangDetector, dump_stacks
+from fsm_agent.hang import HangDetector, announce_stack_dump, dump_stacks
 from fsm_agent.logs import LogsLayout, WorkerLogs
 from fsm_agent.plugins.manager import reject_listener_wrappers
 from fsm_agent.ranks import assign_ranks
@@ -638,6 +638,8 @@ class ElasticAgent:
                     with open(os.path.join(os.path.dirname(error_file), "stacks.txt"), "w") as f:
                         f.write(stacks)
             else:
+                wlogs = self._worker_logs.get(local_rank)
+                announce_stack_dump(wlogs.stderr if wlogs else None, local_rank, pid)
                 self._launcher.signal_worker(local_rank, signal.SIGABRT)
                 # Let faulthandler finish writing before the group's SIGTERM can cut the dump short.
                 exit_fds = [fd for fd, rank in self._launcher.wait_fds().items() if rank == local_rank]
@@ -965,7 +967,8 @@ class ElasticAgent:
     def _describe_rendezvous_error(self, exc: BaseException) -> str:
         rdzv = self.spec.rendezvous
         key, seconds = _round_timeout(self._rdzv_handler, rdzv.config)
-        where = f"backend={rdzv.backend} endpoint={rdzv.endpoint or '(default)'} run_id={rdzv.run_id} {key}={seconds:g}s"
+        where = (f"backend={rdzv.backend} endpoint={rdzv.endpoint or '(default)'} run_id={rdzv.run_id} "
+                 f"{key}={seconds:g}s")
         if rdzv.backend in _BACKENDS_WITH_IS_HOST:  # elsewhere is_host means nothing
             where += f" is_host={rdzv.config.get('is_host', 'inferred from the endpoint')}"
         detail = str(exc) or _empty_rendezvous_error_detail(exc, rdzv, key, seconds)

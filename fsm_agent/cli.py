@@ -557,7 +557,8 @@ def _add_plugin_options(parser: argparse.ArgumentParser, options: Iterable[Plugi
     group = parser.add_argument_group("plugin options (fsm_agent_addoption)")
     for option in options:
         said = "default:" in option.help or "unset" in option.help  # the plugin's help says it already
-        default = "" if said else " (default: unset)" if option.default in (None, "") else f" (default: {option.default!r})"
+        default = ("" if said else " (default: unset)" if option.default in (None, "")
+                   else f" (default: {option.default!r})")
         try:
             group.add_argument(*_spellings(option.flag), action=_PluginOptionAction, option=option,
                                dest=option.dest, default=argparse.SUPPRESS, type=_option_parser(option),

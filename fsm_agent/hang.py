@@ -135,6 +135,24 @@ class HangDetector:
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def announce_stack_dump(stderr_path: str | None, local_rank: int, pid: int) -> None:
+    """Say, where the dump will appear, that the SIGABRT about to come is the agent's request.
+
+    faulthandler's dump opens with ``Fatal Python error: Aborted``, which reads like a crash. The
+    line goes to the agent's log (the console, where an unredirected worker's stderr goes too) and,
+    when the worker's stderr is a file, into that file just before the dump.
+    """
+    note = (f"fsm-agent: local_rank {local_rank} (pid {pid}) is hung: the agent sent it SIGABRT for a stack dump "
+            f"(no py-spy installed); the 'Fatal Python error: Aborted' that follows is that dump, not a crash")
+    log.warning("%s", note)
+    if stderr_path and stderr_path != os.devnull:
+        try:
+            with open(stderr_path, "a") as f:
+                f.write(note + "\n")
+        except OSError:
+            pass
+
+
 def dump_stacks(pid: int, timeout: float = 10.0) -> str:
     """Every thread's Python stack of ``pid``: py-spy if installed, else "" (the caller falls back to SIGABRT)."""
     py_spy = shutil.which("py-spy")

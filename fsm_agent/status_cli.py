@@ -233,6 +233,14 @@ def _print(doc: dict[str, Any], url: str, as_json: bool) -> None:
         sys.stdout.write(render_plain(doc, url))
 
 
+def _gone(url: str, doc: dict[str, Any]) -> str:
+    """The watch's last line once the agent stopped answering."""
+    if doc["state"] in ("SUCCEEDED", "FAILED", "UNKNOWN"):
+        return f"{url}: the run ended {doc['state']}"
+    return (f"{url} stopped answering; the last state it reported was {doc['state']} (the agent ended or died "
+            f"after that: its exit code and summary say how)")
+
+
 def _watch(url: str, interval: float, as_json: bool) -> int:
     """Redraw until Ctrl-C (exit 0) or until the agent stops answering after it answered (exit 0)."""
     doc = fetch_status(url)  # unreachable from the start: an error
@@ -245,7 +253,7 @@ def _watch(url: str, interval: float, as_json: bool) -> int:
                 try:
                     doc = fetch_status(url)
                 except StatusUnavailable:
-                    print(f"fsm-agent status: {url} stopped answering (last state {doc['state']})")
+                    print(f"fsm-agent status: {_gone(url, doc)}")
                     return 0
         except KeyboardInterrupt:
             return 0
@@ -258,7 +266,7 @@ def _watch(url: str, interval: float, as_json: bool) -> int:
                 try:
                     doc = fetch_status(url)
                 except StatusUnavailable:
-                    live.console.print(f"[yellow]{url} stopped answering (last state {doc['state']})[/]")
+                    live.console.print(f"[yellow]{_gone(url, doc)}[/]")
                     return 0
                 live.update(render_rich(doc, url), refresh=True)
     except KeyboardInterrupt:

@@ -448,17 +448,18 @@ def _numa_wrap(args: list[str], binding: str | None, local_rank: int) -> list[st
 
 
 class _FilteredSink:
-    """``filtered_stdout.log``: a copy of every tee'd line containing one of the filter strings."""
+    """``filtered_stdout.log``: a copy of every tee'd line containing one of the filter strings,
+    with the console's ``[role rank]:`` prefix, as torchrun writes it (``tail_log``'s header)."""
 
     def __init__(self, path: str, filters: tuple[str, ...]):
         self._file = open(path, "ab")
         self._filters = [f.encode() for f in filters]
         self._lock = threading.Lock()
 
-    def offer(self, line: bytes) -> None:
+    def offer(self, prefix: bytes, line: bytes) -> None:
         if any(f in line for f in self._filters):
             with self._lock:
-                self._file.write(line)
+                self._file.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
                 self._file.flush()
 
     def close(self) -> None:
@@ -486,7 +487,7 @@ class _TeeReader(threading.Thread):
                     console.write(self._prefix + line if line.endswith(b"\n") else self._prefix + line + b"\n")
                     console.flush()
                 if self._filtered is not None:
-                    self._filtered.offer(line)
+                    self._filtered.offer(self._prefix, line)
         finally:
             if out is not None:
                 out.close()
@@ -547,8 +548,18 @@ def _callable_worker(fn: Callable, args: tuple, env: dict[str, str], stdout: str
     except ImportError:  # torch missing: run without the error file
         def record(f):
             return f
-    value = record(fn)(*args)
-    with open(result_path, "wb") as f:
-        pickle.dump(value, f)
+
+    def run_and_keep() -> None:  # under @record, so a value that cannot go back is the error recorded
+        value = fn(*args)
+        try:
+            data = pickle.dumps(value)
+        except Exception as exc:
+            raise TypeError(f"the return value of {getattr(fn, '__qualname__', fn)!s} ({type(value).__name__}) "
+                            f"cannot be pickled, so the agent cannot hand it back: {type(exc).__name__}: {exc}; "
+                            f"return something picklable") from None
+        with open(result_path, "wb") as f:
+            f.write(data)
+
+    record(run_and_keep)()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -44,6 +44,12 @@ HOST = "127.0.0.1"
 TRANSITIONS_KEPT = 100
 TRANSITIONS_SHOWN = 20
 _STOPPED_STATES = frozenset({"STOPPED", "FAILED", "UNKNOWN"})
+TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "UNKNOWN"})
+#: Seconds the server stays up after the run for a ``/status`` reader it saw lately (``fsm-agent
+#: status --watch``, 1 s between polls by default) to read the end state; 0 when nobody polls.
+FINAL_READ_WAIT_S = 2.0
+#: A reader that polled within this many seconds is waited for.
+_RECENT_READER_S = 5.0
 
 
 def _check_port(port: int) -> None:
@@ -95,6 +101,8 @@ class LiveStatus:
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._chart: str | None = None
+        self._last_read: float | None = None  # monotonic time of the last /status request
+        self._end_read = threading.Event()  # a /status reader got the terminal state
         self.url: str | None = None
 
     # -- hooks ---------------------------------------------------------------------------------
@@ -145,6 +153,9 @@ class LiveStatus:
 
     @hookimpl
     def fsm_agent_unconfigure(self, result):
+        last = self._last_read
+        if last is not None and time.monotonic() - last < _RECENT_READER_S:  # a watcher: let it see the end
+            self._end_read.wait(FINAL_READ_WAIT_S)
         self.close()
 
     # -- the server ----------------------------------------------------------------------------
@@ -273,6 +284,9 @@ class _Handler(BaseHTTPRequestHandler):
                                       json.dumps({"error": "transitions must be an integer"}) + "\n")
                 doc = status.snapshot(max(0, min(count, TRANSITIONS_KEPT)))
                 self._send(200, "application/json", json.dumps(doc, indent=2, default=str) + "\n")
+                status._last_read = time.monotonic()
+                if doc["state"] in TERMINAL_STATES:
+                    status._end_read.set()
             elif url.path == "/statechart":
                 self._send(200, "text/plain; charset=utf-8", status.statechart())
             elif url.path == "/healthz":

@@ -189,7 +189,8 @@ def test_fsmrun_is_fsm_agent_run(launcher):
     bad_agent = launcher.run_fsm("--nnodes", "3:2", launcher.probe)
     assert bad_fsmrun.returncode == bad_agent.returncode != 0
     # the same line, under the name the user typed
-    assert one_error_line(bad_fsmrun.stderr) == "fsmrun: " + one_error_line(bad_agent.stderr).removeprefix("fsm-agent: ")
+    agent_line = one_error_line(bad_agent.stderr)
+    assert one_error_line(bad_fsmrun.stderr) == "fsmrun: " + agent_line.removeprefix("fsm-agent: ")
     help_text = launcher.run([*fsmrun_cmd(), "--help"]).check().stdout
     assert "--nproc-per-node" in help_text and "--rdzv-endpoint" in help_text
 

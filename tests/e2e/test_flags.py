@@ -366,16 +366,20 @@ print("errdrop %s" % r, file=sys.stderr, flush=True)
 
 
 def test_duplicate_stdout_and_stderr_filters(launcher):
+    """The files hold what torchrun's hold: each matching line with the console's ``[role rank]:`` prefix."""
     script = write_script(launcher.dir, "filtered.py", FILTERED)
-    log_dir = launcher.dir / "logs"
-    launcher.run_fsm("--log-dir", log_dir, "-t", "3", "--nproc-per-node", "2",
-                     "--duplicate-stdout-filters", "KEEP,, comma,nomatch", "--duplicate-stderr-filters", "ERRKEEP",
-                     script).check()
-    attempt = _rank_dir(log_dir, 0).parent
-    stdout_lines = sorted(attempt.joinpath("filtered_stdout.log").read_text().splitlines())
-    stderr_lines = sorted(attempt.joinpath("filtered_stderr.log").read_text().splitlines())
-    assert stdout_lines == ["KEEP, comma 0", "KEEP, comma 1"]
-    assert stderr_lines == ["ERRKEEP 0", "ERRKEEP 1"]
+    flags = ["-t", "3", "--nproc-per-node", "2", "--duplicate-stdout-filters", "KEEP,, comma,nomatch",
+             "--duplicate-stderr-filters", "ERRKEEP"]
+    files = {}
+    for name, start in (("fsm", launcher.fsm), ("torchrun", launcher.torchrun)):
+        log_dir = launcher.dir / f"logs_{name}"
+        start("--standalone", "--log-dir", str(log_dir), *flags, str(script)).wait().check()
+        attempt = _rank_dir(log_dir, 0).parent
+        files[name] = [sorted(attempt.joinpath(f"filtered_{stream}.log").read_text().splitlines())
+                       for stream in ("stdout", "stderr")]
+    assert files["fsm"] == [["[default0]:KEEP, comma 0", "[default1]:KEEP, comma 1"],
+                            ["[default0]:ERRKEEP 0", "[default1]:ERRKEEP 1"]]
+    assert files["fsm"] == files["torchrun"]
 
 
 def test_logs_specs_unknown_name_is_a_clean_error(launcher):

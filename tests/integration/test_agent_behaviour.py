@@ -131,14 +131,33 @@ def test_elastic_launch_returns_values_by_global_rank(tmp_path):
     assert elastic_launch(config, _square_rank)(10) == {0: 10, 1: 11, 2: 14}
 
 
-def test_elastic_launch_raises_with_the_root_cause(tmp_path):
-    config = LaunchConfig(nproc_per_node=2, rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id="api",
-                          log_dir=str(tmp_path))
+def _root_cause_of(fn, tmp_path, nproc_per_node: int):
+    """``elastic_launch(config, fn)()`` must fail: its root cause."""
+    config = LaunchConfig(nproc_per_node=nproc_per_node, rdzv_backend="c10d", rdzv_endpoint="localhost:0",
+                          run_id="api", log_dir=str(tmp_path))
     with pytest.raises(WorkerGroupFailedError) as info:
-        elastic_launch(config, _fail_on_rank_one)()
-    cause = info.value.result.root_cause
+        elastic_launch(config, fn)()
+    return info.value.result.root_cause
+
+
+def test_elastic_launch_raises_with_the_root_cause(tmp_path):
+    cause = _root_cause_of(_fail_on_rank_one, tmp_path, 2)
     assert cause.global_rank == 1 and "ValueError: rank one refuses" in cause.message
     assert "refuses" in cause.traceback
+
+
+def _return_a_lock():
+    import threading
+
+    return threading.Lock()
+
+
+def test_an_unpicklable_return_value_is_named_as_the_cause(tmp_path):
+    """Not "exited with code 1": the worker ran to the end, its value could not come back."""
+    cause = _root_cause_of(_return_a_lock, tmp_path, 1)
+    assert cause.message.startswith("TypeError: the return value of _return_a_lock (lock) cannot be pickled, so "
+                                    "the agent cannot hand it back: TypeError: cannot pickle '_thread.lock' object"), \
+        cause.message
 
 
 def test_restart_count_identical_on_every_node(tmp_path, agents):

@@ -160,6 +160,10 @@ def test_hang_detected_within_timeout_with_stack_dump(tmp_path, agents):
     dump = (stacks.read_text() if stacks else "") + stderr_log
     assert "stuck_in_collective" in dump
     assert "class     : hang" in err
+    if stacks is None:  # no py-spy: faulthandler's dump, announced first as the agent's request
+        note = "the 'Fatal Python error: Aborted' that follows is that dump, not a crash"
+        assert note in err and note in stderr_log
+        assert stderr_log.index(note) < stderr_log.index("Fatal Python error: Aborted")
 
 
 def test_do_not_restart_exit_code_is_honoured(tmp_path, agents):

@@ -384,6 +384,24 @@ def test_endpoint_port_held_by_another_program_fails_fast(listening):
             FsmRendezvousHandler("x", f"127.0.0.1:{port}", 1, 1, settings=FsmRendezvousSettings(is_host=True))
 
 
+def test_a_store_host_that_exits_while_this_node_joins_is_not_called_another_program():
+    """The port was taken when this node tried to host (the host was there), then the host exited."""
+    holder = socket.create_server(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    h = FsmRendezvousHandler("x", f"127.0.0.1:{port}", 1, 1, settings=FsmRendezvousSettings(handshake_timeout=0.5))
+    holder.close()  # the hosting agent exits
+    try:
+        with pytest.raises(RendezvousFailed) as info:
+            h.next_rendezvous()
+    finally:
+        h.shutdown()
+    text = str(info.value)
+    assert "another program" not in text, text
+    assert (f"fsm store at 127.0.0.1:{port}: nothing listens there any more: what held the port when this node "
+            f"tried to host the store (an agent hosting it, shutting down?) has exited; start this node again and "
+            f"it hosts the store") in text
+
+
 def test_store_host_shutdown_waits_for_the_others_to_leave(nodes):
     host, other = nodes.add(2, 2), nodes.add(2, 2)
     rendezvous_all([host, other])

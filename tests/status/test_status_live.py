@@ -109,6 +109,23 @@ def test_status_during_a_real_run_and_after_a_crash(processes, tmp_path):
         get(url, timeout=2)
 
 
+def test_watch_of_a_run_that_succeeds_ends_on_succeeded(processes, tmp_path):
+    """Not "stopped answering (last state HEALTHY)": the server waits (bounded) for a watcher to read the end."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    stop = tmp_path / "stop"
+    port = free_port()
+    agent = processes.start("run", "--standalone", "--status-port", str(port), "worker.py", str(stop))
+    url = f"http://127.0.0.1:{port}/status"
+    assert wait_for(lambda: get_json(url)["state"] == "HEALTHY", what="HEALTHY")
+    watch = processes.start("status", url, "--watch", "--interval", "1", "--json")
+    time.sleep(1.5)  # the watcher has polled at least once
+    stop.write_text("")
+    agent.communicate(timeout=120)
+    out, err = watch.communicate(timeout=60)
+    assert agent.returncode == 0 and watch.returncode == 0, err
+    assert out.splitlines()[-1] == f"fsm-agent status: {url}: the run ended SUCCEEDED"
+
+
 def test_status_port_zero_picks_a_free_port_and_prints_it(processes, tmp_path):
     (tmp_path / "worker.py").write_text(WORKER)
     stop = tmp_path / "stop"

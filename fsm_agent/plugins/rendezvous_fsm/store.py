@@ -659,6 +659,19 @@ class StoreClient:
                 self._open()
         return self
 
+    def _refused_after_taken(self) -> str:
+        """Why a port that was taken when this node tried to host the store now refuses connections."""
+        probe = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((self.host, self.port))
+        except OSError:
+            return "the port is taken but nothing accepts connections on it (another program holds it)"
+        finally:
+            probe.close()
+        return ("nothing listens there any more: what held the port when this node tried to host the store "
+                "(an agent hosting it, shutting down?) has exited; start this node again and it hosts the store")
+
     def _open(self) -> None:
         if self._closed:
             raise StoreConnectionError(f"fsm store client for {self.endpoint} is closed")
@@ -680,9 +693,7 @@ class StoreClient:
                         f"fsm store at {self.endpoint}: connection refused: the store this client used is "
                         f"gone (the agent hosting it exited?)") from None
                 if self.fail_fast_refused and isinstance(exc, ConnectionRefusedError) and remaining <= 0:
-                    raise StoreProtocolError(
-                        f"fsm store at {self.endpoint}: the port is taken but nothing accepts connections on it "
-                        f"(another program holds it)") from None
+                    raise StoreProtocolError(f"fsm store at {self.endpoint}: {self._refused_after_taken()}") from None
                 if remaining <= 0:
                     raise StoreConnectionError(
                         f"fsm store at {self.endpoint}: could not connect within {self.connect_timeout:g} s: "
