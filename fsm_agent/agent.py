@@ -388,9 +388,10 @@ class ElasticAgent:
             times = self._launcher.exit_times()
             return "workers_failed", {"exits": failed, "exit_times": {r: times[r] for r in failed if r in times}}
         if len(exits) == self.spec.local_world_size:
-            by_global = {w.local_rank: w.global_rank for w in self._worker_group.workers}
-            return "workers_succeeded", {
-                "return_values": {by_global[r]: v for r, v in self._launcher.return_values().items()}}
+            # Every worker has a return value, None for a program (torch's RunResult does the same).
+            values = self._launcher.return_values()
+            return "workers_succeeded", {"return_values": {
+                w.global_rank: values.get(w.local_rank) for w in self._worker_group.workers}}
         if ticked:
             self._next_tick = time.monotonic() + tick
             if self._hang.enabled and (hung := self._hang.hung_workers(self._launcher.pids(), set(exits))):
