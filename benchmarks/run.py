@@ -271,6 +271,10 @@ def text_table(rows: list[Row]) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
+def _seconds_or_never(value: float | None) -> str:
+    return f"{value:.3f} s" if value is not None else "never"
+
+
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -833,7 +837,6 @@ def restart_rows(bench: Bench, sid: str, kind: str, p: int, intervals: list[floa
         for i in range(trials):
             crash_rank = bench.rng.randrange(p)
             delay = round(bench.rng.uniform(0.3, 0.3 + max(1.0, min(mi, 5.0))), 3)
-            torch_values: list[float] = []
             for who, name, extra in interleaved(i, variants):
                 targets = list(made.values()) if who == TR else [made[name]]
 
@@ -1193,8 +1196,8 @@ def scenario_h(bench: Bench) -> list[Row]:
                         raise TrialError("fsm-agent did not restart the hung group" + t.tails())
                     detected.add(who, seen)
                     restarted.add(who, again)
-                    show = lambda v: f"{v:.3f} s" if v is not None else "never"
-                    log(f"  (h) #{i + 1} {who}: detected {show(seen)}, attempt 1 running {show(again)}")
+                    log(f"  (h) #{i + 1} {who}: detected {_seconds_or_never(seen)}, "
+                        f"attempt 1 running {_seconds_or_never(again)}")
             attempt(measure, [detected, restarted], who, "h")
     return [detected, restarted]
 

@@ -19,12 +19,10 @@ hookspecs' "Called from:" sections, and the tests check them against the agent's
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from fsm_agent.states.checks import TableRow, state_name, table_rows
 from fsm_agent.states.machine import build_machine

@@ -339,7 +339,9 @@ def run_node_loss_trial(tmp: Path, fault: str, rank: int, delay: float, victim: 
             f"n0 never listened on 127.0.0.1:{port}"
         assert host.poll() is None, f"n0 exited {host.returncode} before n1 started"
         start("n1")
-        four = lambda: sum(len(_markers(chaos_dir, n, 4)) for n in nodes) >= 4
+        def four():
+            return sum(len(_markers(chaos_dir, n, 4)) for n in nodes) >= 4
+
         assert wait_until(lambda: four() or exited(), 60) and four(), \
             f"the 2-node round never ran 4 workers ({exited()}; markers {sorted(p.name for p in chaos_dir.iterdir())})"
         time.sleep(delay)

@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil

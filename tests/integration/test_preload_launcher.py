@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from .conftest import read_events, transitions
+from .conftest import transitions
 
 pytestmark = pytest.mark.slow
 

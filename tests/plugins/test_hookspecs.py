@@ -10,7 +10,7 @@ import inspect
 
 import pytest
 
-from fsm_agent.plugins import PROJECT_NAME, hookspec
+from fsm_agent.plugins import hookspec
 from fsm_agent.plugins import hookspecs as hookspecs_module
 from fsm_agent.plugins.hookspec_info import docstring_problems, hookspecs
 

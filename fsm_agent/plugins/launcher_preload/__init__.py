@@ -27,7 +27,7 @@ from fsm_agent.errors import ConfigError
 from fsm_agent.logs import WorkerLogs
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.launcher_subprocess import (
-    SubprocessLauncher, _FilteredSink, _Handle, _killpg, _TeeReader, become_subreaper, set_parent_death_signal,
+    SubprocessLauncher, _Handle, _killpg, _TeeReader, set_parent_death_signal,
 )
 
 PLUGIN_NAME = "launcher-preload"
