@@ -250,14 +250,17 @@ def fsm_agent_record_event(event: dict[str, Any]) -> None:
 
     Args:
         event: a JSON-serialisable dict with at least ``ts`` (seconds since the epoch),
-            ``kind`` (``transition`` | ``worker_exit`` | ``run_end``), ``node``, ``role``, ``run_id``
-            and ``restart_count``; transitions add ``source``, ``dest``, ``trigger``.
+            ``kind`` (``transition`` | ``worker_exit`` | ``cycle`` | ``run_end``), ``node``, ``role``,
+            ``run_id`` and ``restart_count``; transitions add ``source``, ``dest``, ``trigger``.
 
     Returns:
         Nothing. Exceptions are logged and do not stop other listeners or the agent.
 
     Called from:
-        After every transition, after every worker exit, and at the end of ``run``.
+        After every transition, after every worker exit, and at the end of ``run``; a ``cycle``
+        record from the steps that end a restart cycle, before their transition:
+        ``_decide_on_failed_workers`` (``workers_failed``), ``_decide_on_membership_change``
+        (``membership_changed``) and ``_record_return_values`` (``workers_succeeded``).
     """
 
 
