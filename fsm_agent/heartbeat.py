@@ -7,7 +7,9 @@ detection (``fsm-agent run --hang-timeout S``) or progress-aware restarts (``--p
 the file through a shared memory map: a memory write, no syscall, so the agent sees the exact
 last step a worker reached even after it crashed. Calling it every step costs about a
 microsecond. A worker that has sent one heartbeat and then none for ``S`` seconds is reported
-hung. Outside fsm-agent (no variable set) the call does nothing.
+hung. Outside fsm-agent (no variable set) the call does nothing. A process forked after the
+import (the ``preload`` launcher's zygote, ``--start-method fork``) reads the variable again at its
+first call, from the environment its launcher gave it.
 This module imports nothing beyond the standard library.
 """
 
@@ -21,9 +23,18 @@ import time
 HEARTBEAT_FILE_ENV = "FSM_AGENT_HEARTBEAT_FILE"
 #: The step's layout at the start of the heartbeat file: one signed 64-bit little-endian integer.
 STEP_FORMAT = struct.Struct("<q")
-_path = os.environ.get(HEARTBEAT_FILE_ENV) or None
+_UNRESOLVED = object()  # read the variable at the next call
+_path: object = os.environ.get(HEARTBEAT_FILE_ENV) or None
 _last = float("-inf")
 _map: mmap.mmap | None = None
+
+
+def _forget_after_fork() -> None:
+    global _path, _last, _map
+    _path, _last, _map = _UNRESOLVED, float("-inf"), None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _step_map(path: str) -> mmap.mmap:
@@ -46,9 +57,13 @@ def heartbeat(min_interval: float = 0.1, *, step: int | None = None) -> None:
             the last one of each restart cycle (``fsm-agent status``, the events file's ``cycle``
             records). None: liveness only.
     """
-    global _last, _map
+    global _path, _last, _map
     if _path is None:
         return
+    if _path is _UNRESOLVED:
+        _path = os.environ.get(HEARTBEAT_FILE_ENV) or None
+        if _path is None:
+            return
     if step is not None:
         if _map is None:
             _map = _step_map(_path)

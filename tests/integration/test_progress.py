@@ -100,11 +100,13 @@ def test_a_job_that_progresses_between_crashes_keeps_restarting_and_finishes_onc
     assert (tmp_path / "FINISHED").read_text() == finished
 
 
-def test_heartbeat_steps_alone_measure_progress(tmp_path, agents):
+@pytest.mark.parametrize("launcher", [["--launcher", "subprocess"], ["--launcher", "preload", "--preload-modules", "json"]])
+def test_heartbeat_steps_alone_measure_progress(tmp_path, agents, launcher):
     """Without a checkpoint reported, the last step reached is the progress: the same crash each
-    attempt (no progress file is written: EVERY is beyond the crash) is no progress."""
-    proc = start(tmp_path, agents, "--max-restarts", "10", "--max-no-progress-restarts", "1", every=1000, crash_at=7,
-                 crash_ranks="0,1")
+    attempt (no progress file is written: EVERY is beyond the crash) is no progress. Workers
+    forked from the preload launcher's zygote report their steps too."""
+    proc = start(tmp_path, agents, *launcher, "--max-restarts", "10", "--max-no-progress-restarts", "1", every=1000,
+                 crash_at=7, crash_ranks="0,1")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == DO_NOT_REQUEUE_EXIT_CODE, err
     recorded = cycles(tmp_path / "events.jsonl")

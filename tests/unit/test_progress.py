@@ -99,3 +99,15 @@ def test_an_exit_code_needs_a_give_up():
 
     with pytest.raises(ValueError, match="exit_code needs restart=False"):
         RestartDecision(True, exit_code=DO_NOT_REQUEUE_EXIT_CODE)
+
+
+def test_a_process_forked_after_the_import_reads_its_own_variable(tmp_path):
+    """As the preload launcher's zygote: fsm_agent imported without the variable, a child forked
+    and given it, then reporting steps."""
+    path = tmp_path / "heartbeat_0"
+    code = (f"import os, fsm_agent\nfsm_agent.heartbeat(step=1)\npid = os.fork()\nif pid == 0:\n"
+            f"    os.environ[{HEARTBEAT_FILE_ENV!r}] = {str(path)!r}\n    fsm_agent.heartbeat(step=42)\n    os._exit(0)\n"
+            f"os.waitpid(pid, 0)\n")
+    env = {k: v for k, v in os.environ.items() if k != HEARTBEAT_FILE_ENV}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    assert read_step(str(path)) == 42
