@@ -309,7 +309,7 @@ class ElasticAgent:
         Args:
             trigger: a trigger of the table (``fsm_agent.states.table``).
             **data: the trigger's data, as the table's comments name it (``exits=``, ``hung=``,
-                ``problem=``, ``change=``, ``error=``, ``return_values=``).
+                ``problem=``, ``change=``, ``error=``, ``return_values=``, ``progress=``).
 
         A step that raises moves the group along the table's error rows (``rendezvous_failed``,
         ``agent_errored``), as in a run; an error trigger whose own steps raise takes the last
