@@ -32,6 +32,7 @@ from fsm_agent.errors import FsmAgentError, PluginError, RendezvousFailed, Rende
 from fsm_agent.hang import HangDetector, announce_stack_dump, dump_stacks
 from fsm_agent.logs import LogsLayout, WorkerLogs
 from fsm_agent.plugins.manager import reject_listener_wrappers
+from fsm_agent.progress import Cycle, next_cycle, read_progress_file
 from fsm_agent.ranks import assign_ranks
 from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine
 from fsm_agent.worker import (HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, FailureClass, RestartDecision, RunResult,
@@ -185,6 +186,11 @@ class ElasticAgent:
         self._worker_logs: dict[int, WorkerLogs] = {}
         self._worker_store = None
         self._hang = HangDetector(spec.hang_timeout)
+        #: Every restart cycle so far, oldest first (``fsm_agent.progress.Cycle``).
+        self.cycles: list[Cycle] = []
+        self._cycle_start: float | None = None
+        self._progress_file: str | None = None
+        self._no_progress_limit = 0
         # What made the group UNHEALTHY (the data of workers_hung / health_check_failed): the
         # workers UNHEALTHY's way out counts as failed.
         self._hung: dict[int, str] = {}
@@ -267,7 +273,8 @@ class ElasticAgent:
         result = RunResult(state=self.state, return_values=dict(self._return_values),
                            failures=dict(self._failures), error=self._error, signal=self._signal,
                            restart_count=self.restart_count,
-                           verdict=(self._decision.reason or None) if gave_up else None)
+                           verdict=(self._decision.reason or None) if gave_up else None,
+                           verdict_exit_code=self._decision.exit_code if gave_up else None)
         self._record_final_metrics(result)
         self._broadcast("fsm_agent_record_event", event=self._event("run_end", state=result.state.value,
                                                                     exit_code=result.exit_code, error=result.error))
@@ -304,7 +311,7 @@ class ElasticAgent:
         Args:
             trigger: a trigger of the table (``fsm_agent.states.table``).
             **data: the trigger's data, as the table's comments name it (``exits=``, ``hung=``,
-                ``problem=``, ``change=``, ``error=``, ``return_values=``).
+                ``problem=``, ``change=``, ``error=``, ``return_values=``, ``progress=``).
 
         A step that raises moves the group along the table's error rows (``rendezvous_failed``,
         ``agent_errored``), as in a run; an error trigger whose own steps raise takes the last
@@ -481,6 +488,7 @@ class ElasticAgent:
         why = "" if cause.failure_class in (FailureClass.EXIT_CODE, FailureClass.SIGNAL) else f", {cause.failure_class}"
         what = (f"workers failed (first: local_rank {cause.local_rank}, rank {cause.global_rank}, "
                 f"exitcode {cause.exitcode_text}{why})")
+        self._end_cycle(event, cause.failure_class)
         self._ask_restart_policy(cause.failure_class, RestartDecision(self.restart_count < self.spec.max_restarts),
                                  what)
 
@@ -491,10 +499,39 @@ class ElasticAgent:
             return
         self._decided_event = event
         change = str(event.kwargs.get("change") or FailureClass.MEMBERSHIP_CHANGE)
+        self._end_cycle(event, change)
         self._ask_restart_policy(change, RestartDecision(True, reason="re-rendezvous (not counted)"),
                                  change.replace("_", " "))
         if not self._decision.restart:
             self._error = f"{change}: {self._decision.reason or 'the restart policy gave up'}"
+
+    def track_progress(self, progress_file: str | None = None, max_no_progress_restarts: int = 0) -> None:
+        """Read progress for the cycle records: every worker gets a heartbeat file (so
+        ``fsm_agent.heartbeat(step=N)`` reports), ``progress_file`` is the iteration file the
+        training writes at each checkpoint; ``max_no_progress_restarts`` (the restart limit a
+        policy applies) goes into each ``cycle`` event, so ``fsm-agent replay`` applies it too.
+        Called by the ``progress`` plugin's ``fsm_agent_configure``."""
+        self._hang.track_steps()
+        self._progress_file = progress_file or None
+        self._no_progress_limit = max_no_progress_restarts
+
+    def _end_cycle(self, event, failure_class: str | None) -> None:
+        """Record the attempt that just ended as a ``Cycle`` (``cycle`` event). The progress comes
+        from the event's data ``progress={"last_step": N, "checkpoint_step": M}`` (replay), else
+        from what the workers reported (heartbeat steps, the progress file), read now."""
+        progress = event.kwargs.get("progress")
+        if progress is None:
+            steps = self._hang.steps(self.spec.local_world_size)
+            progress = {"last_step": max(steps.values()) if steps else None,
+                        "checkpoint_step": read_progress_file(self._progress_file)}
+        now = time.time()
+        cycle = next_cycle(self.cycles, attempt=self.restart_count,
+                           start=self._cycle_start if self._cycle_start is not None else now, end=now,
+                           last_step=progress.get("last_step"), checkpoint_step=progress.get("checkpoint_step"),
+                           failure_class=failure_class)
+        self.cycles.append(cycle)
+        limit = {"max_no_progress_restarts": self._no_progress_limit} if self._no_progress_limit else {}
+        self._broadcast("fsm_agent_record_event", event=self._event("cycle", **attrs.asdict(cycle), **limit))
 
     def _ask_restart_policy(self, failure_class: str, default: RestartDecision, what: str) -> None:
         """Hook ``fsm_agent_restart_policy``; ``default`` when no plugin answers."""
@@ -576,6 +613,7 @@ class ElasticAgent:
         """Spawn ``local_world_size`` workers with torchrun's environment."""
         group, spec = self._worker_group, self.spec
         self._hang.new_attempt(spec.local_world_size)
+        self._cycle_start = time.time()
         self._hung, self._hung_stacks, self._health_problem = {}, {}, None
         self._worker_logs = self._logs.reify(self.restart_count, spec.local_world_size, spec.role,
                                              {w.local_rank: w.global_rank for w in group.workers})
@@ -612,8 +650,10 @@ class ElasticAgent:
         self._health_problem = event.kwargs.get("problem")
 
     def _record_return_values(self, event) -> None:
-        """Keep the callable entrypoints' results (data ``return_values={global_rank: value}``)."""
+        """Keep the callable entrypoints' results (data ``return_values={global_rank: value}``) and
+        record the cycle that succeeded."""
         self._return_values = dict(event.kwargs.get("return_values") or {})
+        self._end_cycle(event, None)
 
     def _record_error(self, event) -> None:
         """Keep what failed (data ``error``) for the transition record and the RunResult."""

@@ -3,7 +3,9 @@
 Two sources, both per worker:
 
 - ``fsm_agent.heartbeat()`` touches ``FSM_AGENT_HEARTBEAT_FILE``; once a worker has sent one
-  heartbeat, ``hang_timeout`` seconds without another is a hang.
+  heartbeat, ``hang_timeout`` seconds without another is a hang. The same file carries the step
+  of ``heartbeat(step=N)``, read by ``steps()`` for progress-aware restarts (``track_steps()``
+  hands out the file without a hang timeout).
 - torch's ``FileTimerClient`` (``TORCHELASTIC_ENABLE_FILE_TIMER=1``): workers write JSON timer
   requests ``{version, pid, scope_id, expiration_time, signal}`` to the FIFO
   ``TORCHELASTIC_TIMER_FILE``; an expired timer is a hang. Unlike torch's FileTimerServer, the
@@ -20,7 +22,7 @@ import subprocess
 import tempfile
 import time
 
-from fsm_agent.heartbeat import HEARTBEAT_FILE_ENV
+from fsm_agent.heartbeat import HEARTBEAT_FILE_ENV, read_step
 
 log = logging.getLogger(__name__)
 ENABLE_FILE_TIMER_ENV = "TORCHELASTIC_ENABLE_FILE_TIMER"
@@ -42,6 +44,7 @@ class HangDetector:
         # Only when something goes in it: a directory in /tmp is one more thing a SIGKILLed agent leaves.
         needs_dir = hang_timeout is not None or (file_timer and not os.environ.get(TIMER_FILE_ENV))
         self._dir = tempfile.mkdtemp(prefix="fsm_agent_hb_") if needs_dir else None
+        self._steps = False
         self._timers: dict[tuple[int, str], tuple[float, int]] = {}
         self._fifo_r = self._fifo_keepalive_w = None
         self._pending = b""
@@ -58,11 +61,30 @@ class HangDetector:
     def enabled(self) -> bool:
         return self.hang_timeout is not None or self._fifo_r is not None
 
+    @property
+    def _heartbeats(self) -> bool:
+        return self.hang_timeout is not None or self._steps
+
+    def track_steps(self) -> None:
+        """Hand every worker a heartbeat file, also without a hang timeout, so ``steps()`` can
+        read what ``fsm_agent.heartbeat(step=N)`` reported (progress-aware restarts)."""
+        self._steps = True
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="fsm_agent_hb_")
+
+    def steps(self, local_world_size: int) -> dict[int, int]:
+        """{local_rank: the last step its worker reported this attempt}, for workers that did."""
+        if not self._heartbeats:
+            return {}
+        steps = {r: read_step(self._heartbeat_file(r)) for r in range(local_world_size)}
+        return {r: step for r, step in steps.items() if step is not None}
+
     def worker_env(self, local_rank: int) -> dict[str, str]:
         """Variables that connect one worker to the detector."""
         env = {}
-        if self.hang_timeout is not None:
+        if self._heartbeats:
             env[HEARTBEAT_FILE_ENV] = self._heartbeat_file(local_rank)
+        if self.hang_timeout is not None:
             env["PYTHONFAULTHANDLER"] = "1"  # a SIGABRT then dumps every thread's stack
         if self.fifo_path is not None:
             env[TIMER_FILE_ENV] = self.fifo_path
@@ -73,7 +95,7 @@ class HangDetector:
 
     def new_attempt(self, local_world_size: int) -> None:
         """Forget the previous attempt's heartbeats and timers."""
-        for local_rank in range(local_world_size if self.hang_timeout is not None else 0):
+        for local_rank in range(local_world_size if self._heartbeats else 0):
             try:
                 os.unlink(self._heartbeat_file(local_rank))
             except FileNotFoundError:

@@ -20,6 +20,9 @@ that are checked against the recorded run:
 - ``workers_failed``: the restart policy (built-in plugins; ``--load-plugins`` adds the installed
   ones) decides on the failures the ``worker_exit`` records of the attempt show (exit code 78
   included), a hang when the group was UNHEALTHY; backoff delays are skipped;
+- progress-aware restarts: each ``cycle`` record gives the step and checkpoint step the agent
+  read (the data ``progress=`` of the trigger that ended the cycle), and its
+  ``max_no_progress_restarts`` the limit the ``progress`` plugin applies again;
 - a transition the agent made through its last resort (its error path failed: the recorded error
   reads ``...; then <trigger> failed: ...``) is replayed the same way, with a failing stop.
 
@@ -40,6 +43,7 @@ from typing import Any
 
 import attrs
 
+from fsm_agent.config import LaunchConfig
 from fsm_agent.errors import ConfigError, FsmAgentError
 from fsm_agent.plugins import hookimpl
 
@@ -287,10 +291,18 @@ class _NoBackoff:
         return attrs.evolve(decision, delay_s=0.0) if decision is not None else None
 
 
-def _trigger_data(record: dict, source: str, exits: list[dict]) -> dict[str, Any]:
-    """The data the run loop gave a recorded trigger, rebuilt from the record and the attempt's
-    ``worker_exit`` records (the table's comments name each trigger's data)."""
+#: Triggers whose rows end a cycle: their data may say what progress it made (``progress=``).
+_CYCLE_TRIGGERS = ("workers_failed", "membership_changed", "workers_succeeded")
+
+
+def _trigger_data(record: dict, source: str, exits: list[dict], cycle: dict | None = None) -> dict[str, Any]:
+    """The data the run loop gave a recorded trigger, rebuilt from the record, the attempt's
+    ``worker_exit`` records and the ``cycle`` record it ended, if any (the table's comments name
+    each trigger's data)."""
     trigger = record["trigger"]
+    if trigger in _CYCLE_TRIGGERS and cycle is not None:
+        progress = {"progress": {"last_step": cycle.get("last_step"), "checkpoint_step": cycle.get("checkpoint_step")}}
+        return {**_trigger_data(record, source, exits), **progress}
     if trigger == "workers_failed" and source == "HEALTHY":
         failed = {int(e.get("local_rank", 0)): int(e.get("exit_code", 1)) for e in exits
                   if int(e.get("exit_code", 1)) != 0}
@@ -325,14 +337,19 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
     recorded = tuple(f"{r['source']} --{r['trigger']}--> {r['dest']}" for _, _, r in transitions)
     rendezvous = FakeRendezvous(run_id=str(first.get("run_id") or "replay"), store_timeout=10.0)
     launcher = _ReplayLauncher()
+    limits = [int(r["max_no_progress_restarts"]) for _, _, r in run
+              if r["kind"] == "cycle" and r.get("max_no_progress_restarts")]
+    config = LaunchConfig(plugins={"progress": {"max_no_progress_restarts": limits[0]}}) if limits else None
     pm = get_plugin_manager(disabled=(*NOT_REPLAYED_PLUGINS, *disabled), load_entry_points=load_plugins)
     pm.register(_NoBackoff(), "replay-no-backoff")
     agent = build_agent(rendezvous, launcher, plugin_manager=pm, local_world_size=int(first.get("local_world_size") or 1),
                         max_restarts=int(first.get("max_restarts") or 0), role=str(first.get("role") or "default"),
-                        entrypoint=str(first.get("entrypoint") or "replay"), exit_barrier_timeout=10.0)
+                        entrypoint=str(first.get("entrypoint") or "replay"), exit_barrier_timeout=10.0,
+                        config=config)
     replayed: list[str] = []
     divergence = None
     exits: list[dict] = []
+    cycle: dict | None = None  # the cycle record the next transition ends, if any
     count = 0
 
     def diverged(event, line, what, record, expected, actual, detail=""):
@@ -345,6 +362,9 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
             kind = record["kind"]
             if kind == "worker_exit":
                 exits.append(record)
+                continue
+            if kind == "cycle":
+                cycle = record
                 continue
             if kind == "run_end":
                 if record.get("state") and record["state"] != agent.state.value:
@@ -370,7 +390,7 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
                 launcher.fail_next_stop = True  # the recorded error path failed at its stop
             fired = len(agent.transitions)
             try:
-                agent.fire(trigger, **_trigger_data(record, source, exits))
+                agent.fire(trigger, **_trigger_data(record, source, exits, cycle))
             except MachineError:
                 divergence = diverged(event, line, "refused", record, dest, agent.state.value)
                 break
@@ -379,6 +399,7 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
                 divergence = diverged(event, line, "error", record, dest, str(taken[-1].error),
                                       f"a step of {trigger} raised in the replay")
                 break
+            cycle = None
             replayed.append(f"{source} --{trigger}--> {agent.state.value}")
             if agent.state.value != dest:
                 detail = ""

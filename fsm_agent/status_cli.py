@@ -111,6 +111,7 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
 
 WORKER_COLUMNS = ("local_rank", "global_rank", "role_rank", "pid", "state", "exit_code")
 TRANSITION_COLUMNS = ("time", "source", "dest", "trigger", "in source", "restarts", "error")
+CYCLE_COLUMNS = ("attempt", "start", "last step", "checkpoint", "failure", "progress", "no progress")
 
 
 def worker_rows(doc: dict[str, Any]) -> list[list[str]]:
@@ -126,13 +127,30 @@ def transition_rows(doc: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def cycle_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """One row per restart cycle (``/status``'s ``cycles``; older agents have none)."""
+    rows = []
+    for c in doc.get("cycles", []):
+        clock = time.strftime("%H:%M:%S", time.localtime(c["start"])) if c.get("start") else "-"
+        rows.append([_text(c.get("attempt")), clock, _text(c.get("last_step")), _text(c.get("checkpoint_step")),
+                     c.get("failure_class") or "succeeded", "yes" if c.get("progress") else "no",
+                     _text(c.get("no_progress_cycles"))])
+    return rows
+
+
+def _tables(doc: dict[str, Any]) -> list[tuple[str, tuple[str, ...], list[list[str]]]]:
+    tables = [("workers", WORKER_COLUMNS, worker_rows(doc)), ("transitions", TRANSITION_COLUMNS, transition_rows(doc))]
+    if doc.get("cycles"):
+        tables.append(("cycles", CYCLE_COLUMNS, cycle_rows(doc)))
+    return tables
+
+
 def render_plain(doc: dict[str, Any], url: str) -> str:
     """The status as plain aligned text (no rich)."""
     lines = [f"fsm-agent status  {url}"]
     width = max(len(label) for label, _ in summary_rows(doc))
     lines += [f"  {label:<{width}}  {value}" for label, value in summary_rows(doc)]
-    for title, columns, rows in (("workers", WORKER_COLUMNS, worker_rows(doc)),
-                                 ("transitions", TRANSITION_COLUMNS, transition_rows(doc))):
+    for title, columns, rows in _tables(doc):
         lines += ["", title]
         widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
         lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
@@ -168,7 +186,15 @@ def render_rich(doc: dict[str, Any], url: str) -> Any:
         transitions.add_column(column)
     for row in transition_rows(doc):
         transitions.add_row(*row, style="red" if row[-1] else "")
-    return Group(f"[bold]fsm-agent status[/]  {url}", summary, workers, transitions)
+    parts = [f"[bold]fsm-agent status[/]  {url}", summary, workers, transitions]
+    if doc.get("cycles"):
+        cycles = Table(title="restart cycles", title_justify="left")
+        for column in CYCLE_COLUMNS:
+            cycles.add_column(column)
+        for row in cycle_rows(doc):
+            cycles.add_row(*row, style="red" if row[5] == "no" else "")
+        parts.append(cycles)
+    return Group(*parts)
 
 
 def _have_rich() -> bool:

@@ -187,6 +187,10 @@ class FailureClass:
 HANG_EXIT_CODE = 124
 #: The exit code the workers of a node found unhealthy count as (sysexits' EX_UNAVAILABLE).
 HEALTH_CHECK_EXIT_CODE = 69
+#: The agent's exit code when it stopped restarting a job that makes no progress
+#: (``--max-no-progress-restarts``): a requeue wrapper should not start it again. A worker's own
+#: exit with this code is reported as 1, so the code always means the agent's verdict.
+DO_NOT_REQUEUE_EXIT_CODE = 79
 
 
 def signal_name(exitcode: int) -> str:
@@ -256,6 +260,8 @@ class RestartDecision:
             its workers and leaves the rendezvous without releasing the exit barrier, so the
             other nodes see a lost node and carry on (if at least ``min_nodes`` remain); this
             agent ends FAILED. False (the default) with ``restart=False``: the whole job gives up.
+        exit_code: with ``restart=False``: the exit code the agent ends with (e.g.
+            ``DO_NOT_REQUEUE_EXIT_CODE``); None (the default): the root-cause worker's code.
 
     Raises:
         ValueError: ``restart`` and ``exclude_node`` both True, or a negative ``delay_s``.
@@ -265,10 +271,13 @@ class RestartDecision:
     delay_s: float = 0.0
     reason: str = ""
     exclude_node: bool = False
+    exit_code: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.restart and self.exclude_node:
             raise ValueError("RestartDecision: restart and exclude_node cannot both be True")
+        if self.restart and self.exit_code is not None:
+            raise ValueError("RestartDecision: an exit_code needs restart=False")
         if self.delay_s < 0:
             raise ValueError(f"RestartDecision: delay_s must be >= 0 seconds, got {self.delay_s}")
 
@@ -295,6 +304,8 @@ class RunResult:
         restart_count: restarts used.
         verdict: the restart policy's reason when it gave up or took this node out of the job
             (``RestartDecision.reason``), else None.
+        verdict_exit_code: the exit code the restart policy gave up with
+            (``RestartDecision.exit_code``, e.g. ``DO_NOT_REQUEUE_EXIT_CODE``), else None.
     """
 
     state: WorkerState
@@ -304,6 +315,7 @@ class RunResult:
     signal: int | None = None
     restart_count: int = 0
     verdict: str | None = None
+    verdict_exit_code: int | None = None
 
     def is_failed(self) -> bool:
         """True unless the group SUCCEEDED (torch checks only FAILED and so misses UNHEALTHY)."""
@@ -316,12 +328,17 @@ class RunResult:
 
     @property
     def exit_code(self) -> int:
-        """0 on success; 128+N when a signal N stopped the agent; else the root-cause worker's code."""
+        """0 on success; 128+N when a signal N stopped the agent; the restart policy's
+        ``verdict_exit_code`` when it gave one; else the root-cause worker's code, except that a
+        worker's ``DO_NOT_REQUEUE_EXIT_CODE`` is reported as 1 (only the agent says "do not requeue").
+        docs/failure-handling.md "Exit codes" has the table."""
         if self.state == WorkerState.SUCCEEDED:
             return 0
         if self.signal is not None:
             return 128 + self.signal
+        if self.verdict_exit_code is not None:
+            return self.verdict_exit_code
         cause = self.root_cause
-        if cause is not None and cause.shell_exit_code != 0:
+        if cause is not None and cause.shell_exit_code not in (0, DO_NOT_REQUEUE_EXIT_CODE):
             return cause.shell_exit_code
         return 1

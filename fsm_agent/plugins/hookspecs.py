@@ -178,10 +178,13 @@ def fsm_agent_restart_policy(
             ``membership_change`` when the rendezvous membership changed.
 
     Returns:
-        A RestartDecision (restart, ``delay_s`` backoff, give up, or ``exclude_node``); the first
-        non-None answer wins. The built-in ``restart-policy`` plugin answers last (``trylast``):
-        torchrun's budget, the do-not-restart exit code, per-class budgets, ``--exclude-node-on``,
-        and exponential backoff with jitter when ``--restart-backoff`` (seconds) is set.
+        A RestartDecision (restart, ``delay_s`` backoff, give up, optionally with the agent's
+        ``exit_code``, or ``exclude_node``); the first non-None answer wins. The built-in
+        ``restart-policy`` plugin answers last (``trylast``): torchrun's budget, the do-not-restart
+        exit code, per-class budgets, ``--exclude-node-on``, and exponential backoff with jitter
+        when ``--restart-backoff`` (seconds) is set. The built-in ``progress`` plugin answers before
+        it only to give up (exit code 79) after ``--max-no-progress-restarts`` cycles without
+        progress; the cycles so far are ``ElasticAgent.cycles`` (the last is this attempt).
 
     Called from:
         The table's prepare steps, once per event: ``_decide_on_failed_workers`` on the
@@ -250,14 +253,17 @@ def fsm_agent_record_event(event: dict[str, Any]) -> None:
 
     Args:
         event: a JSON-serialisable dict with at least ``ts`` (seconds since the epoch),
-            ``kind`` (``transition`` | ``worker_exit`` | ``run_end``), ``node``, ``role``, ``run_id``
-            and ``restart_count``; transitions add ``source``, ``dest``, ``trigger``.
+            ``kind`` (``transition`` | ``worker_exit`` | ``cycle`` | ``run_end``), ``node``, ``role``,
+            ``run_id`` and ``restart_count``; transitions add ``source``, ``dest``, ``trigger``.
 
     Returns:
         Nothing. Exceptions are logged and do not stop other listeners or the agent.
 
     Called from:
-        After every transition, after every worker exit, and at the end of ``run``.
+        After every transition, after every worker exit, and at the end of ``run``; a ``cycle``
+        record from the steps that end a restart cycle, before their transition:
+        ``_decide_on_failed_workers`` (``workers_failed``), ``_decide_on_membership_change``
+        (``membership_changed``) and ``_record_return_values`` (``workers_succeeded``).
     """
 
 

@@ -8,8 +8,9 @@ daemon thread of the standard library's ``ThreadingHTTPServer``:
 - ``GET /status``: JSON: the group's state and seconds in it, restart_count and remaining
   restarts, the rendezvous round, membership (group rank and world size, master address, the
   rendezvous endpoint as bound: a standalone agent's real port, not ``127.0.0.1:0``), one
-  entry per worker (pid, ranks, state, exit code) and the last transitions
-  (``?transitions=N``, default 20, at most 100).
+  entry per worker (pid, ranks, state, exit code), the last transitions
+  (``?transitions=N``, default 20, at most 100) and the last restart cycles (``cycles``: attempt,
+  start, end, last step, checkpoint step, failure class, progress; ``fsm_agent.progress.Cycle``).
 - ``GET /statechart``: the Mermaid statechart (``fsm_agent.states.statechart``) with the
   current state highlighted (``class <STATE> current``).
 - ``GET /healthz``: ``ok``.
@@ -31,6 +32,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import attrs
 from urllib.parse import parse_qs, urlsplit
 
 from fsm_agent.errors import ConfigError
@@ -43,6 +46,8 @@ HOST = "127.0.0.1"
 #: Transitions kept, and shown by default.
 TRANSITIONS_KEPT = 100
 TRANSITIONS_SHOWN = 20
+#: Restart cycles ``/status`` shows (the newest).
+CYCLES_SHOWN = 20
 _STOPPED_STATES = frozenset({"STOPPED", "FAILED", "UNKNOWN"})
 TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "UNKNOWN"})
 #: Seconds the server stays up after the run for a ``/status`` reader it saw lately (``fsm-agent
@@ -216,6 +221,7 @@ class LiveStatus:
                 "workers": [dict(self._workers[r]) for r in sorted(self._workers)],
                 "transitions": shown,
                 "transitions_total": self._transition_count,
+                "cycles": [attrs.asdict(cycle) for cycle in list(getattr(agent, "cycles", ()))[-CYCLES_SHOWN:]],
                 "agent": {
                     "pid": os.getpid(),
                     "node": getattr(agent, "hostname", None),

@@ -36,14 +36,14 @@ REGENERATE_COMMAND = "fsm-agent statechart --format markdown > docs/statechart.m
 #: table must be listed, even one that fires none (``hook_map_problems`` checks this and the
 #: hookspecs' "Called from:" text; ``tests/states`` checks it against ``ElasticAgent``'s code).
 HOOKS_BY_STEP: dict[str, tuple[str, ...]] = {
-    "_decide_on_failed_workers": ("fsm_agent_restart_policy",),
-    "_decide_on_membership_change": ("fsm_agent_restart_policy",),
+    "_decide_on_failed_workers": ("fsm_agent_record_event", "fsm_agent_restart_policy"),
+    "_decide_on_membership_change": ("fsm_agent_record_event", "fsm_agent_restart_policy"),
     "_rendezvous": ("fsm_agent_rendezvous_completed",),
     "_start_workers": ("fsm_agent_worker_env", "fsm_agent_workers_started"),
     "_stop_workers": (),
     "_count_restart": (),
     "_record_unhealthy": (),
-    "_record_return_values": (),
+    "_record_return_values": ("fsm_agent_record_event",),
     "_record_error": (),
     "_dump_worker_stacks": (),
     "_exit_barrier": (),

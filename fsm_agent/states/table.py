@@ -54,6 +54,9 @@ TRANSITIONS: list[Row] = [
     # Data from HEALTHY: exits={local_rank: exitcode} of the failed workers, exit_times={local_rank:
     # seconds since the epoch}; from UNHEALTHY (fired by the run loop itself) none: the workers that
     # made the group unhealthy are the failures.
+    # Rows that end a cycle (workers_failed, membership_changed, workers_succeeded) may also carry
+    # progress={"last_step": N, "checkpoint_step": M} (replay); else the step reads what the
+    # workers reported (fsm_agent.progress).
     dict(trigger="workers_failed", source=_RUNNING, dest=S.STOPPED,
          prepare=_DECIDE_ON_FAILURE, conditions="has_restarts_left",
          before="_stop_workers", after="_count_restart"),

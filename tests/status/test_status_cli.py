@@ -96,6 +96,25 @@ def test_plain_rendering_without_rich():
     assert ["1", "1", "1", "4343", "failed", "3"] in rows
 
 
+def test_the_restart_cycles_are_a_table():
+    doc = {**DOC, "cycles": [
+        {"attempt": 0, "start": 1.0e9, "end": 1.0e9 + 5, "last_step": 15, "checkpoint_step": 10,
+         "failure_class": "exit_code", "progress": True, "no_progress_cycles": 0},
+        {"attempt": 1, "start": 1.0e9 + 6, "end": 1.0e9 + 9, "last_step": 15, "checkpoint_step": 10,
+         "failure_class": "exit_code", "progress": False, "no_progress_cycles": 1}]}
+    text = status_cli.render_plain(doc, "http://x/status")
+    assert "cycles" in text.splitlines()
+    rows = [line.split() for line in text.splitlines()]
+    assert ["1", rows[-1][1], "15", "10", "exit_code", "no", "1"] == rows[-1]
+    assert "cycles" not in status_cli.render_plain(DOC, "http://x/status").splitlines()
+    pytest.importorskip("rich")
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(status_cli.render_rich(doc, "http://x/status"))
+    assert "restart cycles" in console.export_text()
+
+
 def test_unreachable_is_one_line(capsys):
     from tests.status.conftest import free_port
 

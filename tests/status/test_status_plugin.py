@@ -190,3 +190,21 @@ def test_highlighted_chart_parses_with_mermaid(make_agent):
     assert proc.returncode == 0, proc.stderr
     results = json.loads(proc.stdout)
     assert results["highlighted"] == {"diagramType": "stateDiagram"}
+
+
+def test_status_shows_the_restart_cycles(make_agent):
+    agent = make_agent(launcher=FakeLauncher([{1: 3}, "all_ok"]), max_restarts=2, config=STATUS_CONFIG)
+    status = server_of(agent)
+    snapshots = []
+
+    class AfterEachCycle:
+        @hookimpl(trylast=True)
+        def fsm_agent_state_changed(self, transition):
+            snapshots.append(get_json(status.url + "/status")["cycles"])
+
+    agent.plugin_manager.register(AfterEachCycle())
+    assert agent.run().exit_code == 0
+    last = snapshots[-1]
+    assert [(c["attempt"], c["failure_class"], c["last_step"], c["checkpoint_step"]) for c in last] == [
+        (0, "exit_code", None, None), (1, None, None, None)]
+    assert snapshots[0] == [] and len(snapshots[1]) == 1 and last[0]["start"] <= last[0]["end"]

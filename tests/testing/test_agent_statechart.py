@@ -23,6 +23,8 @@ SIGTERM = signal.SIGTERM
 START_HOOKS = ["rendezvous_completed", "worker_env", "worker_env", "workers_started",
                "state_changed", "record_event", "put_metric*3"]
 AFTER_HOOKS = ["state_changed", "record_event", "put_metric*3"]
+#: The ``cycle`` record of the steps that end a restart cycle (before their transition's hooks).
+CYCLE_HOOK = "record_event"
 
 
 def table_edges() -> set[tuple[str, str, str]]:
@@ -242,7 +244,8 @@ def test_hooks_of_start(make_agent, hook_recorder):
                            ("torchelastic", "workers.default.healthy", 1)]
     assert metrics[2][:2] == ("fsm_agent", "state.INIT.duration_s")
     hook_recorder.assert_sequence(["configure", *START_HOOKS,
-                                   "worker_exited", "record_event", "worker_exited", "record_event", *AFTER_HOOKS,
+                                   "worker_exited", "record_event", "worker_exited", "record_event", CYCLE_HOOK,
+                                   *AFTER_HOOKS,
                                    "put_metric*6", "record_event", "unconfigure"])
 
 
@@ -251,18 +254,20 @@ def test_hooks_of_failure_then_restart(make_agent, hook_recorder):
     assert [t.label for t in hook_recorder.by_transition()] == [
         "INIT->HEALTHY", "HEALTHY->STOPPED", "STOPPED->HEALTHY", "HEALTHY->SUCCEEDED"]
     hook_recorder.assert_sequence(START_HOOKS, transition=0)
-    hook_recorder.assert_sequence(["worker_exited", "record_event", "restart_policy", *AFTER_HOOKS], transition=1)
+    hook_recorder.assert_sequence(["worker_exited", "record_event", CYCLE_HOOK, "restart_policy", *AFTER_HOOKS],
+                                  transition=1)
     hook_recorder.assert_sequence(START_HOOKS, transition=2)
-    hook_recorder.assert_sequence(["worker_exited", "record_event"] * 2 + AFTER_HOOKS, transition=3)
+    hook_recorder.assert_sequence(["worker_exited", "record_event"] * 2 + [CYCLE_HOOK, *AFTER_HOOKS], transition=3)
 
-    exited, event, policy = hook_recorder.segment(1)[:3]
+    exited, event, cycle, policy = hook_recorder.segment(1)[:4]
     assert (exited["worker"].local_rank, exited["exitcode"]) == (1, 1)
     assert event["event"]["kind"] == "worker_exit" and event["event"]["exit_code"] == 1
+    assert cycle["event"]["kind"] == "cycle" and cycle["event"]["failure_class"] == "exit_code"
     assert list(policy["failures"]) == [1] and policy["restart_count"] == 0
-    transition_event = hook_recorder.segment(1)[4]["event"]
+    transition_event = hook_recorder.segment(1)[5]["event"]
     assert (transition_event["source"], transition_event["dest"], transition_event["trigger"]) == (
         "HEALTHY", "STOPPED", "workers_failed")
-    remaining = hook_recorder.segment(1)[5]
+    remaining = hook_recorder.segment(1)[6]
     assert (remaining["metric_name"], remaining["metric_value"]) == ("workers.default.remaining_restarts", 0)
     assert [s.stopped for s in run.launcher.stops] == [(0,)]  # the survivor was stopped before the restart
     assert [e[0]["TORCHELASTIC_RESTART_COUNT"] for e in (s.envs for s in run.launcher.started)] == ["0", "1"]
@@ -273,8 +278,8 @@ def test_hooks_of_a_hang(make_agent, hook_recorder):
     run = Scenario("worker 1 hangs -> restart -> all succeed", max_restarts=1, hang_timeout=1).run(make_agent)
     assert [t.label for t in hook_recorder.by_transition()][1:3] == ["HEALTHY->UNHEALTHY", "UNHEALTHY->STOPPED"]
     hook_recorder.assert_sequence(AFTER_HOOKS, transition=1)
-    hook_recorder.assert_sequence(["restart_policy", *AFTER_HOOKS], transition=2)
-    (failure,) = hook_recorder.segment(2)[0]["failures"].values()
+    hook_recorder.assert_sequence([CYCLE_HOOK, "restart_policy", *AFTER_HOOKS], transition=2)
+    (failure,) = hook_recorder.segment(2)[1]["failures"].values()
     assert (failure.local_rank, failure.failure_class) == (1, "hang") and "no heartbeat" in failure.message
     assert [s.stopped for s in run.launcher.stops] == [(0, 1)]  # the hung worker is stopped with the rest
 

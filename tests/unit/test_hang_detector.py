@@ -49,3 +49,21 @@ def test_file_timer_makes_its_fifo_in_the_directory_unless_torchelastic_timer_fi
     given = HangDetector(hang_timeout=None, file_timer=True)
     assert given.fifo_path == str(named) and [p.name for p in scratch.iterdir()] == ["given_fifo"]
     given.close()
+
+
+def test_tracking_steps_hands_out_heartbeat_files_without_a_hang_timeout(scratch):
+    from fsm_agent.heartbeat import STEP_FORMAT
+
+    detector = HangDetector(hang_timeout=None)
+    detector.track_steps()
+    env = detector.worker_env(1)
+    assert set(env) == {HEARTBEAT_FILE_ENV}  # no faulthandler: nothing is aborted for a hang
+    assert not detector.enabled  # no hang checks, no ticks
+    with open(env[HEARTBEAT_FILE_ENV], "wb") as f:
+        f.write(STEP_FORMAT.pack(17))
+    os.utime(env[HEARTBEAT_FILE_ENV], (0, 0))  # a heartbeat long ago is no hang without a timeout
+    assert detector.steps(2) == {1: 17} and detector.hung_workers({0: 1, 1: 2}, set()) == {}
+    detector.new_attempt(2)
+    assert detector.steps(2) == {}
+    detector.close()
+    assert list(scratch.iterdir()) == []
