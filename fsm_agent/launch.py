@@ -50,25 +50,6 @@ def build_spec(config: LaunchConfig, entrypoint: str | Callable, args: tuple) ->
                       duplicate_stderr_filters=tuple(config.duplicate_stderr_filters))
 
 
-def rendezvous_parameters(config: LaunchConfig):
-    """torch ``RendezvousParameters`` for the configured backend (as ``launch_agent`` builds them).
-
-    The torch-free ``fsm`` backend gets an equivalent object that does not import torch.
-    """
-    if config.rdzv_backend == "fsm":
-        from fsm_agent.plugins.rendezvous_fsm import FsmRendezvousParameters
-
-        return FsmRendezvousParameters.from_launch_config(config)
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-
-    configs = dict(config.rdzv_configs)
-    if config.rdzv_backend == "static":
-        configs.setdefault("rank", config.node_rank)
-    return RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint,
-                                run_id=config.run_id, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
-                                local_addr=config.local_addr, **configs)
-
-
 def _logs_layout(config: LaunchConfig) -> LogsLayout | TorchLogsSpecsLayout:
     filters = frozenset(config.local_ranks_filter) if config.local_ranks_filter else None
     if config.logs_specs:
@@ -99,7 +80,7 @@ def create_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple) 
     logs = _logs_layout(config)
     try:
         try:
-            handler = rdzv_creator(rendezvous_parameters(config))
+            handler = rdzv_creator(registry.rendezvous_parameters(config.rdzv_backend, config))
         except FsmAgentError:
             raise
         except Exception as exc:

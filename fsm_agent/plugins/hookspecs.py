@@ -53,7 +53,9 @@ def fsm_agent_register_backends(registry: "BackendRegistry") -> None:
             a torch ``RendezvousParameters`` and returns a torch ``RendezvousHandler`` (the signature of
             torch's ``rendezvous_handler_registry.register``) and the optional ``conf_keys`` names the
             ``--rdzv-conf`` keys it reads (then a key no loaded backend reads is an error, one that
-            only another backend reads a warning), and/or
+            only another backend reads a warning); the optional ``parameters(LaunchConfig)`` builds
+            what ``creator`` receives instead of torch's ``RendezvousParameters`` (a torch-free
+            backend, or defaults of its own); and/or
             ``registry.add_launcher(name, factory)`` where ``factory(agent)`` returns a launcher
             (see ``fsm_agent.plugins.launcher_subprocess.SubprocessLauncher`` for the interface).
 

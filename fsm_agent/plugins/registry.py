@@ -28,6 +28,7 @@ class BackendRegistry:
     _factories: dict[str, dict[str, Callable[..., Any]]] = attrs.Factory(lambda: {k: {} for k in KINDS})
     _owners: dict[tuple[str, str], str] = attrs.Factory(dict)
     _conf_keys: dict[str, frozenset[str]] = attrs.Factory(dict)
+    _parameters: dict[str, Callable[[Any], Any]] = attrs.Factory(dict)
     current_plugin: str = "?"
 
     def _add(self, kind: str, name: str, factory: Callable[..., Any]) -> None:
@@ -41,17 +42,27 @@ class BackendRegistry:
         self._factories[kind][name] = factory
         self._owners[(kind, name)] = self.current_plugin
 
-    def add_rendezvous(self, name: str, creator: Callable[..., Any], conf_keys: Iterable[str] | None = None) -> None:
+    def add_rendezvous(self, name: str, creator: Callable[..., Any], conf_keys: Iterable[str] | None = None,
+                       parameters: Callable[[Any], Any] | None = None) -> None:
         """Register ``creator(torch RendezvousParameters) -> torch RendezvousHandler`` under ``name``.
 
         Args:
             conf_keys: the ``--rdzv-conf`` keys the backend reads; given, ``fsm-agent run`` refuses
                 a key that no loaded backend reads and warns about one another backend reads.
                 None: not declared, nothing is checked for this backend.
+            parameters: ``parameters(LaunchConfig) -> params`` builds what ``creator`` receives;
+                None: torch's ``RendezvousParameters`` (``torch_parameters``). A backend that must
+                not import torch, or that fills in defaults of its own, passes one.
         """
         self._add("rendezvous", name, creator)
         if conf_keys is not None:
             self._conf_keys[name] = frozenset(conf_keys)
+        if parameters is not None:
+            self._parameters[name] = parameters
+
+    def rendezvous_parameters(self, name: str, config: Any) -> Any:
+        """What backend ``name``'s creator receives for ``config`` (a ``LaunchConfig``)."""
+        return self._parameters.get(name, torch_parameters)(config)
 
     def conf_keys(self, name: str) -> frozenset[str] | None:
         """The ``--rdzv-conf`` keys rendezvous backend ``name`` declared it reads, or None."""
@@ -114,6 +125,16 @@ class BackendRegistry:
                 f"unknown {kind} backend {name!r}: known backends are {known}; "
                 f"fix {_FLAG[kind]} or install a plugin that provides it"
             ) from None
+
+
+def torch_parameters(config: Any, **defaults: Any) -> Any:
+    """torch's ``RendezvousParameters`` for a ``LaunchConfig`` (as torch's ``launch_agent`` builds
+    them); ``defaults`` fill in ``rdzv_configs`` keys the configuration does not set."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    return RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+                                min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
+                                **{**defaults, **dict(config.rdzv_configs)})
 
 
 def _etcd_hint(name: str, installed: bool) -> str:

@@ -20,6 +20,7 @@ import socket
 
 from fsm_agent.errors import ConfigError
 from fsm_agent.plugins import hookimpl
+from fsm_agent.plugins.registry import torch_parameters
 
 #: Seconds the static rendezvous waits for every node (torch's ``LaunchConfig`` default, so torchrun's).
 DEFAULT_TIMEOUT_S = 900
@@ -121,4 +122,10 @@ def _require_free_port(port: int) -> None:
 @hookimpl
 def fsm_agent_register_backends(registry):
     # torch's StaticTCPRendezvous: ``rank`` (--node-rank) and ``timeout`` (seconds, default 600).
-    registry.add_rendezvous("static", create_static_handler, conf_keys=("rank", "timeout"))
+    registry.add_rendezvous("static", create_static_handler, conf_keys=("rank", "timeout"),
+                            parameters=static_parameters)
+
+
+def static_parameters(config):
+    """torch's ``RendezvousParameters``, this node's rank from ``--node-rank`` unless ``rank`` is set."""
+    return torch_parameters(config, rank=config.node_rank)
