@@ -31,7 +31,7 @@ from fsm_agent.env import worker_env
 from fsm_agent.errors import FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.hang import HangDetector, announce_stack_dump, dump_stacks
 from fsm_agent.logs import LogsLayout, WorkerLogs
-from fsm_agent.plugins.manager import reject_listener_wrappers
+from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.progress import Cycle, next_cycle, read_progress_file
 from fsm_agent.ranks import assign_ranks
 from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine

@@ -118,7 +118,7 @@ def conformance_outline() -> dict[str, dict]:
 
 
 def render_hook(func: Callable) -> list[str]:
-    from fsm_agent.plugins.manager import LISTENER_HOOKS
+    from fsm_agent.plugins.listeners import LISTENER_HOOKS
 
     found = docstring_sections(func.__doc__)
     opts = spec_options(func)
@@ -145,7 +145,7 @@ def render_hook(func: Callable) -> list[str]:
 
 
 def render_hooks() -> list[str]:
-    from fsm_agent.plugins.manager import LISTENER_HOOKS
+    from fsm_agent.plugins.listeners import LISTENER_HOOKS
 
     specs = hookspec_groups()
     lines = ["## Every hook", "",

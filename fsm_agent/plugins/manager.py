@@ -15,6 +15,7 @@ import pluggy
 from fsm_agent.config import OptionRegistry
 from fsm_agent.errors import ConfigError, FsmAgentError, PluginError
 from fsm_agent.plugins import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
+from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.plugins.registry import BackendRegistry
 
 log = logging.getLogger(__name__)
@@ -108,22 +109,6 @@ def get_plugin_manager(disabled: Iterable[str] = (), load_entry_points: bool = T
         raise PluginError(f"plugin {exc.plugin!r} is invalid: {exc}") from None
     reject_listener_wrappers(pm)
     return pm
-
-
-#: Hooks the agent calls one implementation at a time, so that one failing listener cannot
-#: silence the others (pluggy stops a hook call at the first exception).
-LISTENER_HOOKS = ("fsm_agent_rendezvous_completed", "fsm_agent_workers_started", "fsm_agent_worker_exited",
-                  "fsm_agent_put_metric", "fsm_agent_record_event", "fsm_agent_state_changed",
-                  "fsm_agent_unconfigure")
-
-
-def reject_listener_wrappers(pm: pluggy.PluginManager) -> None:
-    """A ``wrapper=True`` implementation of a listener hook would never run: refuse it by name."""
-    for name in LISTENER_HOOKS:
-        for impl in getattr(pm.hook, name).get_hookimpls():
-            if impl.wrapper or impl.hookwrapper:
-                raise PluginError(f"plugin {impl.plugin_name!r}: {name} is a listener hook, called once per "
-                                  f"implementation; wrapper implementations are not supported there")
 
 
 def _load_entry_points(pm: pluggy.PluginManager) -> None:
