@@ -94,11 +94,15 @@ for _ in $(seq 300); do scontrol ping 2>/dev/null | grep -q UP && break; sleep 0
 scontrol ping | grep -q UP || { echo "slurmctld did not come up:" >&2; cat "$D/log/slurmctld.out" >&2; false; }
 for i in $(seq 1 "$N"); do
     mkdir -p "$D/spool/node$i"
+    # One script per node, so that a test can start a node again after killing it (a lost node).
     # nsenter + unshare rather than 'ip netns exec', which remounts /sys (slurmd then finds no cgroup fs).
-    setsid nsenter --net="/run/netns/fsmslurm_n$i" unshare --uts --mount bash -c \
-        "mount --bind $D/hosts /etc/hosts && hostname node$i && exec /usr/sbin/slurmd -D -N node$i -f $SLURM_CONF" \
-        >"$D/log/slurmd-node$i.out" 2>&1 </dev/null &
-    echo $! > "$D/pid.slurmd-node$i"
+    cat > "$D/start-node$i.sh" <<NODE
+setsid nsenter --net=/run/netns/fsmslurm_n$i unshare --uts --mount bash -c \\
+    "mount --bind $D/hosts /etc/hosts && hostname node$i && exec /usr/sbin/slurmd -D -N node$i -f $SLURM_CONF" \\
+    >>"$D/log/slurmd-node$i.out" 2>&1 </dev/null &
+echo \$! > "$D/pid.slurmd-node$i"
+NODE
+    bash "$D/start-node$i.sh"
 done
 idle() { sinfo -h -N -p debug -t idle -o %N 2>/dev/null | sort -u | wc -l; }
 for _ in $(seq 300); do [ "$(idle)" = "$N" ] && break; sleep 0.1; done
