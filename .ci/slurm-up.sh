@@ -14,6 +14,12 @@ D=${SLURMCI_DIR:?set SLURMCI_DIR to a fresh directory}
 N=${SLURMCI_NODES:-2}; CPUS=${SLURMCI_CPUS:-2}; NET=${SLURMCI_SUBNET:-10.77.0}; GRACE=${SLURMCI_GRACE:-20}
 HERE=$(cd "$(dirname "$0")" && pwd)
 export SLURM_CONF=$D/slurm.conf
+# Refuse before anything is created (and before the ERR trap would clean up): another cluster's
+# directory or bridge must not be touched.
+if [ -e "$D/nodes" ]; then echo "slurm-up: $D already holds a cluster; run .ci/slurm-down.sh first" >&2; exit 1; fi
+if ip link show fsmslurm0 >/dev/null 2>&1; then
+    echo "slurm-up: bridge fsmslurm0 exists: another test cluster runs on this machine" >&2; exit 1
+fi
 mkdir -p "$D/state" "$D/log"
 echo "$N" > "$D/nodes"
 trap 'echo "slurm-up: failed; removing what was started" >&2; bash "$HERE/slurm-down.sh"' ERR
@@ -56,7 +62,7 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 JobRequeue=1
 KillWait=10
-SlurmdTimeout=10
+SlurmdTimeout=5
 MinJobAge=600
 SlurmdParameters=config_overrides
 MpiDefault=none
