@@ -29,8 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import hostlist
-
 from fsm_agent.errors import ConfigError
 from fsm_agent.plugins import hookimpl
 from fsm_agent.scheduler import AUTO, DiscoveredJob
@@ -71,6 +69,8 @@ def expand_hosts(name: str, expression: str) -> list[str]:
     Raises:
         ConfigError: one line naming the variable, when the expression is malformed.
     """
+    import hostlist  # python-hostlist: imported only inside a Slurm job step
+
     try:
         hosts = hostlist.expand_hostlist(expression)
     except hostlist.BadHostlist as exc:
@@ -83,6 +83,8 @@ def expand_hosts(name: str, expression: str) -> list[str]:
 
 def tasks_per_node(name: str, expression: str) -> list[int]:
     """``SLURM_STEP_TASKS_PER_NODE`` (``2(x3),1``) -> one count per node, with python-hostlist."""
+    import hostlist
+
     try:
         return hostlist.parse_slurm_tasks_per_node(expression)
     except (ValueError, hostlist.BadHostlist) as exc:

@@ -32,6 +32,9 @@ REPO = Path(__file__).resolve().parents[2]
 UP, DOWN, INSTALL = REPO / ".ci" / "slurm-up.sh", REPO / ".ci" / "slurm-down.sh", REPO / ".ci" / "install-slurm.sh"
 NODES = 2
 SLURM_BINARIES = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged")
+#: Job states a job does not leave (``scontrol show job``).
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
+                      "OUT_OF_MEMORY"})
 
 
 def _cannot_run_a_cluster() -> str | None:
@@ -88,9 +91,10 @@ class SlurmCluster:
 
         def reached() -> bool:
             seen.update(self.job(job_id))
-            return seen.get("JobState") in states
+            return seen.get("JobState") in states or seen.get("JobState") in TERMINAL
 
-        assert wait_until(reached, timeout=timeout, interval=0.5), \
+        wait_until(reached, timeout=timeout, interval=0.5)
+        assert seen.get("JobState") in states, \
             f"job {job_id} did not reach {states} within {timeout:.0f}s: {seen.get('JobState')} {seen.get('Reason')}"
         return seen
 

@@ -185,8 +185,10 @@ def test_train_sbatch_checkpoints_on_usr1_and_resumes_after_preemption_and_reque
     assert info["Restarts"] == "1", info
     assert "[rank 0] checkpoint saved on SIGTERM" in text() and "fsm-digits: requeueing" in text()
     slurm.wait_job(urgent, ("COMPLETED",), timeout=60)
-    # A requeued job may not start before a BeginTime Slurm sets 2 minutes ahead: start it now.
-    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    # A requeued job may not start before a BeginTime Slurm sets 2 minutes ahead; start it 3 s from
+    # now instead (not at once: a launch within the second of the requeue finds the job's credential
+    # revoked, and Slurm fails the job).
+    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now+3")
     slurm.wait_job(job, ("COMPLETED",), timeout=240)
     result = json.loads((slurm.out / "result.json").read_text())
     assert result["run_id"] == f"slurm-{job}.0.1"  # the requeued job met a fresh rendezvous
