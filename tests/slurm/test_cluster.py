@@ -8,6 +8,7 @@ nodes, node rank, endpoint and run id come from the job step (scheduler-slurm).
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -196,3 +197,21 @@ def test_train_sbatch_checkpoints_on_usr1_and_resumes_after_preemption_and_reque
     assert result["world_size"] == 2 and result["test_accuracy"] >= ACCURACY
     assert "requeued 1 times" in text()
     sys.stderr.write(f"\ntrain.sbatch preempted, requeued and finished: {time.monotonic() - started:.1f}s\n")
+
+
+def test_salloc_shell_is_not_a_step_and_srun_inside_it_is_discovered(slurm):
+    """``fsm-agent config`` in salloc's shell discovers nothing (no job step); in an srun step of the
+    same allocation each node's values come from Slurm, with source ``slurm``."""
+    config = f"{sys.executable} -m fsm_agent config --json"
+    script = (f"{config} > {slurm.out}/shell.json && "
+              f"srun --ntasks-per-node=1 bash -c '{config} > {slurm.out}/step.$SLURM_NODEID.json'")
+    done = slurm.run("salloc", "-N2", "bash", "-c", script, timeout=120)
+    shell = json.loads((slurm.out / "shell.json").read_text())["values"]
+    assert shell["nnodes"]["source"] == "default" and shell["rendezvous.node_rank"]["source"] == "default", done.stderr
+    for node_id in (0, 1):
+        values = json.loads((slurm.out / f"step.{node_id}.json").read_text())["values"]
+        assert values["rendezvous.node_rank"] == {"value": node_id, "source": "slurm SLURM_NODEID"}
+        assert values["nnodes"] == {"value": "2:2", "source": "slurm SLURM_STEP_NUM_NODES"}
+        assert values["rendezvous.endpoint"]["value"].startswith("node1:")
+        assert values["rendezvous.backend"]["value"] == "fsm"
+        assert re.fullmatch(r"slurm-\d+\.0\.0", values["rendezvous.run_id"]["value"])
