@@ -26,6 +26,9 @@ NONE = "none"
 #: Keys that tell this node apart in the job: filled in for several launchers on one node, they
 #: would make each believe it is the node (the ``--ntasks-per-node`` mistake).
 PER_NODE_KEYS = ("nnodes", "rendezvous.node_rank")
+#: Backends that read ``--node-rank`` (static: the rank; fsm: a rank hint); for the others a
+#: discovered node rank is dropped.
+RANK_HINT_BACKENDS = ("fsm", "static")
 #: Sources the user set a value with; a discovered value never replaces one of these.
 USER_SOURCES = ("cli", "env", "file")
 
@@ -123,4 +126,9 @@ def apply_discovery(job: DiscoveredJob | None, args: Any, sources: dict[str, Any
         filled.append(name)
     if job.several_per_node and any(name in filled for name in PER_NODE_KEYS):
         raise ConfigError(job.several_per_node)
+    if "rendezvous.node_rank" in filled and getattr(args, "rdzv_backend", None) not in RANK_HINT_BACKENDS:
+        # the user's backend assigns ranks itself: a discovered rank would only be warned about
+        setattr(args, "node_rank", keys["rendezvous.node_rank"].kind.structure(0))
+        sources["rendezvous.node_rank"] = make_source("default")
+        filled.remove("rendezvous.node_rank")
     return filled

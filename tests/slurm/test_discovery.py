@@ -158,3 +158,12 @@ def test_fsm_agent_config_shows_the_slurm_source(tmp_path):
     assert values["rendezvous.node_rank"] == {"value": 1, "source": "slurm SLURM_NODEID"}
     assert values["rendezvous.run_id"]["source"].startswith("slurm ")
     assert values["nnodes"] == {"value": "4:4", "source": "slurm SLURM_STEP_NUM_NODES"}
+
+
+def test_a_backend_without_rank_hints_gets_no_discovered_node_rank(monkeypatch):
+    config, sources = resolved(monkeypatch, STEP, "--rdzv-backend", "c10d")
+    assert config.rdzv_backend == "c10d" and config.node_rank == 0
+    assert sources["rendezvous.node_rank"].kind == "default"
+    assert config.rdzv_endpoint == f"gpu01:{PORT}" and config.run_id == "slurm-1234.0.0"
+    config, _ = resolved(monkeypatch, STEP, "--rdzv-backend", "static")
+    assert config.node_rank == 1 and config.rdzv_configs["rank"] == 1
