@@ -21,6 +21,8 @@ warning the agent passes on with ``--forward-signals SIGUSR1``) makes rank 0 sav
 the current batch and training go on; SIGTERM (preemption, the agent stopping the workers) saves one
 and every rank exits 143. The ranks agree on it after each batch (one small all_reduce), so every
 rank stops at the same batch. A checkpoint saved mid-epoch resumes at the start of that epoch.
+``--stop-file PATH`` ends training after the epoch in which PATH appears, as if ``--epochs`` had
+been reached (the tests end an open-ended run this way).
 """
 
 import argparse
@@ -53,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--crash-epoch", type=int, default=None)
     p.add_argument("--crash-exit-code", type=int, default=None)
     p.add_argument("--crash-always", action="store_true", help="crash on every attempt")
+    p.add_argument("--stop-file", default=None,
+                   help="end training after the epoch in which this file appears (as if --epochs were reached)")
     p.add_argument("--checkpoint-on-signal", action="store_true",
                    help="SIGUSR1: checkpoint and go on; SIGTERM: checkpoint and exit 143")
     return p.parse_args(argv)
@@ -131,14 +135,14 @@ def main(argv=None):
 
         ddp.train()
         sampler.set_epoch(epoch)
-        stats = torch.zeros(2, device=device)  # summed loss, number of samples
+        stats = torch.zeros(3, device=device)  # summed loss, number of samples, ranks that saw --stop-file
         for xb, yb in loader:
             xb, yb = xb.to(device), yb.to(device)
             opt.zero_grad()
             loss = loss_fn(ddp(xb), yb)
             loss.backward()
             opt.step()
-            stats += torch.tensor([loss.item() * len(yb), len(yb)], device=device)
+            stats += torch.tensor([loss.item() * len(yb), len(yb), 0.0], device=device)
             if args.checkpoint_on_signal:
                 wanted = torch.tensor([asked], device=device)
                 dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # every rank decides at the same batch
@@ -152,6 +156,7 @@ def main(argv=None):
                         dist.barrier()
                         sys.exit(128 + signal.SIGTERM)
                     asked = 0
+        stats[2] = float(bool(args.stop_file) and os.path.exists(args.stop_file))
         dist.all_reduce(stats)
 
         if rank == 0:
@@ -160,6 +165,9 @@ def main(argv=None):
             save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch},
                         args.checkpoint)
         dist.barrier()
+        if stats[2].item():
+            print(f"[rank {rank}] {args.stop_file} appeared: training ends after epoch {epoch}", flush=True)
+            break
 
     model.eval()
     with torch.no_grad():
