@@ -15,12 +15,21 @@ start of epoch E on the first attempt only. It raises RuntimeError, or calls
 sys.exit(C) if you pass ``--crash-exit-code C``. Add ``--crash-always`` to make it
 fail on every attempt. Epochs are numbered from 1. An existing checkpoint is
 always resumed, so delete it (or pass a new ``--checkpoint``) to start afresh.
+
+``--checkpoint-on-signal`` (for schedulers, see examples/slurm/train.sbatch): SIGUSR1 (a time-limit
+warning the agent passes on with ``--forward-signals SIGUSR1``) makes rank 0 save a checkpoint after
+the current batch and training go on; SIGTERM (preemption, the agent stopping the workers) saves one
+and every rank exits 143. The ranks agree on it after each batch (one small all_reduce), so every
+rank stops at the same batch. A checkpoint saved mid-epoch resumes at the start of that epoch.
+``--stop-file PATH`` ends training after the epoch in which PATH appears, as if ``--epochs`` had
+been reached (the tests end an open-ended run this way).
 """
 
 import argparse
 import gc
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -46,6 +55,10 @@ def parse_args(argv=None):
     p.add_argument("--crash-epoch", type=int, default=None)
     p.add_argument("--crash-exit-code", type=int, default=None)
     p.add_argument("--crash-always", action="store_true", help="crash on every attempt")
+    p.add_argument("--stop-file", default=None,
+                   help="end training after the epoch in which this file appears (as if --epochs were reached)")
+    p.add_argument("--checkpoint-on-signal", action="store_true",
+                   help="SIGUSR1: checkpoint and go on; SIGTERM: checkpoint and exit 143")
     return p.parse_args(argv)
 
 
@@ -58,6 +71,16 @@ def load_data(seed):
             as_t(scaler.transform(x_te), torch.float32), as_t(y_te, torch.long))
 
 
+#: What the last signal asked for: 0 nothing, 1 checkpoint (SIGUSR1), 2 checkpoint and stop (SIGTERM).
+SIGNAL_ASKS = {signal.SIGUSR1: 1, signal.SIGTERM: 2}
+asked = 0
+
+
+def on_signal(signum, _frame):
+    global asked
+    asked = max(asked, SIGNAL_ASKS[signum])
+
+
 def save_atomic(obj, path):
     tmp = f"{path}.tmp.{os.getpid()}"
     torch.save(obj, tmp)
@@ -66,6 +89,7 @@ def save_atomic(obj, path):
 
 @record
 def main(argv=None):
+    global asked
     args = parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -79,6 +103,9 @@ def main(argv=None):
     else:
         backend, device = "gloo", torch.device("cpu")
     dist.init_process_group(backend, init_method="env://")
+    if args.checkpoint_on_signal:
+        for signum in SIGNAL_ASKS:
+            signal.signal(signum, on_signal)
 
     train_ds, x_test, y_test = load_data(args.seed)
     sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
@@ -108,14 +135,28 @@ def main(argv=None):
 
         ddp.train()
         sampler.set_epoch(epoch)
-        stats = torch.zeros(2, device=device)  # summed loss, number of samples
+        stats = torch.zeros(3, device=device)  # summed loss, number of samples, ranks that saw --stop-file
         for xb, yb in loader:
             xb, yb = xb.to(device), yb.to(device)
             opt.zero_grad()
             loss = loss_fn(ddp(xb), yb)
             loss.backward()
             opt.step()
-            stats += torch.tensor([loss.item() * len(yb), len(yb)], device=device)
+            stats += torch.tensor([loss.item() * len(yb), len(yb), 0.0], device=device)
+            if args.checkpoint_on_signal:
+                wanted = torch.tensor([asked], device=device)
+                dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # every rank decides at the same batch
+                if wanted.item():
+                    if rank == 0:
+                        save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                     "epoch": epoch - 1, "signal": int(wanted.item())}, args.checkpoint)
+                        print(f"[rank 0] checkpoint saved on {'SIGTERM' if wanted.item() == 2 else 'SIGUSR1'} "
+                              f"in epoch {epoch}", flush=True)
+                    if wanted.item() == 2:
+                        dist.barrier()
+                        sys.exit(128 + signal.SIGTERM)
+                    asked = 0
+        stats[2] = float(bool(args.stop_file) and os.path.exists(args.stop_file))
         dist.all_reduce(stats)
 
         if rank == 0:
@@ -124,6 +165,9 @@ def main(argv=None):
             save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch},
                         args.checkpoint)
         dist.barrier()
+        if stats[2].item():
+            print(f"[rank {rank}] {args.stop_file} appeared: training ends after epoch {epoch}", flush=True)
+            break
 
     model.eval()
     with torch.no_grad():
@@ -132,7 +176,8 @@ def main(argv=None):
         print(f"final test accuracy: {acc:.3f}", flush=True)
         if args.result_file:
             result = {"test_accuracy": acc, "epochs": args.epochs, "world_size": world,
-                      "resumed_from": resumed_from, "restart_count": restart_count}
+                      "resumed_from": resumed_from, "restart_count": restart_count,
+                      "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
             os.makedirs(os.path.dirname(os.path.abspath(args.result_file)), exist_ok=True)
             tmp = f"{args.result_file}.tmp"
             with open(tmp, "w") as f:

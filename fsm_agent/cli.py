@@ -31,6 +31,7 @@ import attrs
 from fsm_agent.config import (CONFIG_DESTS, KEYS, ConfigFile, FileValues, LaunchConfig, OptionRegistry,
                               PluginOption, env_name, find_config_file, load_file_values, raw_disabled_plugins)
 from fsm_agent.errors import ConfigError, FsmAgentError, PluginError
+from fsm_agent.scheduler import apply_discovery, discover
 
 log = logging.getLogger(__name__)
 
@@ -529,6 +530,9 @@ def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] 
             help="fsm-agent: JSON-lines file of agent events (default: events.jsonl in the log directory)")
     add_own("--launcher", env="FSM_AGENT_LAUNCHER", default="subprocess", metavar="NAME",
             help="fsm-agent: name of the launcher backend that starts the workers")
+    add_own("--scheduler", env="FSM_AGENT_SCHEDULER", default="auto", metavar="NAME",
+            help="fsm-agent: fill unset flags from the batch scheduler's job step: auto (any scheduler whose "
+                 "job step this is, e.g. slurm inside srun), none, or a scheduler's name (docs/schedulers.md)")
     add_own("--disable-plugin", env=DISABLE_PLUGINS_ENV, action=_EnvExtend, dest="disabled_plugins",
             default=(), type=parse_names, metavar="NAME",
             help="fsm-agent: do not load this plugin (repeatable, or comma-separated; adds to the env list)")
@@ -632,8 +636,8 @@ def config_from_args(args: argparse.Namespace, *, set_omp_num_threads: bool = Tr
             raise ConfigError(f"--node-rank {args.node_rank}: with --nnodes {args.nnodes} the node ranks are "
                               f"0..{max_nodes - 1}; give each node its own rank in that range")
         rdzv_configs["rank"] = args.node_rank  # an int, as torch's static handler expects
-    elif args.node_rank != 0:
-        log.warning("--node-rank %s is only used by the static rendezvous backend; ignored for %s",
+    elif args.node_rank != 0 and rdzv_backend != "fsm":  # fsm: a rank hint (docs/schedulers.md)
+        log.warning("--node-rank %s is only used by the static and fsm rendezvous backends; ignored for %s",
                     args.node_rank, rdzv_backend)
     check_std(args.redirects, "--redirects")
     check_std(args.tee, "--tee")
@@ -675,6 +679,7 @@ def config_from_args(args: argparse.Namespace, *, set_omp_num_threads: bool = Tr
         launcher=args.launcher,
         disabled_plugins=tuple(dict.fromkeys(args.disabled_plugins)),
         standalone=args.standalone,
+        scheduler=args.scheduler,
         plugins={plugin: dict(values) for plugin, values in getattr(args, "plugin_options", {}).items()},
     )
     if set_omp_num_threads:
@@ -908,6 +913,9 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
             sources[key.key] = Source("file", label)
         else:
             sources[key.key] = Source("default")
+
+    # Defaults the batch scheduler's job step gives (Slurm, ...): below flags, env vars and the file.
+    apply_discovery(discover(pm, args.scheduler, os.environ), args, sources, KEYS_BY_KEY, Source)
 
     # Disabled plugins add up: the file's, the env var's, the flags'.
     from_file = file_values.values.get("disabled_plugins", ())

@@ -91,6 +91,8 @@ class LaunchConfig:
         launcher: fsm-agent: ``--launcher`` name of the launcher backend (``subprocess``).
         disabled_plugins: fsm-agent: plugin names to block.
         standalone: ``--standalone`` was given (informational; the rdzv fields already reflect it).
+        scheduler: fsm-agent: ``--scheduler`` (``auto``, ``none`` or a name; informational: the
+            discovered defaults are already in the other fields; docs/schedulers.md).
         plugins: fsm-agent: ``{plugin name: {option name: value}}``, the options plugins declared in
             ``fsm_agent_addoption``; read one plugin's with ``plugin_options(name)``.
     """
@@ -133,6 +135,7 @@ class LaunchConfig:
     launcher: str = "subprocess"
     disabled_plugins: tuple[str, ...] = ()
     standalone: bool = False
+    scheduler: str = "auto"
     plugins: dict[str, dict[str, Any]] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
@@ -468,6 +471,7 @@ KEYS: tuple[ConfigKey, ...] = (
     _key("numa_binding", choice_kind(NUMA_BINDING_MODES)),
     _key("event_log_handler", STRING),
     _key("launcher", STRING),
+    _key("scheduler", STRING),
     _key("disabled_plugins", NAMES, default="`[]`; the file's list, the env list and the flags add up"),
     _key("rendezvous.backend", STRING, dest="rdzv_backend", field="rdzv_backend"),
     _key("rendezvous.endpoint", STRING, dest="rdzv_endpoint", field="rdzv_endpoint"),

@@ -268,6 +268,8 @@ def render() -> str:
         "|---|---|---|",
         "| rendezvous | a named rendezvous backend (`registry.add_rendezvous(name, creator)`) | `--rdzv-backend NAME` |",
         "| launcher | a named launcher (`registry.add_launcher(name, factory)`) | `--launcher NAME` |",
+        "| scheduler | a batch scheduler's job-step defaults (`fsm_agent_discover_job`) | `--scheduler auto` "
+        "(inside that scheduler's job step) or `--scheduler NAME` |",
         "| metrics | a sink for `fsm_agent_put_metric` | always: every metric |",
         "| event recording | a sink for `fsm_agent_record_event` | always: every event |",
         "| lifecycle | anything else: options, configuration, state changes, worker env, restart policy | always |",
@@ -310,6 +312,35 @@ def render() -> str:
         "of `shutdown()` when this node stops alone, on a signal or excluded, so the round stays open for the "
         "others). A backend built on torch's `DynamicRendezvousHandler` gets the first and the last by returning "
         "`FreshStoreHandler(handler, backend)` from `fsm_agent.plugins.rendezvous_c10d`, as `etcd-v3` does.",
+        "",
+        "## A scheduler plugin (LSF, PBS, a cloud batch service)",
+        "",
+        "A scheduler plugin reads the variables its scheduler gives a job step and answers "
+        "`fsm_agent_discover_job(environ, scheduler)` with a `fsm_agent.scheduler.DiscoveredJob`: the "
+        "configuration keys it found (`nnodes`, `nproc_per_node`, `rendezvous.endpoint`, `rendezvous.run_id`, "
+        "`rendezvous.node_rank`, `rendezvous.backend`) and the variable each came from. They only fill keys the "
+        "user left unset, and `fsm-agent config` shows them with the plugin's `scheduler` name as their source. "
+        "Answer None outside your scheduler's job steps (`--scheduler auto` asks every plugin); raise "
+        "`ConfigError` when `scheduler` is your name and this is not one of your job steps. The built-in "
+        "`scheduler-slurm` (`fsm_agent/plugins/scheduler_slurm.py`) is the worked example; "
+        "[docs/schedulers.md](schedulers.md) says what it discovers from where.",
+        "",
+        "```python",
+        "from fsm_agent.plugins import hookimpl",
+        "from fsm_agent.scheduler import DiscoveredJob",
+        "",
+        "@hookimpl",
+        "def fsm_agent_discover_job(environ, scheduler):",
+        "    if scheduler not in (\"auto\", \"lsf\") or \"LSB_JOBID\" not in environ:",
+        "        return None  # (with --scheduler lsf outside a job: raise ConfigError instead)",
+        "    hosts = environ[\"LSB_HOSTS\"].split()",
+        "    return DiscoveredJob(",
+        "        scheduler=\"lsf\", hosts=tuple(dict.fromkeys(hosts)),",
+        "        values={\"nnodes\": len(set(hosts)), \"rendezvous.endpoint\": f\"{hosts[0]}:29400\",",
+        "                \"rendezvous.backend\": \"fsm\", \"rendezvous.run_id\": f\"lsf-{environ['LSB_JOBID']}\"},",
+        "        origins={\"nnodes\": \"LSB_HOSTS\", \"rendezvous.endpoint\": \"LSB_HOSTS\",",
+        "                 \"rendezvous.run_id\": \"LSB_JOBID\"})",
+        "```",
         "",
         "## Options",
         "",

@@ -6,6 +6,7 @@ Each docstring has Args, Returns and "Called from" (the transition or step that 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from fsm_agent.plugins import hookspec
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from fsm_agent.agent import ElasticAgent, TransitionRecord
     from fsm_agent.config import LaunchConfig, OptionRegistry
     from fsm_agent.plugins.registry import BackendRegistry
+    from fsm_agent.scheduler import DiscoveredJob
     from fsm_agent.worker import RestartDecision, RunResult, Worker, WorkerFailure, WorkerGroup
 
 # --------------------------------------------------------------------------------------------
@@ -80,6 +82,39 @@ def fsm_agent_configure(config: "LaunchConfig", agent: "ElasticAgent") -> None:
 
     Called from:
         Agent construction, after backends are registered and before ``start`` (INIT -> HEALTHY).
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# scheduler kind: called once by the command line, while its configuration is merged
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def fsm_agent_discover_job(environ: Mapping[str, str], scheduler: str) -> "DiscoveredJob | None":
+    """Discover the job step a batch scheduler started this process in (Slurm, LSF, PBS, ...).
+
+    Args:
+        environ: the environment to read (``os.environ`` of ``fsm-agent run``); read it, never
+            ``os.environ`` itself, and never change it.
+        scheduler: ``--scheduler``: ``auto`` (answer only inside one of your scheduler's job
+            steps, recognised from its variables; not in a batch script's shell) or a scheduler's
+            name (answer when it is yours, else None). Never ``none``: then nothing is asked.
+
+    Returns:
+        A ``fsm_agent.scheduler.DiscoveredJob`` (``scheduler`` name, ``values`` by file key such as
+        ``nnodes``, ``nproc_per_node``, ``rendezvous.backend``, ``rendezvous.endpoint``,
+        ``rendezvous.run_id``, ``rendezvous.node_rank``, the ``origins`` of each, the ``hosts``, and
+        ``several_per_node``), or None when this is not one of your scheduler's job steps. The first
+        answer wins. Its values only fill keys the user left unset: flags, ``FSM_AGENT_*``/``PET_*``
+        variables and the configuration file win. Raise ``ConfigError`` (one line: the variable and
+        the fix) when ``scheduler`` names yours but this is not one of its job steps, or a variable
+        is malformed.
+
+    Called from:
+        The command line (``fsm-agent run``, ``fsm-agent config``), once per process, after flags,
+        environment and configuration file are merged and before the LaunchConfig is built; never
+        by ``launch_agent``.
     """
 
 

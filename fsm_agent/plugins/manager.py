@@ -34,6 +34,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "metrics-logging": "fsm_agent.plugins.metrics_logging",
     "events-jsonl": "fsm_agent.plugins.events_jsonl",
     "status-http": "fsm_agent.plugins.status_http",
+    "scheduler-slurm": "fsm_agent.plugins.scheduler_slurm",
 }
 #: Test tooling, registered like a built-in but only while ``pytest --statechart-coverage``
 #: records (it sets the recorder's directory variable for the agents it runs), and never listed
@@ -168,9 +169,10 @@ def _call_setup_hook(pm: pluggy.PluginManager, impl, hook_name: str, kwargs: dic
 
 
 #: Plugin kinds, in the order ``fsm-agent plugins`` lists them.
-PLUGIN_KINDS = ("rendezvous", "launcher", "metrics", "event recording", "lifecycle")
+PLUGIN_KINDS = ("rendezvous", "launcher", "scheduler", "metrics", "event recording", "lifecycle")
 #: Listener hooks that make a plugin a metrics or event-recording plugin.
-_KIND_OF_HOOK = {"fsm_agent_put_metric": "metrics", "fsm_agent_record_event": "event recording"}
+_KIND_OF_HOOK = {"fsm_agent_put_metric": "metrics", "fsm_agent_record_event": "event recording",
+                 "fsm_agent_discover_job": "scheduler"}
 #: Kinds of built-ins that ``plugin_rows`` cannot see from their hooks alone: the listener that
 #: events-jsonl registers in ``fsm_agent_configure``, and the torchrun.handlers bridge, which
 #: registers nothing when no ``torchrun.handlers`` entry point is installed. A third-party plugin
@@ -184,7 +186,8 @@ def plugin_rows(pm: pluggy.PluginManager, registry: BackendRegistry | None = Non
 
     Kinds come from the hooks: ``fsm_agent_register_backends`` gives the kinds of the backends the
     plugin registered (``rendezvous``, ``launcher``; ``registry`` or a fresh ``build_registry(pm)``),
-    ``fsm_agent_put_metric`` gives ``metrics``, ``fsm_agent_record_event`` ``event recording``; a plugin
+    ``fsm_agent_put_metric`` gives ``metrics``, ``fsm_agent_record_event`` ``event recording``,
+    ``fsm_agent_discover_job`` ``scheduler``; a plugin
     with none of these is ``lifecycle``. A plugin's ``FSM_AGENT_KINDS`` attribute overrides them.
 
     Raises:
