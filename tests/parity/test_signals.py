@@ -320,3 +320,33 @@ def test_importing_fsm_agent_elsewhere_keeps_the_default_signal_actions(launcher
     keeps Python's signal dispositions: only ``fsm-agent run``/``fsmrun`` installs early handlers."""
     launcher.run([sys.executable, "-c", CHECK_DISPOSITIONS, "--forward-signals", "SIGUSR1"]).check(0)
     launcher.run([sys.executable, "-c", CHECK_DISPOSITIONS, "run"]).check(0)
+
+
+# -- (1) two stop signals at once (a process group signalled by `timeout` or a scheduler) ---------------
+#: Moments (s after start) the double signal lands: building the agent, joining, waiting in the rendezvous.
+DOUBLE_AT = (0.8, 1.2, 1.6, 2.0, 2.4, 3.0)
+
+
+@pytest.mark.parametrize("flags", [["--standalone", "--nnodes", "2"],
+                                   ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "{port}"]],
+                         ids=["standalone", "static"])
+def test_two_stop_signals_at_once_before_the_workers(launcher, flags):
+    """Two SIGTERMs microseconds apart while the agent starts or waits for the other node: each
+    try ends as a single one does (128+N, the FAILED summary, no traceback, the temporary log
+    directory removed); the second never cuts the agent's way out short."""
+    for at in DOUBLE_AT:
+        port = free_port()
+        proc = launcher.fsm(*(f.format(port=port) for f in flags), "--nproc-per-node", "1",
+                            launcher.probe, env=ENV)
+        time.sleep(at)
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
+        if not wait_until(lambda: not proc.alive(), STOP_BOUND_S):
+            os.killpg(proc.pid, signal.SIGKILL)
+        result = proc.wait(60)
+        why = f"at {at}s: exit {result.returncode}\n--- stderr ---\n{result.stderr[-4000:]}"
+        assert exit_class(result.returncode) == 128 + signal.SIGTERM, why
+        assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, why
+        if at >= 1.2:  # the options are read by then (the earliest signals end before any summary)
+            assert "FAILED" in result.stderr, why
+        assert not list(launcher.tmp.glob("fsm_agent_*")), f"{why}\nleft: {list(launcher.tmp.rglob('*'))}"
