@@ -698,7 +698,12 @@ class ElasticAgent:
         except SignalStop:
             raise
         except Exception as exc:  # torch swallows barrier errors too: the local result stands
-            log.warning("exit barrier did not complete within %ss: %s", self.spec.exit_barrier_timeout, exc)
+            network_error = getattr(sys.modules.get("torch.distributed"), "DistNetworkError", ())
+            if isinstance(exc, network_error):  # the connection broke: no timeout passed
+                log.warning("the store host left before the exit barrier completed (%s); this node's result "
+                            "stands", exc)
+            else:
+                log.warning("exit barrier did not complete within %ss: %s", self.spec.exit_barrier_timeout, exc)
 
     def _release_exit_barrier(self, event=None) -> None:
         """A failing agent checks in at the exit barrier so its peers stop waiting for it."""
