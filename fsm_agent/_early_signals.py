@@ -10,6 +10,11 @@ with 128+N and no traceback, and a signal to relay is dropped. The names come fr
 argv and the environment (``--signals-to-handle``/``FSM_AGENT_SIGNALS_TO_HANDLE``/``PET_SIGNALS_TO_HANDLE``, ``--forward-signals``/
 ``FSM_AGENT_FORWARD_SIGNALS``); ``launch_agent`` puts the full configuration's handlers in place.
 A worker or a program that imports ``fsm_agent`` is left alone.
+
+One stop signal ends the process; a second one (GNU ``timeout`` and schedulers signal the whole
+process group, so the agent often gets two within microseconds) must not cut its way out short:
+once any stop signal was taken (``note_stop``: these handlers, ``launch``'s, the agent's), these
+handlers do nothing more.
 """
 
 from __future__ import annotations
@@ -54,7 +59,21 @@ def _names(value: str) -> list[int]:
     return sigs
 
 
+#: The first stop signal this process took, if any (see ``note_stop``).
+_stopping: list[int] = []
+
+
+def note_stop(signum: int) -> None:
+    """Record that this process took the stop signal ``signum`` and is on its way out: from then
+    on the early handlers ignore stop signals, so the summary and cleanup are never cut short."""
+    if not _stopping:
+        _stopping.append(signum)
+
+
 def _exit(signum: int, frame: object) -> None:
+    if _stopping:  # already on the way out (a second signal of the same kill): let it finish
+        return
+    note_stop(signum)
     raise SystemExit(128 + signum)
 
 

@@ -27,6 +27,7 @@ import attrs
 import pluggy
 
 from fsm_agent import errorfile
+from fsm_agent._early_signals import note_stop
 from fsm_agent.env import worker_env
 from fsm_agent.errors import FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.hang import HangDetector, announce_stack_dump, dump_stacks
@@ -264,10 +265,16 @@ class ElasticAgent:
         """
         previous = self._install_signal_handlers()
         try:
+            return self._run_to_the_end(previous)
+        finally:  # the agent's handlers stay to the very end: a second stop signal never cuts the way out short
+            self._restore_signal_handlers(previous)
+
+    def _run_to_the_end(self, previous: dict[int, Any]) -> RunResult:
+        try:
             while self.state not in (S.SUCCEEDED, S.FAILED, S.UNKNOWN):
                 self._step()
         finally:
-            self._restore_signal_handlers(previous)
+            self._restore_wakeup_fd(previous)  # before _release closes the wake-up pipe
             self._release()
         gave_up = self.state == S.FAILED and self._decision is not None and not self._decision.restart
         result = RunResult(state=self.state, return_values=dict(self._return_values),
@@ -341,7 +348,8 @@ class ElasticAgent:
                 self._fire_error("rendezvous_failed", self._describe_rendezvous_error(exc))
             else:
                 error = f"{trigger} failed in state {self.state.value}: {type(exc).__name__}: {exc}"
-                log.error("%s\n%s", error, traceback.format_exc())
+                # fsm-agent's own errors (bad input found late, e.g. --preload-modules) need no traceback
+                log.error("%s%s", error, "" if isinstance(exc, FsmAgentError) else "\n" + traceback.format_exc())
                 self._fire_error("agent_errored", error)
 
     def _fire_error(self, trigger: str, error: str) -> None:
@@ -731,7 +739,12 @@ class ElasticAgent:
         except SignalStop:
             raise
         except Exception as exc:  # torch swallows barrier errors too: the local result stands
-            log.warning("exit barrier did not complete within %ss: %s", self.spec.exit_barrier_timeout, exc)
+            network_error = getattr(sys.modules.get("torch.distributed"), "DistNetworkError", ())
+            if isinstance(exc, network_error):  # the connection broke: no timeout passed
+                log.warning("the store host left before the exit barrier completed (%s); this node's result "
+                            "stands", exc)
+            else:
+                log.warning("exit barrier did not complete within %ss: %s", self.spec.exit_barrier_timeout, exc)
 
     def _release_exit_barrier(self, event=None) -> None:
         """A failing agent checks in at the exit barrier so its peers stop waiting for it."""
@@ -862,8 +875,12 @@ class ElasticAgent:
         signal, the agent exits 128+N); another while they stop SIGKILLs them at once (a second Ctrl-C)."""
         if self._signal is None:
             self._signal = signum
-            log.warning("received %s: stopping the workers with %s", signal.Signals(signum).name,
-                        signal.Signals(signum).name)
+            note_stop(signum)  # the CLI's early handlers, back once run() ends, then ignore stop signals
+            name = signal.Signals(signum).name
+            if self._launcher.pids():
+                log.warning("received %s: stopping the workers with %s", name, name)
+            else:
+                log.warning("received %s: stopping (no workers running)", name)
             if self._interruptible:
                 raise SignalStop(signum)
             return
@@ -968,9 +985,13 @@ class ElasticAgent:
         return previous
 
     def _restore_signal_handlers(self, previous: dict[int, Any]) -> None:
-        wakeup = previous.pop(-1, None)
+        self._restore_wakeup_fd(previous)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+    @staticmethod
+    def _restore_wakeup_fd(previous: dict[int, Any]) -> None:
+        wakeup = previous.pop(-1, None)
         if wakeup is not None:
             signal.set_wakeup_fd(wakeup)
 

@@ -17,13 +17,16 @@ import signal
 import sys
 from typing import Any, Callable
 
+import attrs
+
+from fsm_agent._early_signals import note_stop
 from fsm_agent.agent import ElasticAgent
 from fsm_agent.config import LaunchConfig
 from fsm_agent.errorfile import format_summary, propagate_to_parent
 from fsm_agent.errors import ConfigError, FsmAgentError
 from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, load_logs_specs, parse_std
 from fsm_agent.plugins.manager import build_registry, get_plugin_manager
-from fsm_agent.worker import RendezvousSpec, RunResult, WorkerFailure, WorkerSpec
+from fsm_agent.worker import RendezvousSpec, RunResult, WorkerFailure, WorkerSpec, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -86,12 +89,20 @@ def create_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple) 
         except Exception as exc:
             raise ConfigError(f"--rdzv-backend {config.rdzv_backend} at "
                               f"{config.rdzv_endpoint or '(default endpoint)'}: {type(exc).__name__}: {exc}") from None
-        return ElasticAgent(spec, pm, handler, launcher_factory(None), logs, events_path=config.events_file,
+        return ElasticAgent(spec, pm, handler, launcher_factory(_LauncherOwner(config)), logs, events_path=config.events_file,
                             signals_to_handle=config.signals_to_handle, forward_signals=config.forward_signals,
                             config=config)
     except BaseException:
         getattr(logs, "cleanup", lambda: None)()  # the temporary log directory of a run that never started
         raise
+
+
+@attrs.frozen
+class _LauncherOwner:
+    """What a launcher factory (``factory(agent)``) gets: the agent is built after its launcher, so
+    a stand-in with the agent's ``config`` (its ``plugin_options(name)`` hold the launcher's options)."""
+
+    config: LaunchConfig
 
 
 def run_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple = ()) -> RunResult:
@@ -156,14 +167,18 @@ def _launch_in_scope(config: LaunchConfig, entrypoint: str | Callable, args: tup
     _configure_logging()
     _initialize_metrics(config.metrics_cfg)
     # Handle stop signals from the first instruction: until the agent installs its own handlers
-    # (at the start of run(), before the first rendezvous) a signal ends the launch cleanly.
+    # (at the start of run(), before the first rendezvous) a signal ends the launch cleanly, as the
+    # agent's would (a stopped RunResult, its summary, the temporary log directory removed).
     # They stay until run() puts the agent's own in place, and are undone when the launch ends.
-    original = {sig: signal.signal(sig, _exit_on_signal) for sig in _stop_signals(config.signals_to_handle)}
+    stop = _StopBeforeRun()
+    original = {sig: signal.signal(sig, stop) for sig in _stop_signals(config.signals_to_handle)}
     # A signal to relay (--forward-signals) that comes before there are workers is dropped, not fatal.
     original.update({sig: signal.signal(sig, _drop_signal) for sig in _signals(config.forward_signals)
                      if sig not in original})
     try:
-        return _launch(config, entrypoint, args)
+        return _launch(config, entrypoint, args, stop)
+    except _SignalBeforeRun as exc:
+        return RunResult(state=WorkerState.FAILED, signal=exc.signum), build_spec(config, entrypoint, args).get_entrypoint_name()
     finally:
         for sig, handler in original.items():
             signal.signal(sig, handler)
@@ -177,11 +192,17 @@ def _initialize_metrics(metrics_cfg: dict[str, str]) -> None:
         metrics.initialize_metrics(metrics.MetricsConfig(dict(metrics_cfg)))
 
 
-def _launch(config: LaunchConfig, entrypoint: str | Callable, args: tuple) -> tuple[RunResult, str]:
+def _launch(config: LaunchConfig, entrypoint: str | Callable, args: tuple,
+            stop: _StopBeforeRun) -> tuple[RunResult, str]:
     agent = create_agent(config, entrypoint, args)
-    if agent.run_log_dir:
-        log.info("logs in %s, events in %s", agent.run_log_dir, agent.events_path)
-    return agent.run(), agent.spec.get_entrypoint_name()
+    try:
+        if agent.run_log_dir:
+            log.info("logs in %s, events in %s", agent.run_log_dir, agent.events_path)
+        result = agent.run()
+        stop.done = True  # the agent took (or missed) its signals: later ones must not cut the way out short
+        return result, agent.spec.get_entrypoint_name()
+    finally:
+        agent.close()  # a signal before run() began: its temporary log directory goes too (idempotent)
 
 
 def _signals(names: str) -> list[int]:
@@ -194,8 +215,29 @@ def _stop_signals(names: str) -> list[int]:
     return [s for s in sigs if not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN)]
 
 
-def _exit_on_signal(signum, frame):
-    raise SystemExit(128 + signum)
+class _SignalBeforeRun(BaseException):
+    """A stop signal before the agent's own handlers were in place (building the agent)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _StopBeforeRun:
+    """The stop-signal handler of one launch until the agent's run() takes over: the first signal
+    raises ``_SignalBeforeRun`` (the launch ends as a stopped run); a second one of the same kill
+    (a process group signalled twice), or any once the run is over, does nothing, so the cleanup
+    and the summary on the way out are never cut short."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.done:
+            return
+        self.done = True
+        note_stop(signum)
+        raise _SignalBeforeRun(signum)
 
 
 def _drop_signal(signum, frame):

@@ -546,6 +546,21 @@ def test_launcher(launcher, name):
             assert record["orig_argv"][1:3] == ["-u", str(launcher.probe)]
 
 
+def test_preload_modules_reach_the_zygote(launcher):
+    """--preload-modules json: the zygote imports json, not its default torch, before forking."""
+    launcher.run_fsm("--launcher", "preload", "--preload-modules", "json", launcher.probe).check()
+    assert [r["torch_loaded"] for r in launcher.records().values()] == [False]
+
+
+def test_preload_module_that_does_not_import(launcher):
+    """A module the zygote cannot import: one line naming it and the fix, non-zero, no traceback."""
+    result = launcher.run_fsm("--launcher", "preload", "--preload-modules", "nonexist_mod_q", launcher.probe)
+    assert result.returncode != 0, result.stderr
+    assert "could not import 'nonexist_mod_q'" in result.stderr and "--launcher subprocess" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert not launcher.records()
+
+
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_disable_plugin(launcher, how):
     log_dir = launcher.dir / "logs"

@@ -320,3 +320,60 @@ def test_importing_fsm_agent_elsewhere_keeps_the_default_signal_actions(launcher
     keeps Python's signal dispositions: only ``fsm-agent run``/``fsmrun`` installs early handlers."""
     launcher.run([sys.executable, "-c", CHECK_DISPOSITIONS, "--forward-signals", "SIGUSR1"]).check(0)
     launcher.run([sys.executable, "-c", CHECK_DISPOSITIONS, "run"]).check(0)
+
+
+# -- (1) two stop signals at once (a process group signalled by `timeout` or a scheduler) ---------------
+#: Moments (s after start) the double signal lands: building the agent, joining, waiting in the rendezvous.
+DOUBLE_AT = (0.8, 1.2, 1.6, 2.0, 2.4, 3.0)
+
+
+@pytest.mark.parametrize("flags", [["--standalone", "--nnodes", "2"],
+                                   ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "{port}"]],
+                         ids=["standalone", "static"])
+def test_two_stop_signals_at_once_before_the_workers(launcher, flags):
+    """Two SIGTERMs microseconds apart while the agent starts or waits for the other node: each
+    try ends as a single one does (128+N, the FAILED summary, no traceback, the temporary log
+    directory removed); the second never cuts the agent's way out short."""
+    for at in DOUBLE_AT:
+        port = free_port()
+        proc = launcher.fsm(*(f.format(port=port) for f in flags), "--nproc-per-node", "1",
+                            launcher.probe, env=ENV)
+        time.sleep(at)
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
+        if not wait_until(lambda: not proc.alive(), STOP_BOUND_S):
+            os.killpg(proc.pid, signal.SIGKILL)
+        result = proc.wait(60)
+        why = f"at {at}s: exit {result.returncode}\n--- stderr ---\n{result.stderr[-4000:]}"
+        assert exit_class(result.returncode) == 128 + signal.SIGTERM, why
+        assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, why
+        if at >= 1.2:  # the options are read by then (the earliest signals end before any summary)
+            assert "FAILED" in result.stderr, why
+        assert not list(launcher.tmp.glob("fsm_agent_*")), f"{why}\nleft: {list(launcher.tmp.rglob('*'))}"
+
+
+def test_store_host_stopped_before_the_exit_barrier(parity):
+    """Static, two nodes: the store host's worker is done and it gets SIGTERM while the other
+    node's worker still runs. That node then finds the store gone at its exit barrier and says so
+    truthfully (no claim that the barrier's timeout passed); its own result stands."""
+    def scenario(tool, launcher):
+        port = free_port()
+        common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port, "--nproc-per-node", "1",
+                  "--monitor-interval", "0.1", "--exit-barrier-timeout", "200"]
+        host = tool.start(launcher, *common, "--node-rank", "0", launcher.signal_probe,
+                          env={**ENV, "SIGNAL_PROBE_EXIT_AFTER": "0", "FSM_E2E_TAG": "host_"})
+        other = tool.start(launcher, *common, "--node-rank", "1", launcher.signal_probe,
+                           env={**ENV, "SIGNAL_PROBE_EXIT_AFTER": "15", "FSM_E2E_TAG": "other_"})
+        done = next(iter(wait_for_probes(launcher, 1, proc=host, tag="host_").values()))["pid"]
+        wait_for_probes(launcher, 1, proc=other, tag="other_")
+        assert wait_until(lambda: not _alive(done), 30)
+        time.sleep(1.0)  # the store host waits in its exit barrier now
+        result, took = stop(host, signal.SIGTERM, STOP_BOUND_S)
+        check_stopped(result, took, signal.SIGTERM)
+        result = other.wait(60)
+        assert "the store host left before the exit barrier completed" in result.stderr, result.stderr
+        assert "did not complete within" not in result.stderr, result.stderr
+        return result
+
+    outcome = parity.run(FSM_AGENT, scenario)
+    assert not outcome.leftovers, outcome.describe()

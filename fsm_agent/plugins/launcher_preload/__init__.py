@@ -76,6 +76,10 @@ class PreloadLauncher(SubprocessLauncher):
         theirs.close()
         self._sock = ours
         ready = self._receive(ZYGOTE_START_TIMEOUT)
+        if ready and ready.get("module"):
+            raise ConfigError(f"--preload-modules: the preload launcher's zygote could not import {ready['module']!r} "
+                              f"({ready.get('error')}); name importable modules (default: torch) or use "
+                              "--launcher subprocess")
         if not ready or not ready.get("ready"):
             raise ConfigError(f"--launcher preload: the zygote did not start (importing {self._modules!r} failed?); "
                               "use --launcher subprocess")

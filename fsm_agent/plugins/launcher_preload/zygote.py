@@ -126,9 +126,13 @@ def serve(sock: socket.socket) -> None:
 
 def main() -> None:
     _pdeathsig()
-    for name in filter(None, sys.argv[1].split(",") if len(sys.argv) > 1 else []):
-        importlib.import_module(name)
     sock = socket.socket(fileno=int(sys.argv[2]))
+    for name in filter(None, sys.argv[1].split(",") if len(sys.argv) > 1 else []):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # told to the agent, which ends with one line naming the module
+            _send(sock, {"ready": False, "module": name, "error": f"{type(exc).__name__}: {exc}"})
+            return
     _send(sock, {"ready": True})
     serve(sock)
 
