@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 
 import attrs
 
+from fsm_agent.argparsing import OneLineParser
 from fsm_agent.config import (CONFIG_DESTS, KEYS, ConfigFile, FileValues, LaunchConfig, OptionRegistry,
                               PluginOption, env_name, find_config_file, load_file_values, raw_disabled_plugins)
 from fsm_agent.errors import ConfigError, FsmAgentError, PluginError
@@ -261,7 +262,7 @@ def env_vars(action: argparse.Action) -> list[str]:
     return names
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(OneLineParser):
     """ArgumentParser whose errors are ConfigErrors (one line) and whose env fallbacks apply at parse time.
 
     Attributes:
@@ -307,10 +308,6 @@ class _Parser(argparse.ArgumentParser):
         if script < len(args):
             namespace.training_script_args = args[script + 1:]
         return namespace, extras
-
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{message} (see {self.prog} --help)")
-
 
 class _EnvAction(argparse.Action):
     """A flag whose default can come from an environment variable (torch's ``argparse_util.env``)."""

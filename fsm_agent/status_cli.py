@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from fsm_agent.argparsing import OneLineParser
 from fsm_agent.errors import ConfigError, FsmAgentError
 
 #: Seconds to wait for one answer.
@@ -194,13 +195,8 @@ def _positive_seconds(raw: str) -> float:
     return value
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
-        raise ConfigError(f"{message} (see {self.prog} --help)")
-
-
 def get_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="fsm-agent status",
+    parser = OneLineParser(prog="fsm-agent status",
                      description="Show a running agent's live status, read from the endpoint that "
                                  "'fsm-agent run --status-port PORT' serves on 127.0.0.1.")
     parser.add_argument("url", help="the endpoint: http://127.0.0.1:PORT, 127.0.0.1:PORT or PORT")

@@ -18,7 +18,6 @@ hookspecs' "Called from:" sections, and the tests check them against the agent's
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import re
@@ -26,6 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from fsm_agent.argparsing import OneLineParser
 from fsm_agent.states.checks import TableRow, state_name, table_rows
 from fsm_agent.states.machine import build_machine
 from fsm_agent.states.table import AUTO_TRIGGERS, INITIAL, STATES, TERMINAL, TRANSITIONS, Row
@@ -285,7 +285,7 @@ def render(fmt: str = "markdown", transitions: Sequence[Row] | None = None) -> s
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
     """``fsm-agent statechart [--format mermaid|markdown|json]``: print the statechart to stdout."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fsm-agent statechart",
         description="Print the worker-group statechart, rendered from fsm_agent/states/table.py. "
                     f"docs/statechart.md is its Markdown output: {REGENERATE_COMMAND}")

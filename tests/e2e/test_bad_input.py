@@ -207,6 +207,31 @@ def test_fsm_agent_without_a_valid_command(launcher, args, needle):
     assert needle in one_error_line(result.stderr).lower()
 
 
+#: id -> (fsm-agent's arguments, the one line it must print): every subcommand, as ``run`` does
+SUBCOMMAND_BAD = {
+    "main-unknown-flag": (["--bogus"], "unrecognized arguments: --bogus (see fsm-agent --help)"),
+    "replay-no-file": (["replay"], "required: EVENTS.jsonl (see fsm-agent replay --help)"),
+    "replay-unknown-flag": (["replay", "--bogus", "x"], "unrecognized arguments: --bogus (see fsm-agent replay --help)"),
+    "statechart-extra": (["statechart", "extra"], "unrecognized arguments: extra (see fsm-agent statechart --help)"),
+    "statechart-format": (["statechart", "--format", "dot"], "invalid choice: 'dot'"),
+    "plugins-unknown-flag": (["plugins", "--bogus"], "unrecognized arguments: --bogus (see fsm-agent plugins --help)"),
+    "status-unknown-flag": (["status", "--bogus"], "unrecognized arguments: --bogus (see fsm-agent status --help)"),
+    "status-no-url": (["status"], "required: url (see fsm-agent status --help)"),
+    "config-unknown-flag": (["config", "--bogus"], "unrecognized arguments: --bogus (see fsm-agent config --help)"),
+}
+
+
+@pytest.mark.parametrize("case", list(SUBCOMMAND_BAD))
+def test_every_subcommand_rejects_bad_input_in_one_line(launcher, case):
+    """Not argparse's usage text above the error, nor "required: url" for a flag that does not exist."""
+    args, needle = SUBCOMMAND_BAD[case]
+    result = launcher.run([*fsm_agent_cmd(), *args], timeout=60)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    line = one_error_line(result.stderr)
+    assert line.startswith("fsm-agent: error: ") and needle in line, line
+
+
 def test_fsm_agent_run_help_lists_every_torchrun_flag(launcher):
     from torch.distributed.run import get_args_parser
 
