@@ -9,7 +9,8 @@ and names an unknown argument before a missing one.
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from fsm_agent.errors import ConfigError
 
@@ -21,7 +22,8 @@ class OneLineParser(argparse.ArgumentParser):
     what the user typed wrong. ``--help`` and ``--version`` still print and exit 0 as usual.
     """
 
-    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: Any = None) -> Any:
         try:
             return super().parse_args(args, namespace)
         except ConfigError:
@@ -30,7 +32,7 @@ class OneLineParser(argparse.ArgumentParser):
                 self.error("unrecognized arguments: " + " ".join(unknown))
             raise
 
-    def _unrecognized(self, args) -> list[str]:
+    def _unrecognized(self, args: Sequence[str] | None) -> list[str]:
         """The arguments this parser does not know, found with every argument made optional."""
         required = {action: action.required for action in self._actions}
         try:

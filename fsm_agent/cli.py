@@ -1366,12 +1366,39 @@ def _exit(code: int, from_console: bool) -> NoReturn:
     sys.exit(code)
 
 
-def run_command(argv: list[str], prog: str = "fsm-agent run") -> int:
-    """Parse ``argv`` like torchrun (plus env vars, the config file and plugin options), launch
-    this node's agent and return its exit code."""
+def run_main(argv: Sequence[str] | None = None) -> None:
+    """``torch.distributed.run.main(args)``: parse torchrun's arguments (``argv`` without a ``run``
+    word; None: ``sys.argv[1:]``), launch this node's agent and return None once the workers succeeded.
+
+    Raises:
+        SystemExit: bad input (exit code 2, as torch's argparse), after one ``fsm-agent run: error:``
+            line on stderr; ``--help`` (exit code 0).
+        WorkerGroupFailedError: workers failed; it *is a* torch ``ChildFailedError``, as torch raises.
+        AgentFailedError, SignalException, ConfigError, PluginError: as ``fsm_agent.launch_agent``.
+    """
+    try:
+        config, entrypoint, entrypoint_args = _parse_run(list(sys.argv[1:] if argv is None else argv))
+    except FsmAgentError as exc:
+        raise SystemExit(_report(exc, "fsm-agent run")) from None
+    from fsm_agent.launch import launch_agent  # lazy: the CLI must answer --help without the agent
+
+    launch_agent(config, entrypoint, entrypoint_args)
+
+
+def _parse_run(argv: list[str], prog: str = "fsm-agent run") -> tuple[LaunchConfig, str | Callable[..., Any],
+                                                                      tuple[str, ...]]:
+    """``argv`` parsed like torchrun (plus env vars, the config file and plugin options): the config,
+    the entrypoint and its arguments. Raises ConfigError / PluginError for bad input."""
     resolved = resolve_run_args(argv, prog)
     config, entrypoint, entrypoint_args = config_from_args(resolved.args)
     check_rdzv_conf(resolved, config)
+    return config, entrypoint, entrypoint_args
+
+
+def run_command(argv: list[str], prog: str = "fsm-agent run") -> int:
+    """Parse ``argv`` like torchrun (plus env vars, the config file and plugin options), launch
+    this node's agent and return its exit code."""
+    config, entrypoint, entrypoint_args = _parse_run(argv, prog)
     from fsm_agent.launch import run_agent  # lazy: the CLI must answer --help without the agent
 
     return run_agent(config, entrypoint, entrypoint_args).exit_code
@@ -1422,19 +1449,25 @@ def _exit_code(command: Callable[..., int], *args: Any, name: str = "fsm-agent")
     try:
         return command(*args)
     except FsmAgentError as exc:
-        if len(exc.details) > 1:  # several errors at once (a config file's): one per line
-            print(f"{name}: error: {exc.headline or f'{len(exc.details)} errors:'}", file=sys.stderr)
-            for line in exc.details:
-                print(f"  {line}", file=sys.stderr)
-            return exc.exit_code
-        message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-        print(f"{name}: error: {message}", file=sys.stderr)
-        return exc.exit_code
+        return _report(exc, name)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # e.g. `fsm-agent status URL --json | head`: the reader is gone, say nothing
         _stdout_to_devnull()
         return EXIT_BROKEN_PIPE
+
+
+def _report(exc: FsmAgentError, name: str) -> int:
+    """Print ``exc`` as one stderr line ``NAME: error: ...`` (a headline and one line per detail
+    when it holds several errors); return its exit code."""
+    if len(exc.details) > 1:  # several errors at once (a config file's): one per line
+        print(f"{name}: error: {exc.headline or f'{len(exc.details)} errors:'}", file=sys.stderr)
+        for line in exc.details:
+            print(f"  {line}", file=sys.stderr)
+        return exc.exit_code
+    message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    print(f"{name}: error: {message}", file=sys.stderr)
+    return exc.exit_code
 
 
 def _stdout_to_devnull() -> None:
