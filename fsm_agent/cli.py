@@ -161,6 +161,36 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
+def parse_master_port(value: str) -> int:
+    """``--master-port N`` -> N, a TCP port 0..65535 (torch: ``int``, then a ValueError in the rendezvous)."""
+    port = _port_number(value.strip())
+    if port is None:
+        raise ConfigError(f"--master-port {value!r}: not a TCP port; use an integer from 0 to 65535 "
+                          f"(e.g. --master-port {DEFAULT_MASTER_PORT})")
+    return port
+
+
+def _port_number(text: str) -> int | None:
+    """``text`` as a TCP port number (1 to 5 digits, below 65536, as torch's ``_try_parse_port``), else None."""
+    return int(text) if re.fullmatch(r"[0-9]{1,5}", text) and int(text) < 65536 else None
+
+
+#: Backends whose endpoint torch's ``parse_rendezvous_endpoint`` reads (``HOST[:PORT]``).
+_HOST_PORT_BACKENDS = ("static", "c10d")
+
+
+def check_rdzv_endpoint(backend: str, endpoint: str) -> None:
+    """Raise ConfigError for a ``--rdzv-endpoint HOST:PORT`` whose port is not 0..65535, for the
+    backends that read it with torch's ``parse_rendezvous_endpoint`` (its ValueError, one line)."""
+    text = endpoint.strip()
+    if backend not in _HOST_PORT_BACKENDS or not text or (text.startswith("[") and text.endswith("]")):
+        return
+    host, sep, port = text.rpartition(":")
+    if sep and _port_number(port) is None:
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: the port {port!r} is not a TCP port; use HOST:PORT with "
+                          f"PORT an integer from 0 to 65535 (e.g. --rdzv-endpoint {host or 'localhost'}:29400)")
+
+
 def parse_rdzv_conf(value: str) -> dict[str, str]:
     """``--rdzv-conf k1=v1,k2=v2`` -> {k: v} (values stay strings), as torch's ``_parse_rendezvous_config``."""
     config: dict[str, str] = {}
@@ -489,7 +519,7 @@ def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] 
     # Static rendezvous and compatibility.
     add("--node-rank", default=0, type=int, help="rank of this node (static rendezvous only)")
     add("--master-addr", default="127.0.0.1", help="address of the rank-0 node (static rendezvous only)")
-    add("--master-port", default=None, type=int,
+    add("--master-port", default=None, type=parse_master_port,
         help=f"port on the rank-0 node (static rendezvous only; {DEFAULT_MASTER_PORT} when unset): the agents' "
              "store, and the workers' MASTER_PORT. Giving it turns off the implicit single-node (--standalone) "
              "rendezvous")
@@ -705,6 +735,7 @@ def _rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, str
         return (*STANDALONE_RENDEZVOUS, str(uuid.uuid4()))
     if args.rdzv_backend == "static" and not args.rdzv_endpoint:
         return "static", f"{args.master_addr}:{_master_port(args)}", args.rdzv_id
+    check_rdzv_endpoint(args.rdzv_backend, args.rdzv_endpoint)
     return args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
 
 

@@ -58,6 +58,18 @@ BAD = {
                                                                            "ranks are 0..1"),
     "node-rank-negative": (["--node-rank", "-1", "--nnodes", "2"], {}, "--node-rank -1"),
     "missing-script": (["{missing}"], {}, "not found"),
+    "static-timeout-negative": (["--rdzv-conf", "timeout=-5", "--nnodes", "2"], {},
+                                "--rdzv-conf timeout=-5: must be a whole number of seconds > 0 (e.g. "),
+    "static-timeout-zero": (["--rdzv-conf", "timeout=0", "--nnodes", "2"], {}, "--rdzv-conf timeout=0: must be"),
+    "c10d-join-timeout-negative": (["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "--nnodes", "2",
+                                    "--rdzv-conf", "join_timeout=-5"], {},
+                                   "--rdzv-conf join_timeout=-5: must be a whole number of seconds > 0 (e.g. "),
+    "master-port-out-of-range": (["--master-port", "99999"], {}, "--master-port '99999': not a TCP port; use an "
+                                                                 "integer from 0 to 65535"),
+    "rdzv-endpoint-port-not-a-number": (["--rdzv-endpoint", "localhost:abc", "--nnodes", "2"], {},
+                                        "--rdzv-endpoint 'localhost:abc': the port 'abc' is not a TCP port"),
+    "events-file-is-a-directory": (["--events-file", "{dir}"], {}, "is a directory: pass a file path, e.g. "
+                                                                   "--events-file "),
     "no-script": (None, {}, "training_script"),
 }
 
@@ -69,7 +81,7 @@ def test_bad_input_is_one_line(launcher, case):
         args = []
     else:
         args = [a.replace("{probe}", str(launcher.probe)).replace("{missing}", str(launcher.dir / "missing.py"))
-                for a in flags]
+                .replace("{dir}", str(launcher.dir)) for a in flags]
         if case not in ("missing-script", "no-python-binary-missing"):
             args.append(str(launcher.probe))
     assert_rejected(launcher, launcher.run_fsm(*args, env=env, timeout=60), needle)
@@ -248,7 +260,7 @@ def test_an_agent_that_fails_while_being_built_leaves_no_temporary_directory(lau
     result = launcher.run_fsm("--events-file", "/proc/no/such/dir/events.jsonl", str(launcher.probe),
                               env={"TMPDIR": str(scratch)}, timeout=60)
     assert result.returncode == 2
-    assert "events-jsonl" in one_error_line(result.stderr)
+    assert "--events-file '/proc/no/such/dir/events.jsonl': cannot write" in one_error_line(result.stderr)
     assert list(scratch.iterdir()) == []
 
 
