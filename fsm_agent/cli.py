@@ -652,7 +652,7 @@ def config_from_args(args: argparse.Namespace, *, set_omp_num_threads: bool = Tr
             raise
         flag = f"--nproc-per-node {args.nproc_per_node!r}: "
         raise ConfigError(f"{var}={args.nproc_per_node!r}: {str(exc).removeprefix(flag)}; fix or unset it") from None
-    rdzv_backend, rdzv_endpoint, run_id = _rendezvous(args, max_nodes)
+    rdzv_backend, rdzv_endpoint, run_id = _rendezvous(args, max_nodes, min_nodes)
     rdzv_configs: dict[str, Any] = {**getattr(args, "rdzv_conf_file", {}), **parse_rdzv_conf(args.rdzv_conf)}
     if rdzv_backend == "static":
         if not 0 <= args.node_rank < max_nodes:
@@ -719,14 +719,23 @@ def _master_port(args: argparse.Namespace) -> int:
 STANDALONE_RENDEZVOUS = ("fsm", "127.0.0.1:0")
 
 
-def _rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, str]:
+def _rendezvous(args: argparse.Namespace, max_nodes: int, min_nodes: int = 1) -> tuple[str, str, str]:
     """(backend, endpoint, run_id) after torch's standalone rules (``run.py:run``, ``get_rdzv_endpoint``).
 
     ``--standalone``, or implicitly a single-node static job with no endpoint and no
     ``--master-port``, becomes STANDALONE_RENDEZVOUS (an OS-chosen loopback port) with a uuid4 run id.
     A static job without an endpoint uses ``MASTER_ADDR:MASTER_PORT``.
+
+    Raises:
+        ConfigError: ``--standalone`` with ``--nnodes`` MIN > 1: no other node can ever join a
+            standalone rendezvous, so it could only wait until its timeout (torchrun: 600 s).
     """
     if standalone_reason(args, max_nodes):
+        if args.standalone and min_nodes > 1:
+            raise ConfigError(f"--standalone with --nnodes {args.nnodes}: no other node can join a standalone "
+                              f"rendezvous, so {min_nodes} nodes never meet; drop --standalone and give every "
+                              f"node --rdzv-backend/--rdzv-endpoint (or --master-addr/--master-port), or use "
+                              f"--nnodes 1")
         if args.standalone and (args.rdzv_backend != "static" or args.rdzv_endpoint or args.rdzv_id != "none"):
             log.warning("--standalone ignores --rdzv-backend, --rdzv-endpoint and --rdzv-id")
         if args.standalone and max_nodes > 1:

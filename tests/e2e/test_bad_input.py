@@ -68,6 +68,8 @@ BAD = {
                                                                  "integer from 0 to 65535"),
     "rdzv-endpoint-port-not-a-number": (["--rdzv-endpoint", "localhost:abc", "--nnodes", "2"], {},
                                         "--rdzv-endpoint 'localhost:abc': the port 'abc' is not a TCP port"),
+    "standalone-multi-node": (["--standalone", "--nnodes", "2"], {},
+                              "--standalone with --nnodes 2: no other node can join a standalone rendezvous"),
     "events-file-is-a-directory": (["--events-file", "{dir}"], {}, "is a directory: pass a file path, e.g. "
                                                                    "--events-file "),
     "no-script": (None, {}, "training_script"),
