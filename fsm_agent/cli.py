@@ -234,6 +234,17 @@ def parse_local_ranks_filter(value: str) -> frozenset[int] | None:
                       f"(e.g. --local-ranks-filter 0,1,2)")
 
 
+def _warn_missing_local_ranks(shown: frozenset[int] | None, nproc_per_node: int) -> None:
+    """Warn about ``--local-ranks-filter`` ranks that no worker of this node has (torch hides their
+    output silently; when none exists, every worker's console output is hidden)."""
+    missing = sorted(rank for rank in shown or () if rank >= nproc_per_node)
+    if missing:
+        hidden = "; no worker's output is shown" if len(missing) == len(shown or ()) else ""
+        log.warning("--local-ranks-filter %s: no local rank %s with --nproc-per-node %d (local ranks 0..%d)%s",
+                    ",".join(map(str, sorted(shown or ()))), ",".join(map(str, missing)), nproc_per_node,
+                    nproc_per_node - 1, hidden)
+
+
 def parse_filters(value: str) -> list[str]:
     """``--duplicate-std*-filters``: comma-separated substrings, ``,,`` escaping a comma (as torch).
 
@@ -665,6 +676,7 @@ def config_from_args(args: argparse.Namespace, *, set_omp_num_threads: bool = Tr
     check_std(args.redirects, "--redirects")
     check_std(args.tee, "--tee")
     parse_signals(args.signals_to_handle)
+    _warn_missing_local_ranks(parse_local_ranks_filter(args.local_ranks_filter), nproc_per_node)
 
     config = LaunchConfig(
         min_nodes=min_nodes,
