@@ -297,5 +297,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(cli_main())
+if __name__ == "__main__":  # as ``fsm-agent statechart``: bad input is one line on stderr, exit 2
+    from fsm_agent.cli import main
+
+    main(["statechart", *sys.argv[1:]])

@@ -281,3 +281,10 @@ def test_a_reader_that_left_is_no_traceback(launcher, args):
         os.close(write_end)
     assert done.returncode == 141, done.stderr
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("module", ["fsm_agent.states.statechart", "fsm_agent.replay"])
+def test_python_m_of_a_subcommand_rejects_bad_input_in_one_line(launcher, module):
+    result = launcher.run([sys.executable, "-m", module, "--bogus", "x"], timeout=60)
+    assert result.returncode == 2
+    assert "unrecognized arguments: --bogus" in one_error_line(result.stderr)
