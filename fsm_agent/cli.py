@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 
 import attrs
 
+from fsm_agent.argparsing import OneLineParser
 from fsm_agent.config import (CONFIG_DESTS, KEYS, ConfigFile, FileValues, LaunchConfig, OptionRegistry,
                               PluginOption, env_name, find_config_file, load_file_values, raw_disabled_plugins)
 from fsm_agent.errors import ConfigError, FsmAgentError, PluginError
@@ -161,6 +162,36 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
+def parse_master_port(value: str) -> int:
+    """``--master-port N`` -> N, a TCP port 0..65535 (torch: ``int``, then a ValueError in the rendezvous)."""
+    port = _port_number(value.strip())
+    if port is None:
+        raise ConfigError(f"--master-port {value!r}: not a TCP port; use an integer from 0 to 65535 "
+                          f"(e.g. --master-port {DEFAULT_MASTER_PORT})")
+    return port
+
+
+def _port_number(text: str) -> int | None:
+    """``text`` as a TCP port number (1 to 5 digits, below 65536, as torch's ``_try_parse_port``), else None."""
+    return int(text) if re.fullmatch(r"[0-9]{1,5}", text) and int(text) < 65536 else None
+
+
+#: Backends whose endpoint torch's ``parse_rendezvous_endpoint`` reads (``HOST[:PORT]``).
+_HOST_PORT_BACKENDS = ("static", "c10d")
+
+
+def check_rdzv_endpoint(backend: str, endpoint: str) -> None:
+    """Raise ConfigError for a ``--rdzv-endpoint HOST:PORT`` whose port is not 0..65535, for the
+    backends that read it with torch's ``parse_rendezvous_endpoint`` (its ValueError, one line)."""
+    text = endpoint.strip()
+    if backend not in _HOST_PORT_BACKENDS or not text or (text.startswith("[") and text.endswith("]")):
+        return
+    host, sep, port = text.rpartition(":")
+    if sep and _port_number(port) is None:
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: the port {port!r} is not a TCP port; use HOST:PORT with "
+                          f"PORT an integer from 0 to 65535 (e.g. --rdzv-endpoint {host or 'localhost'}:29400)")
+
+
 def parse_rdzv_conf(value: str) -> dict[str, str]:
     """``--rdzv-conf k1=v1,k2=v2`` -> {k: v} (values stay strings), as torch's ``_parse_rendezvous_config``."""
     config: dict[str, str] = {}
@@ -202,6 +233,17 @@ def parse_local_ranks_filter(value: str) -> frozenset[int] | None:
         pass
     raise ConfigError(f"--local-ranks-filter {value!r}: must be a comma-separated list of local ranks "
                       f"(e.g. --local-ranks-filter 0,1,2)")
+
+
+def _warn_missing_local_ranks(shown: frozenset[int] | None, nproc_per_node: int) -> None:
+    """Warn about ``--local-ranks-filter`` ranks that no worker of this node has (torch hides their
+    output silently; when none exists, every worker's console output is hidden)."""
+    missing = sorted(rank for rank in shown or () if rank >= nproc_per_node)
+    if missing:
+        hidden = "; no worker's output is shown" if len(missing) == len(shown or ()) else ""
+        log.warning("--local-ranks-filter %s: no local rank %s with --nproc-per-node %d (local ranks 0..%d)%s",
+                    ",".join(map(str, sorted(shown or ()))), ",".join(map(str, missing)), nproc_per_node,
+                    nproc_per_node - 1, hidden)
 
 
 def parse_filters(value: str) -> list[str]:
@@ -262,7 +304,7 @@ def env_vars(action: argparse.Action) -> list[str]:
     return names
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(OneLineParser):
     """ArgumentParser whose errors are ConfigErrors (one line) and whose env fallbacks apply at parse time.
 
     Attributes:
@@ -308,10 +350,6 @@ class _Parser(argparse.ArgumentParser):
         if script < len(args):
             namespace.training_script_args = args[script + 1:]
         return namespace, extras
-
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{message} (see {self.prog} --help)")
-
 
 class _EnvAction(argparse.Action):
     """A flag whose default can come from an environment variable (torch's ``argparse_util.env``)."""
@@ -493,7 +531,7 @@ def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] 
     # Static rendezvous and compatibility.
     add("--node-rank", default=0, type=int, help="rank of this node (static rendezvous only)")
     add("--master-addr", default="127.0.0.1", help="address of the rank-0 node (static rendezvous only)")
-    add("--master-port", default=None, type=int,
+    add("--master-port", default=None, type=parse_master_port,
         help=f"port on the rank-0 node (static rendezvous only; {DEFAULT_MASTER_PORT} when unset): the agents' "
              "store, and the workers' MASTER_PORT. Giving it turns off the implicit single-node (--standalone) "
              "rendezvous")
@@ -629,7 +667,7 @@ def config_from_args(args: argparse.Namespace, *, set_omp_num_threads: bool = Tr
             raise
         flag = f"--nproc-per-node {args.nproc_per_node!r}: "
         raise ConfigError(f"{var}={args.nproc_per_node!r}: {str(exc).removeprefix(flag)}; fix or unset it") from None
-    rdzv_backend, rdzv_endpoint, run_id = _rendezvous(args, max_nodes)
+    rdzv_backend, rdzv_endpoint, run_id = _rendezvous(args, max_nodes, min_nodes)
     rdzv_configs: dict[str, Any] = {**getattr(args, "rdzv_conf_file", {}), **parse_rdzv_conf(args.rdzv_conf)}
     if rdzv_backend == "static":
         if not 0 <= args.node_rank < max_nodes:
@@ -642,6 +680,7 @@ def config_from_args(args: argparse.Namespace, *, set_omp_num_threads: bool = Tr
     check_std(args.redirects, "--redirects")
     check_std(args.tee, "--tee")
     parse_signals(args.signals_to_handle)
+    _warn_missing_local_ranks(parse_local_ranks_filter(args.local_ranks_filter), nproc_per_node)
 
     config = LaunchConfig(
         min_nodes=min_nodes,
@@ -697,14 +736,23 @@ def _master_port(args: argparse.Namespace) -> int:
 STANDALONE_RENDEZVOUS = ("fsm", "127.0.0.1:0")
 
 
-def _rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, str]:
+def _rendezvous(args: argparse.Namespace, max_nodes: int, min_nodes: int = 1) -> tuple[str, str, str]:
     """(backend, endpoint, run_id) after torch's standalone rules (``run.py:run``, ``get_rdzv_endpoint``).
 
     ``--standalone``, or implicitly a single-node static job with no endpoint and no
     ``--master-port``, becomes STANDALONE_RENDEZVOUS (an OS-chosen loopback port) with a uuid4 run id.
     A static job without an endpoint uses ``MASTER_ADDR:MASTER_PORT``.
+
+    Raises:
+        ConfigError: ``--standalone`` with ``--nnodes`` MIN > 1: no other node can ever join a
+            standalone rendezvous, so it could only wait until its timeout (torchrun: 600 s).
     """
     if standalone_reason(args, max_nodes):
+        if args.standalone and min_nodes > 1:
+            raise ConfigError(f"--standalone with --nnodes {args.nnodes}: no other node can join a standalone "
+                              f"rendezvous, so {min_nodes} nodes never meet; drop --standalone and give every "
+                              f"node --rdzv-backend/--rdzv-endpoint (or --master-addr/--master-port), or use "
+                              f"--nnodes 1")
         if args.standalone and (args.rdzv_backend != "static" or args.rdzv_endpoint or args.rdzv_id != "none"):
             log.warning("--standalone ignores --rdzv-backend, --rdzv-endpoint and --rdzv-id")
         if args.standalone and max_nodes > 1:
@@ -713,6 +761,7 @@ def _rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, str
         return (*STANDALONE_RENDEZVOUS, str(uuid.uuid4()))
     if args.rdzv_backend == "static" and not args.rdzv_endpoint:
         return "static", f"{args.master_addr}:{_master_port(args)}", args.rdzv_id
+    check_rdzv_endpoint(args.rdzv_backend, args.rdzv_endpoint)
     return args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
 
 
@@ -1377,12 +1426,39 @@ def _exit(code: int, from_console: bool) -> NoReturn:
     sys.exit(code)
 
 
-def run_command(argv: list[str], prog: str = "fsm-agent run") -> int:
-    """Parse ``argv`` like torchrun (plus env vars, the config file and plugin options), launch
-    this node's agent and return its exit code."""
+def run_main(argv: Sequence[str] | None = None) -> None:
+    """``torch.distributed.run.main(args)``: parse torchrun's arguments (``argv`` without a ``run``
+    word; None: ``sys.argv[1:]``), launch this node's agent and return None once the workers succeeded.
+
+    Raises:
+        SystemExit: bad input (exit code 2, as torch's argparse), after one ``fsm-agent run: error:``
+            line on stderr; ``--help`` (exit code 0).
+        WorkerGroupFailedError: workers failed; it *is a* torch ``ChildFailedError``, as torch raises.
+        AgentFailedError, SignalException, ConfigError, PluginError: as ``fsm_agent.launch_agent``.
+    """
+    try:
+        config, entrypoint, entrypoint_args = _parse_run(list(sys.argv[1:] if argv is None else argv))
+    except FsmAgentError as exc:
+        raise SystemExit(_report(exc, "fsm-agent run")) from None
+    from fsm_agent.launch import launch_agent  # lazy: the CLI must answer --help without the agent
+
+    launch_agent(config, entrypoint, entrypoint_args)
+
+
+def _parse_run(argv: list[str], prog: str = "fsm-agent run") -> tuple[LaunchConfig, str | Callable[..., Any],
+                                                                      tuple[str, ...]]:
+    """``argv`` parsed like torchrun (plus env vars, the config file and plugin options): the config,
+    the entrypoint and its arguments. Raises ConfigError / PluginError for bad input."""
     resolved = resolve_run_args(argv, prog)
     config, entrypoint, entrypoint_args = config_from_args(resolved.args)
     check_rdzv_conf(resolved, config)
+    return config, entrypoint, entrypoint_args
+
+
+def run_command(argv: list[str], prog: str = "fsm-agent run") -> int:
+    """Parse ``argv`` like torchrun (plus env vars, the config file and plugin options), launch
+    this node's agent and return its exit code."""
+    config, entrypoint, entrypoint_args = _parse_run(argv, prog)
     from fsm_agent.launch import run_agent  # lazy: the CLI must answer --help without the agent
 
     return run_agent(config, entrypoint, entrypoint_args).exit_code
@@ -1433,19 +1509,25 @@ def _exit_code(command: Callable[..., int], *args: Any, name: str = "fsm-agent")
     try:
         return command(*args)
     except FsmAgentError as exc:
-        if len(exc.details) > 1:  # several errors at once (a config file's): one per line
-            print(f"{name}: error: {exc.headline or f'{len(exc.details)} errors:'}", file=sys.stderr)
-            for line in exc.details:
-                print(f"  {line}", file=sys.stderr)
-            return exc.exit_code
-        message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-        print(f"{name}: error: {message}", file=sys.stderr)
-        return exc.exit_code
+        return _report(exc, name)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # e.g. `fsm-agent status URL --json | head`: the reader is gone, say nothing
         _stdout_to_devnull()
         return EXIT_BROKEN_PIPE
+
+
+def _report(exc: FsmAgentError, name: str) -> int:
+    """Print ``exc`` as one stderr line ``NAME: error: ...`` (a headline and one line per detail
+    when it holds several errors); return its exit code."""
+    if len(exc.details) > 1:  # several errors at once (a config file's): one per line
+        print(f"{name}: error: {exc.headline or f'{len(exc.details)} errors:'}", file=sys.stderr)
+        for line in exc.details:
+            print(f"  {line}", file=sys.stderr)
+        return exc.exit_code
+    message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    print(f"{name}: error: {message}", file=sys.stderr)
+    return exc.exit_code
 
 
 def _stdout_to_devnull() -> None:

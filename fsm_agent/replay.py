@@ -32,7 +32,6 @@ Replayed transitions are not counted by ``pytest --statechart-coverage`` (the pl
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -43,6 +42,7 @@ from typing import Any
 
 import attrs
 
+from fsm_agent.argparsing import OneLineParser
 from fsm_agent.config import LaunchConfig
 from fsm_agent.errors import ConfigError, FsmAgentError
 from fsm_agent.plugins import hookimpl
@@ -449,7 +449,7 @@ def replay(path: str, *, load_plugins: bool = False, disabled: Iterable[str] = (
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
     """``fsm-agent replay EVENTS.jsonl``: 0 if the trace is identical, 1 at the first divergence."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fsm-agent replay",
         description="Re-drive the worker-group statechart through the triggers an events file recorded "
                     "(fakes, no processes) and report 'identical trace' or the first divergence.")

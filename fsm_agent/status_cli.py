@@ -3,7 +3,7 @@
 Reads ``/status`` from the endpoint ``fsm-agent run --status-port PORT`` serves (plugin
 ``fsm_agent.plugins.status_http``). ``URL`` may be ``http://127.0.0.1:PORT``, ``127.0.0.1:PORT``,
 ``:PORT`` or just ``PORT``; ``/status`` is added when the URL has no path. ``--watch`` redraws
-every ``--interval`` seconds until Ctrl-C or until the agent goes away.
+every ``--interval`` seconds until Ctrl-C (exit 130) or until the agent goes away (exit 0).
 
 Output uses rich when it is installed, plain aligned text otherwise.
 """
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from fsm_agent.argparsing import OneLineParser
 from fsm_agent.errors import ConfigError, FsmAgentError
 
 #: Seconds to wait for one answer.
@@ -220,13 +221,8 @@ def _positive_seconds(raw: str) -> float:
     return value
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
-        raise ConfigError(f"{message} (see {self.prog} --help)")
-
-
 def get_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="fsm-agent status",
+    parser = OneLineParser(prog="fsm-agent status",
                      description="Show a running agent's live status, read from the endpoint that "
                                  "'fsm-agent run --status-port PORT' serves on 127.0.0.1.")
     parser.add_argument("url", help="the endpoint: http://127.0.0.1:PORT, 127.0.0.1:PORT or PORT")
@@ -268,32 +264,31 @@ def _gone(url: str, doc: dict[str, Any]) -> str:
 
 
 def _watch(url: str, interval: float, as_json: bool) -> int:
-    """Redraw until Ctrl-C (exit 0) or until the agent stops answering after it answered (exit 0)."""
+    """Redraw until the agent stops answering after it answered (exit 0); Ctrl-C raises
+    KeyboardInterrupt (the CLI exits 130, as for every command).
+
+    Into a pipe or file (stdout not a terminal) each redraw is printed and flushed in full: a live
+    display (rich's) would only print once the watch ends.
+    """
     doc = fetch_status(url)  # unreachable from the start: an error
-    if as_json or not _have_rich():
-        try:
-            while True:
-                _print(doc, url, as_json)
-                sys.stdout.flush()
-                time.sleep(interval)
-                try:
-                    doc = fetch_status(url)
-                except StatusUnavailable:
-                    print(f"fsm-agent status: {_gone(url, doc)}")
-                    return 0
-        except KeyboardInterrupt:
-            return 0
+    if as_json or not _have_rich() or not sys.stdout.isatty():
+        while True:
+            _print(doc, url, as_json)
+            sys.stdout.flush()
+            time.sleep(interval)
+            try:
+                doc = fetch_status(url)
+            except StatusUnavailable:
+                print(f"fsm-agent status: {_gone(url, doc)}")
+                return 0
     from rich.live import Live
 
-    try:
-        with Live(render_rich(doc, url), auto_refresh=False) as live:
-            while True:
-                time.sleep(interval)
-                try:
-                    doc = fetch_status(url)
-                except StatusUnavailable:
-                    live.console.print(f"[yellow]{_gone(url, doc)}[/]")
-                    return 0
-                live.update(render_rich(doc, url), refresh=True)
-    except KeyboardInterrupt:
-        return 0
+    with Live(render_rich(doc, url), auto_refresh=False) as live:
+        while True:
+            time.sleep(interval)
+            try:
+                doc = fetch_status(url)
+            except StatusUnavailable:
+                live.console.print(f"[yellow]{_gone(url, doc)}[/]")
+                return 0
+            live.update(render_rich(doc, url), refresh=True)

@@ -731,3 +731,20 @@ def test_bad_input_is_one_stderr_line(argv, message, script, tmp_path):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("fsm-agent: error: ") and message in lines[0]
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("value, warning", [
+    ("5", "--local-ranks-filter 5: no local rank 5 with --nproc-per-node 2 (local ranks 0..1); no worker's output "
+          "is shown"),
+    ("1,5", "--local-ranks-filter 1,5: no local rank 5 with --nproc-per-node 2 (local ranks 0..1)"),
+])
+def test_local_ranks_filter_names_ranks_this_node_does_not_have(script, caplog, value, warning):
+    with caplog.at_level("WARNING", logger=cli.log.name):
+        build("--local-ranks-filter", value, "--nproc-per-node", "2", script)
+    assert [r.getMessage() for r in caplog.records] == [warning]
+
+
+def test_local_ranks_filter_within_the_node_warns_nothing(script, caplog):
+    with caplog.at_level("WARNING", logger=cli.log.name):
+        build("--local-ranks-filter", "0,1", "--nproc-per-node", "2", script)
+    assert caplog.records == []

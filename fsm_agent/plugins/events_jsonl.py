@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+from fsm_agent.errors import ConfigError
 from fsm_agent.plugins import hookimpl
 
 
@@ -16,9 +17,22 @@ class JsonlEventWriter:
     """Appends event dicts to ``path`` as JSON lines."""
 
     def __init__(self, path: str):
+        """Open ``path`` for appending (its directory made first).
+
+        Raises:
+            ConfigError: ``path`` is a directory, or it cannot be created or written (the message
+                names ``--events-file``, the path and the OS's reason).
+        """
         self.path = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._file = open(path, "a", encoding="utf-8")
+        if os.path.isdir(path):
+            raise ConfigError(f"--events-file {path!r} is a directory: pass a file path, e.g. "
+                              f"--events-file {os.path.join(path, 'events.jsonl')}")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"--events-file {path!r}: cannot write the events file there "
+                              f"({exc.strerror or exc}): pass a writable file path") from None
 
     @hookimpl
     def fsm_agent_record_event(self, event):

@@ -239,10 +239,11 @@ def cli_main(argv: list[str]) -> int:
 
     A plugin that fails to load raises ``PluginError``: the CLI prints it as one line and exits non-zero.
     """
-    import argparse
     import json
 
-    parser = argparse.ArgumentParser(
+    from fsm_agent.argparsing import OneLineParser
+
+    parser = OneLineParser(
         prog="fsm-agent plugins", description="List every loaded plugin: its name, distribution and version, "
         "whether it is built-in, its kind(s), the backends it registers and the hooks it implements.",
         epilog=f"{DISABLE_ENV}=a,b also disables plugins.")

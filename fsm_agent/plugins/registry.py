@@ -143,3 +143,28 @@ def _etcd_hint(name: str, installed: bool) -> str:
            "fsm-agent's repository)")
     return (f"--rdzv-backend {name}: torch's {name} backend needs etcd's v2 API and python-etcd, which fsm-agent "
             f"does not use; for etcd {how}, or use c10d")
+
+
+def require_positive_seconds(config: dict[str, Any], defaults: dict[str, int]) -> None:
+    """Check rendezvous options that torch reads as whole seconds and needs above 0.
+
+    Args:
+        config: the rendezvous options (``RendezvousParameters.config``), values as given.
+        defaults: ``{option name: default seconds}`` of the options to check (the default is the
+            example in the message); an option not in ``config`` is not checked.
+
+    Raises:
+        ConfigError: ``--rdzv-conf NAME=VALUE: must be a whole number of seconds > 0 (e.g. NAME=N)``,
+            where torch would fail later with a store timeout of VALUE seconds or a raw ValueError.
+    """
+    for name, default in defaults.items():
+        raw = config.get(name)
+        if raw is None:
+            continue
+        try:  # as torch's ``int(value)``: "1.5" is not a whole number; a file's 600.0 is
+            value = int(raw.strip()) if isinstance(raw, str) else int(raw) if float(raw).is_integer() else 0
+        except (TypeError, ValueError, OverflowError):
+            value = 0
+        if value <= 0:
+            raise ConfigError(f"--rdzv-conf {name}={raw}: must be a whole number of seconds > 0 "
+                              f"(e.g. --rdzv-conf {name}={default})")

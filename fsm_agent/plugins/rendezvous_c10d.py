@@ -31,6 +31,7 @@ from datetime import timedelta
 
 from fsm_agent.errors import RendezvousFailed
 from fsm_agent.plugins import hookimpl
+from fsm_agent.plugins.registry import require_positive_seconds
 
 
 #: The ``--rdzv-conf`` keys torch's DynamicRendezvousHandler reads (``dynamic_rendezvous.create_handler``);
@@ -39,6 +40,11 @@ DYNAMIC_HANDLER_CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout
                              "keep_alive_interval", "keep_alive_max_attempt")
 #: ... and those torch's c10d backend adds (``c10d_rendezvous_backend.create_backend``).
 C10D_CONF_KEYS = (*DYNAMIC_HANDLER_CONF_KEYS, "is_host", "read_timeout", "store_type")
+
+#: The c10d options torch reads as whole seconds > 0, with torch's defaults (``RendezvousTimeout``,
+#: ``create_backend``).
+C10D_TIMEOUTS = {"join_timeout": 600, "last_call_timeout": 30, "close_timeout": 30, "heartbeat_timeout": 5,
+                 "read_timeout": 60}
 
 #: torch reads this switch from the environment at the end of ``next_rendezvous``, after a
 #: blocking join. Handlers running at once in one process (tests, several agents) share one
@@ -208,6 +214,7 @@ def create_c10d_handler(params):
     """``RendezvousParameters -> RendezvousHandler`` for backend ``c10d`` (torch's creator, wrapped).
 
     Raises:
+        ConfigError: a timeout option (``C10D_TIMEOUTS``) is not a whole number of seconds > 0.
         RendezvousFailed: the endpoint is held by something that does not answer as a TCPStore
             (within PROBE_TIMEOUT seconds), or no store came up within ``read_timeout``.
     """
@@ -215,6 +222,7 @@ def create_c10d_handler(params):
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+    require_positive_seconds(params.config, C10D_TIMEOUTS)
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
     read_timeout = float(params.get("read_timeout", 60))
     # Something already listens: a real TCPStore answers in milliseconds, so a silent peer is an

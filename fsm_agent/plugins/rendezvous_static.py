@@ -19,6 +19,7 @@ import errno
 import socket
 
 from fsm_agent.errors import ConfigError
+from fsm_agent.plugins.registry import require_positive_seconds
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.registry import torch_parameters
 
@@ -91,12 +92,13 @@ def create_static_handler(params):
     """``RendezvousParameters -> RendezvousHandler`` for backend ``static`` (timeout 900 s unless set).
 
     Raises:
-        ConfigError: this node has rank 0, which hosts the store, and the port is already in use
+        ConfigError: ``timeout`` is not a whole number of seconds > 0; this node has rank 0, which hosts the store, and the port is already in use
             (torch's TCPStore would fail later with a 40-line ``DistNetworkError: EADDRINUSE``).
     """
     from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import create_rdzv_handler
 
     params.config.setdefault("timeout", DEFAULT_TIMEOUT_S)
+    require_positive_seconds(params.config, {"timeout": DEFAULT_TIMEOUT_S})
     handler = create_rdzv_handler(params)
     if handler.rank == 0 and handler.master_port:
         _require_free_port(handler.master_port)

@@ -18,12 +18,13 @@ hookspecs' "Called from:" sections, and the tests check them against the agent's
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 from collections.abc import Sequence
 
+from fsm_agent.argparsing import OneLineParser
+from fsm_agent.errors import ConfigError
 from fsm_agent.states.checks import TableRow, state_name, table_rows
 from fsm_agent.states.machine import build_machine
 from fsm_agent.states.table import AUTO_TRIGGERS, INITIAL, STATES, TERMINAL, TRANSITIONS, Row
@@ -283,7 +284,7 @@ def render(fmt: str = "markdown", transitions: Sequence[Row] | None = None) -> s
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
     """``fsm-agent statechart [--format mermaid|markdown|json]``: print the statechart to stdout."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fsm-agent statechart",
         description="Print the worker-group statechart, rendered from fsm_agent/states/table.py. "
                     f"docs/statechart.md is its Markdown output: {REGENERATE_COMMAND}")
@@ -295,5 +296,9 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(cli_main())
+if __name__ == "__main__":  # as ``fsm-agent statechart``: bad input is one line on stderr, exit 2
+    try:
+        sys.exit(cli_main())
+    except ConfigError as exc:
+        print(f"fsm-agent statechart: error: {exc}", file=sys.stderr)
+        sys.exit(2)

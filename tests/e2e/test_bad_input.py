@@ -58,6 +58,20 @@ BAD = {
                                                                            "ranks are 0..1"),
     "node-rank-negative": (["--node-rank", "-1", "--nnodes", "2"], {}, "--node-rank -1"),
     "missing-script": (["{missing}"], {}, "not found"),
+    "static-timeout-negative": (["--rdzv-conf", "timeout=-5", "--nnodes", "2"], {},
+                                "--rdzv-conf timeout=-5: must be a whole number of seconds > 0 (e.g. "),
+    "static-timeout-zero": (["--rdzv-conf", "timeout=0", "--nnodes", "2"], {}, "--rdzv-conf timeout=0: must be"),
+    "c10d-join-timeout-negative": (["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "--nnodes", "2",
+                                    "--rdzv-conf", "join_timeout=-5"], {},
+                                   "--rdzv-conf join_timeout=-5: must be a whole number of seconds > 0 (e.g. "),
+    "master-port-out-of-range": (["--master-port", "99999"], {}, "--master-port '99999': not a TCP port; use an "
+                                                                 "integer from 0 to 65535"),
+    "rdzv-endpoint-port-not-a-number": (["--rdzv-endpoint", "localhost:abc", "--nnodes", "2"], {},
+                                        "--rdzv-endpoint 'localhost:abc': the port 'abc' is not a TCP port"),
+    "standalone-multi-node": (["--standalone", "--nnodes", "2"], {},
+                              "--standalone with --nnodes 2: no other node can join a standalone rendezvous"),
+    "events-file-is-a-directory": (["--events-file", "{dir}"], {}, "is a directory: pass a file path, e.g. "
+                                                                   "--events-file "),
     "no-script": (None, {}, "training_script"),
 }
 
@@ -69,7 +83,7 @@ def test_bad_input_is_one_line(launcher, case):
         args = []
     else:
         args = [a.replace("{probe}", str(launcher.probe)).replace("{missing}", str(launcher.dir / "missing.py"))
-                for a in flags]
+                .replace("{dir}", str(launcher.dir)) for a in flags]
         if case not in ("missing-script", "no-python-binary-missing"):
             args.append(str(launcher.probe))
     assert_rejected(launcher, launcher.run_fsm(*args, env=env, timeout=60), needle)
@@ -207,6 +221,31 @@ def test_fsm_agent_without_a_valid_command(launcher, args, needle):
     assert needle in one_error_line(result.stderr).lower()
 
 
+#: id -> (fsm-agent's arguments, the one line it must print): every subcommand, as ``run`` does
+SUBCOMMAND_BAD = {
+    "main-unknown-flag": (["--bogus"], "unrecognized arguments: --bogus (see fsm-agent --help)"),
+    "replay-no-file": (["replay"], "required: EVENTS.jsonl (see fsm-agent replay --help)"),
+    "replay-unknown-flag": (["replay", "--bogus", "x"], "unrecognized arguments: --bogus (see fsm-agent replay --help)"),
+    "statechart-extra": (["statechart", "extra"], "unrecognized arguments: extra (see fsm-agent statechart --help)"),
+    "statechart-format": (["statechart", "--format", "dot"], "invalid choice: 'dot'"),
+    "plugins-unknown-flag": (["plugins", "--bogus"], "unrecognized arguments: --bogus (see fsm-agent plugins --help)"),
+    "status-unknown-flag": (["status", "--bogus"], "unrecognized arguments: --bogus (see fsm-agent status --help)"),
+    "status-no-url": (["status"], "required: url (see fsm-agent status --help)"),
+    "config-unknown-flag": (["config", "--bogus"], "unrecognized arguments: --bogus (see fsm-agent config --help)"),
+}
+
+
+@pytest.mark.parametrize("case", list(SUBCOMMAND_BAD))
+def test_every_subcommand_rejects_bad_input_in_one_line(launcher, case):
+    """Not argparse's usage text above the error, nor "required: url" for a flag that does not exist."""
+    args, needle = SUBCOMMAND_BAD[case]
+    result = launcher.run([*fsm_agent_cmd(), *args], timeout=60)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    line = one_error_line(result.stderr)
+    assert line.startswith("fsm-agent: error: ") and needle in line, line
+
+
 def test_fsm_agent_run_help_lists_every_torchrun_flag(launcher):
     from torch.distributed.run import get_args_parser
 
@@ -223,7 +262,7 @@ def test_an_agent_that_fails_while_being_built_leaves_no_temporary_directory(lau
     result = launcher.run_fsm("--events-file", "/proc/no/such/dir/events.jsonl", str(launcher.probe),
                               env={"TMPDIR": str(scratch)}, timeout=60)
     assert result.returncode == 2
-    assert "events-jsonl" in one_error_line(result.stderr)
+    assert "--events-file '/proc/no/such/dir/events.jsonl': cannot write" in one_error_line(result.stderr)
     assert list(scratch.iterdir()) == []
 
 
@@ -242,3 +281,10 @@ def test_a_reader_that_left_is_no_traceback(launcher, args):
         os.close(write_end)
     assert done.returncode == 141, done.stderr
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("module", ["fsm_agent.states.statechart", "fsm_agent.replay"])
+def test_python_m_of_a_subcommand_rejects_bad_input_in_one_line(launcher, module):
+    result = launcher.run([sys.executable, "-m", module, "--bogus", "x"], timeout=60)
+    assert result.returncode == 2
+    assert "unrecognized arguments: --bogus" in one_error_line(result.stderr)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import select
+import signal
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -153,3 +157,18 @@ def test_watch_stops_when_the_agent_goes_away(stub, capsys, monkeypatch):
     assert code == 0 and calls[:2] == [0.5, 0.5]
     assert out.count('"state": "HEALTHY"') >= 2
     assert "stopped answering; the last state it reported was HEALTHY (the agent ended or died after that" in out
+
+
+@pytest.mark.slow
+def test_watch_into_a_pipe_prints_each_redraw_and_ctrl_c_exits_130(stub, processes):
+    """``fsm-agent status URL --watch | tee f``: the tables arrive at each redraw, not when the watch
+    ends (rich's live display prints nothing into a pipe); Ctrl-C exits 130, as every command."""
+    watch = processes.start("status", stub.url, "--watch", "--interval", "0.2")
+    seen, deadline = "", time.monotonic() + 60
+    while seen.count("HEALTHY") < 2 and time.monotonic() < deadline and watch.poll() is None:
+        if select.select([watch.stdout], [], [], 0.5)[0]:
+            seen += os.read(watch.stdout.fileno(), 65536).decode()
+    assert seen.count("HEALTHY") >= 2, f"two redraws did not arrive while the watch ran: {seen!r}"
+    os.kill(watch.pid, signal.SIGINT)
+    _, err = watch.communicate(timeout=60)
+    assert watch.returncode == 130 and "Traceback" not in err, err
