@@ -826,7 +826,7 @@ def _error_lines(exc: BaseException, path: str) -> Iterator[str]:
                                IterableValidationError, IterableValidationNote)
 
     def join(name: Any) -> str:
-        return f"{path}.{name}" if path else str(name)
+        return f"{path}.{toml_key(name)}" if path else toml_key(name)
 
     if isinstance(exc, ForbiddenExtraKeysError):
         known = [f.name for f in attrs.fields(exc.cl)]
@@ -861,6 +861,13 @@ def _unknown_key_hint(section: str, key: str, known: list[str]) -> str:
     if close:
         return f"unknown key; did you mean {join_key(section, close[0])}?"
     return f"unknown key {where} (see docs/configuration.md for the keys)"
+
+
+def toml_key(name: Any) -> str:
+    """A key as TOML writes it: bare when it can be, else a quoted string with its control
+    characters escaped (a ``\r`` in a key must not break an error message into two lines)."""
+    text = str(name)
+    return text if re.fullmatch(r"[A-Za-z0-9_-]+", text) else json.dumps(text)
 
 
 def join_key(section: str, name: str) -> str:

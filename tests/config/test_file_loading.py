@@ -61,6 +61,18 @@ def test_malformed_file_prints_all_three_errors_with_paths_and_exits_non_zero(tm
     ]
 
 
+def test_a_key_with_a_control_character_is_quoted_in_its_error_line(write_toml, capsys):
+    """A key such as "\\r" is shown as TOML writes it, so the error stays on its own line (found by
+    tests/fuzz/test_config_fuzz.py: a raw carriage return split the message in two)."""
+    path = write_toml('"\\u000d" = 0\n0 = 0\n')
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["config", "--config", path])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "fsm-agent: error: 2 errors:" and len(lines) == 3
+    assert any(f'{path}: "\\r": unknown key' in line for line in lines), lines
+
+
 def test_the_same_errors_from_fsm_agent_config(write_toml, capsys):
     path = write_toml(MALFORMED)
     with pytest.raises(SystemExit) as exc:
