@@ -204,6 +204,10 @@ class ElasticAgent:
         self._decided_class: str | None = None
         self._decided_event: Any = None
         self._closed = False
+        # A store call abandoned to a stop signal (``_interruptible_call``) still holds its client:
+        # any other call on that client would block behind it, so the way out makes none.
+        self._abandoned_call: str | None = None
+        self._checked_in_at_exit_barrier = False
         self._error: str | None = None
         self._signal: int | None = None
         self._interruptible = False
@@ -751,6 +755,12 @@ class ElasticAgent:
         group = self._worker_group
         if group.store is None or not group.group_world_size or group.group_world_size <= 1:
             return
+        if self._checked_in_at_exit_barrier:
+            return  # stopped while waiting in the barrier: this node is counted already
+        if self._abandoned_call is not None:
+            log.warning("not releasing the exit barrier: the store is still busy with the abandoned %s; "
+                        "the other nodes wait for the barrier's timeout", self._abandoned_call)
+            return
         try:  # bounded: a store host that is gone without a reset would hold a stop for the store's timeout
             self._interruptible_call("exit-barrier-release", self._check_in_at_exit_barrier,
                                      interruptible=False, timeout=EXIT_BARRIER_RELEASE_WAIT_S)
@@ -758,6 +768,7 @@ class ElasticAgent:
             log.warning("could not release the exit barrier: %s", exc)
 
     def _check_in_at_exit_barrier(self) -> str:
+        self._checked_in_at_exit_barrier = True
         store, world = self._worker_group.store, self._worker_group.group_world_size
         if store.add(f"{EXIT_BARRIER_PREFIX}/num_members", 1) == world:
             store.set(f"{EXIT_BARRIER_PREFIX}/last_member", "<val_ignored>")
@@ -942,6 +953,7 @@ class ElasticAgent:
                     pass
                 os.close(done_w)
 
+        finished = False
         try:
             threading.Thread(target=run_call, name=f"fsm-agent-{name}", daemon=True).start()
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -951,6 +963,7 @@ class ElasticAgent:
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 ready, _, _ = select.select([done_r, self._wake_r], [], [], remaining)
                 if done_r in ready:
+                    finished = True
                     break
                 if not ready:
                     raise TimeoutError(f"{name} did not finish within {timeout:g}s")
@@ -961,6 +974,8 @@ class ElasticAgent:
                     pass
         finally:
             os.close(done_r)
+            if not finished:
+                self._abandoned_call = name
         if "error" in outcome:
             raise outcome["error"]
         return outcome["value"]
@@ -1018,7 +1033,10 @@ class ElasticAgent:
         # etcd-v3) leaves the round instead, so the others notice at once, not after a keep-alive.
         leaving_alone = self._signal is not None or self.excludes_this_node()
         leave = getattr(self._rdzv_handler, "leave", None) if leaving_alone else None
-        if not leaving_alone or not getattr(self._rdzv_handler, "shutdown_closes_rendezvous", True) or leave:
+        if leave is not None and self._abandoned_call is not None:
+            log.warning("not leaving the rendezvous: its store is still busy with the abandoned %s; the other "
+                        "nodes notice this node after its keep-alive timeout", self._abandoned_call)
+        elif not leaving_alone or not getattr(self._rdzv_handler, "shutdown_closes_rendezvous", True) or leave:
             try:
                 (leave or self._rdzv_handler.shutdown)()
             except Exception as exc:

@@ -327,9 +327,9 @@ def test_importing_fsm_agent_elsewhere_keeps_the_default_signal_actions(launcher
 DOUBLE_AT = (0.8, 1.2, 1.6, 2.0, 2.4, 3.0)
 
 
-@pytest.mark.parametrize("flags", [["--standalone", "--nnodes", "2"],
+@pytest.mark.parametrize("flags", [["--rdzv-backend", "fsm", "--rdzv-endpoint", "127.0.0.1:{port}", "--nnodes", "2"],
                                    ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "{port}"]],
-                         ids=["standalone", "static"])
+                         ids=["fsm", "static"])
 def test_two_stop_signals_at_once_before_the_workers(launcher, flags):
     """Two SIGTERMs microseconds apart while the agent starts or waits for the other node: each
     try ends as a single one does (128+N, the FAILED summary, no traceback, the temporary log
