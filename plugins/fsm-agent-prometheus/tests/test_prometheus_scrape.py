@@ -179,8 +179,11 @@ def test_endpoint_answers_with_plain_http_get(tmp_path, agents, prom):
     proc = agents.start("--standalone", "--nproc-per-node", "1", str(script),
                         env={"FSM_AGENT_PROMETHEUS_PORT": str(port), "RELEASE_FILE": str(release)})
     healthy = 'fsm_agent_worker_group_state{role="default",state="HEALTHY"} 1.0'
+    histogram = "# TYPE fsm_agent_state_duration_seconds histogram"
     deadline, body = time.monotonic() + 60, ""
-    while proc.poll() is None and time.monotonic() < deadline and healthy not in body:
+    # The state gauge changes with the state, the duration histogram a moment later in the same
+    # transition's hooks: a scrape in between sees the one without the other.
+    while proc.poll() is None and time.monotonic() < deadline and not (healthy in body and histogram in body):
         try:
             request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": "text/plain"})
             with urllib.request.urlopen(request, timeout=5) as answer:
@@ -191,7 +194,7 @@ def test_endpoint_answers_with_plain_http_get(tmp_path, agents, prom):
     release.touch()
     proc.communicate(timeout=60)
     assert healthy in body
-    assert "# TYPE fsm_agent_state_duration_seconds histogram" in body
+    assert histogram in body
 
 
 def test_a_malformed_port_is_a_one_line_error(tmp_path, agents):
