@@ -1,4 +1,5 @@
-"""Fixtures: a real etcd server on 127.0.0.1 (free ports, tmp data dir) and real fsm-agent processes.
+"""Fixtures: real etcd on 127.0.0.1 (one member per session, or a three-member cluster per test; free
+ports, tmp data dirs) and real fsm-agent processes.
 
 Helpers are fixtures or fixture methods, not imports: the plugins' tests directories are not packages.
 
@@ -31,51 +32,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class EtcdServer:
-    """One etcd member listening on 127.0.0.1:``port`` (clients) and a second free port (peers)."""
+class EtcdMember:
+    """One etcd member: clients on 127.0.0.1:``port``, peers on 127.0.0.1:``peer_port``, its own session."""
 
-    def __init__(self, data_dir: Path):
-        if not os.access(ETCD_BINARY, os.X_OK):
-            pytest.fail(f"no etcd binary at {ETCD_BINARY}: run .ci/install-etcd.sh (Debian's etcd-server)")
-        self.port, peer_port = free_port(), free_port()
+    def __init__(self, data_dir: Path, name: str):
+        self.name, self.data_dir = name, data_dir
+        self.port, self.peer_port = free_port(), free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
-        self.url = f"http://{self.endpoint}"
-        peer_url = f"http://127.0.0.1:{peer_port}"
-        self.log_path = data_dir / "etcd.log"
+        self.url, self.peer_url = f"http://{self.endpoint}", f"http://127.0.0.1:{self.peer_port}"
+        self.log_path = data_dir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, initial_cluster: str) -> None:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [ETCD_BINARY, "--name", "fsm-agent-test", "--data-dir", str(data_dir / "data"),
+            [ETCD_BINARY, "--name", self.name, "--data-dir", str(self.data_dir / self.name),
              "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-             "--initial-cluster", f"fsm-agent-test={peer_url}", "--initial-cluster-state", "new"],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        self._wait_healthy(timeout=30)
+             "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
+             "--initial-cluster", initial_cluster, "--initial-cluster-state", "new",
+             "--initial-cluster-token", f"fsm-agent-test-{self.data_dir.name}"],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as answer:
-                    if json.loads(answer.read()).get("health") == "true":
-                        return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"etcd not healthy after {timeout}s: {self.log_path.read_text()[-3000:]}")
+    def healthy(self) -> bool:
+        """True once this member answers /health with a leader elected (False while it is starting)."""
+        if self.proc is None or self.proc.poll() is not None:
+            raise RuntimeError(f"etcd member {self.name} is not running: {self.log_path.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as answer:
+                return json.loads(answer.read()).get("health") == "true"
+        except OSError:
+            return False
 
-    def version(self) -> str:
-        with urllib.request.urlopen(f"{self.url}/version", timeout=5) as answer:
-            return json.loads(answer.read())["etcdserver"]
+    def status(self) -> dict:
+        """etcd's maintenance status of this member (``header.member_id``, ``leader``, ...)."""
+        request = urllib.request.Request(f"{self.url}/v3/maintenance/status", data=b"{}", method="POST")
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return json.loads(answer.read())
 
-    def client(self):
-        """An etcd3gw client of this server (what the tests read the keys with)."""
-        from etcd3gw.client import Etcd3Client
-
-        return Etcd3Client(host="127.0.0.1", port=self.port, timeout=10)
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
+        """SIGKILL the member's process group (a machine dying) and reap it."""
+        if self.proc is None:
+            return
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -84,12 +85,79 @@ class EtcdServer:
         self._log.close()
 
 
+class EtcdCluster:
+    """``size`` etcd members on free 127.0.0.1 ports with data directories under ``data_dir``, started
+    together (they elect a leader among themselves). ``endpoint`` is ``--rdzv-endpoint``: every
+    member's HOST:PORT, comma-separated."""
+
+    def __init__(self, data_dir: Path, size: int = 1):
+        if not os.access(ETCD_BINARY, os.X_OK):
+            pytest.fail(f"no etcd binary at {ETCD_BINARY}: run .ci/install-etcd.sh (Debian's etcd-server)")
+        self.members = [EtcdMember(data_dir, f"member{i}") for i in range(size)]
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        try:
+            for member in self.members:
+                member.start(initial)
+            self._wait_healthy(timeout=60)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def endpoint(self) -> str:
+        return ",".join(m.endpoint for m in self.members)
+
+    @property
+    def port(self) -> int:
+        return self.members[0].port
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(m.healthy() for m in self.members):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"etcd not healthy after {timeout}s: "
+                           + "\n".join(m.log_path.read_text()[-2000:] for m in self.members))
+
+    def leader(self) -> EtcdMember:
+        """The member that is the raft leader now (asked of a running member)."""
+        status = next(m for m in self.members if m.running).status()
+        ids = {m: int(m.status()["header"]["member_id"]) for m in self.members if m.running}
+        return next(m for m, member_id in ids.items() if member_id == int(status["leader"]))
+
+    def version(self) -> str:
+        with urllib.request.urlopen(f"{self.members[0].url}/version", timeout=5) as answer:
+            return json.loads(answer.read())["etcdserver"]
+
+    def client(self):
+        """An etcd3gw client of a running member (what the tests read the keys with)."""
+        from etcd3gw.client import Etcd3Client
+
+        member = next(m for m in self.members if m.running)
+        return Etcd3Client(host="127.0.0.1", port=member.port, timeout=10)
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()
+        for member in self.members:
+            shutil.rmtree(member.data_dir / member.name, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory):
-    """A real etcd for the whole session; tests keep apart by using their own run ids."""
-    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    """A real one-member etcd for the whole session; tests keep apart by using their own run ids."""
+    server = EtcdCluster(tmp_path_factory.mktemp("etcd"))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path_factory):
+    """A real three-member etcd cluster of this test alone (members may be killed: ``members[i].stop()``)."""
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd3"), size=3)
+    yield cluster
+    cluster.stop()
 
 
 class Agents(AgentProcesses):

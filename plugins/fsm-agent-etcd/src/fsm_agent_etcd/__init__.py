@@ -1,6 +1,6 @@
 """fsm-agent-etcd: rendezvous backend ``etcd-v3`` — torch's dynamic rendezvous through etcd's v3 API.
 
-``fsm-agent run --rdzv-backend etcd-v3 --rdzv-endpoint HOST:2379 --rdzv-id JOB ...`` runs torch's
+``fsm-agent run --rdzv-backend etcd-v3 --rdzv-endpoint HOST:2379[,HOST:2379...] --rdzv-id JOB ...`` runs torch's
 own ``DynamicRendezvousHandler`` (the algorithm behind ``c10d`` and ``etcd-v2``) with
 
 * ``EtcdV3RendezvousBackend``: the shared rendezvous state on one etcd key, compare-and-set on
@@ -25,7 +25,7 @@ BACKEND_NAME = "etcd-v3"
 DEFAULT_PORT = 2379
 
 __all__ = ["BACKEND_NAME", "EtcdV3RendezvousBackend", "EtcdV3Store", "create_backend", "create_etcd_v3_handler",
-           "read_options"]
+           "parse_endpoints", "read_options"]
 
 
 def __getattr__(name):  # torch is imported when a handler is built, not when fsm-agent loads plugins
@@ -93,32 +93,53 @@ def read_options(params) -> dict[str, Any]:
     return options
 
 
-def create_backend(params):
-    """``(EtcdV3RendezvousBackend, EtcdV3Store)`` for torch ``RendezvousParameters``.
-
-    Mirrors torch: ``etcd_rendezvous_backend.create_backend`` (the etcd-v2 backend).
+def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
+    """``--rdzv-endpoint HOST[:PORT][,HOST[:PORT]...]`` -> ``[(host, port), ...]``: the client URLs of
+    one etcd cluster's members (port 2379 by default), each read with torch's
+    ``parse_rendezvous_endpoint``; an empty endpoint is torch's default, ``localhost:2379``.
 
     Raises:
-        RendezvousConnectionError: etcd does not answer at the endpoint.
-        ValueError: a malformed option.
+        ValueError: an empty member (``a:2379,,b:2379``) or a bad port (named, with the fix).
+    """
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    if not endpoint.strip():
+        return [parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)]
+    members = []
+    for part in endpoint.split(","):
+        if not part.strip():
+            raise ValueError(f"--rdzv-endpoint {endpoint!r}: an empty etcd member; list the members as "
+                             "HOST:PORT,HOST:PORT (e.g. --rdzv-endpoint etcd1:2379,etcd2:2379,etcd3:2379)")
+        members.append(parse_rendezvous_endpoint(part.strip(), default_port=DEFAULT_PORT))
+    return members
+
+
+def create_backend(params):
+    """``(EtcdV3RendezvousBackend, EtcdV3Store)`` for torch ``RendezvousParameters``; the endpoint may
+    list several members of one etcd cluster (``a:2379,b:2379,c:2379``): requests go to the one that
+    answered last, and to the next one when it cannot be reached.
+
+    Mirrors torch: ``etcd_rendezvous_backend.create_backend`` (the etcd-v2 backend, one member).
+
+    Raises:
+        RendezvousConnectionError: no etcd member answers at the endpoint.
+        ValueError: a malformed option or endpoint.
     """
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     from fsm_agent_etcd._client import CONNECTION_ERRORS, create_connection, describe
     from fsm_agent_etcd.backend import EtcdV3RendezvousBackend
     from fsm_agent_etcd.store import EtcdV3Store
 
     options = read_options(params)
-    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
-    connection = create_connection(host, port, protocol=options["protocol"], read_timeout=options["read_timeout"],
-                                   ca_cert=options["ca_cert"], cert=options["ssl_cert"],
-                                   cert_key=options["ssl_cert_key"], ttl=options["ttl"])
+    connection = create_connection(parse_endpoints(params.endpoint), protocol=options["protocol"],
+                                   read_timeout=options["read_timeout"], ca_cert=options["ca_cert"],
+                                   cert=options["ssl_cert"], cert_key=options["ssl_cert_key"], ttl=options["ttl"])
     try:
-        _ = connection.client.api_path  # asks etcd for its version: fail now, not in the middle of a round
+        connection.check()  # asks etcd for its version: fail now, not in the middle of a round
     except CONNECTION_ERRORS as exc:
         raise RendezvousConnectionError(
-            f"etcd at {options['protocol']}://{host}:{port} does not answer: {describe(exc)}") from None
+            f"etcd at {', '.join(connection.urls)} does not answer: {describe(exc)}") from None
     prefix = options["key_prefix"].rstrip("/")
     backend = EtcdV3RendezvousBackend(connection, params.run_id, key_prefix=prefix)
     store = EtcdV3Store(connection, f"{prefix}/store/{params.run_id}", poll_interval=options["poll_interval"])

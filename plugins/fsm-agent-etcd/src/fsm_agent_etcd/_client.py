@@ -1,7 +1,13 @@
-"""The etcd connection shared by the rendezvous backend and the store: client, key layout, lease, errors.
+"""The etcd connection shared by the rendezvous backend and the store: clients, key layout, lease, errors.
 
 Everything goes through etcd's v3 API over its gRPC-gateway JSON endpoint (``/v3/...``) with
 ``etcd3gw``. Values travel base64-encoded (etcd3gw does that); keys are UTF-8 bytes.
+
+A cluster's members are given as a list (``--rdzv-endpoint a:2379,b:2379,c:2379``). etcd3gw
+talks to one member and torch's etcd handlers take one endpoint, so the failover is here:
+``EtcdConnection.post`` sends each request to the member that last answered and, when that
+member cannot be reached, to the next one, as etcd's own clients (etcdctl, clientv3) do. Any
+member serves a request: writes go through raft, reads are linearizable by default.
 """
 
 from __future__ import annotations
@@ -9,13 +15,18 @@ from __future__ import annotations
 import base64
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from etcd3gw import exceptions as etcd_exceptions
 from etcd3gw.client import Etcd3Client
 
 #: Errors of the transport (server down, timeout) that become torch's ``RendezvousConnectionError``.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (etcd_exceptions.Etcd3Exception,)
+
+#: Errors after which the next member is tried: no connection (refused, reset: the member is down),
+#: HTTP 503 (etcd3gw maps it to ConnectionFailedError: e.g. a member without a leader) and timeouts.
+FAILOVER_ERRORS: tuple[type[BaseException], ...] = (etcd_exceptions.ConnectionFailedError,
+                                                   etcd_exceptions.ConnectionTimeoutError)
 
 
 def describe(exc: BaseException) -> str:
@@ -46,28 +57,92 @@ def prefix_range_end(prefix: bytes) -> bytes:
 
 
 class EtcdConnection:
-    """One etcd3gw client plus the lease that gives this agent's writes their TTL.
+    """etcd3gw clients, one per member of one etcd cluster, plus the lease that gives this agent's
+    writes their TTL.
 
     Args:
-        client: an ``etcd3gw.client.Etcd3Client``.
+        clients: an ``etcd3gw.client.Etcd3Client``, or one per cluster member (the order of
+            ``--rdzv-endpoint``; the first is asked first).
         ttl: seconds every key written through this connection outlives its last write
             (0: keys never expire). The lease is granted on the first write and kept alive by
             later writes, so a job's keys disappear ``ttl`` seconds after its last agent stopped
-            writing (torch's etcd-v2 backend writes its state with a 2-hour TTL likewise).
+            writing (torch's etcd-v2 backend writes its state with a 2-hour TTL likewise). A lease
+            belongs to the cluster, so it outlives the member that granted it.
+        failover_timeout: seconds ``post`` keeps going round the members while none answers
+            (an election after the leader was lost takes about a second), then it raises.
     """
 
-    def __init__(self, client: Etcd3Client, ttl: int = 7200):
-        self.client = client
+    def __init__(self, clients: Etcd3Client | Sequence[Etcd3Client], ttl: int = 7200, failover_timeout: float = 60):
+        self.clients = [clients] if isinstance(clients, Etcd3Client) else list(clients)
+        if not self.clients:
+            raise ValueError("EtcdConnection needs at least one etcd client")
         self.ttl = ttl
+        self.failover_timeout = failover_timeout
+        self._current = 0  # the member that answered last
         self._lease_id: int | None = None
         self._lease_refreshed = 0.0
         self._lock = threading.Lock()
+
+    @property
+    def client(self) -> Etcd3Client:
+        """The client of the member that answered last (the first member until one failed)."""
+        return self.clients[self._current]
+
+    @property
+    def urls(self) -> list[str]:
+        """Every member's client URL (``http://host:port``), in ``--rdzv-endpoint`` order."""
+        return [c.base_url for c in self.clients]
+
+    def post(self, path: str, body: dict[str, Any], *, deadline: float | None = None) -> Any:
+        """POST ``body`` to ``/v3/<path>`` of the member that answered last; while it cannot be
+        reached (FAILOVER_ERRORS), each other member in turn, round and round (pausing 0.1 s, doubling
+        up to 1 s, after each round) until ``deadline`` (``time.monotonic()``; default: now +
+        ``failover_timeout``). Other errors (etcd said no) are raised at once.
+
+        Raises:
+            etcd3gw.exceptions.Etcd3Exception: no member answered in time (the last member's error),
+                or etcd refused the request.
+        """
+        deadline = time.monotonic() + self.failover_timeout if deadline is None else deadline
+        pause, count = 0.1, len(self.clients)
+        while True:
+            start = self._current
+            for step in range(count):
+                index = (start + step) % count
+                client = self.clients[index]
+                try:
+                    answer = client.post(client.get_url(path), json=body)  # get_url may ask /version first
+                except FAILOVER_ERRORS as exc:
+                    last = exc
+                    continue
+                self._current = index
+                return answer
+            if time.monotonic() + pause > deadline:
+                raise last
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
+    def check(self) -> None:
+        """Ask each member for its version, in turn, once, until one answers (no waiting).
+
+        Raises:
+            etcd3gw.exceptions.Etcd3Exception: no member answered (the last member's error).
+        """
+        for index, client in enumerate(self.clients):
+            try:
+                _ = client.api_path  # GET /version
+            except CONNECTION_ERRORS as exc:
+                last = exc
+                continue
+            self._current = index
+            return
+        raise last
 
     # -- raw v3 calls -------------------------------------------------------------------------
     def txn(self, compare: list[dict], success: list[dict], failure: list[dict] | None = None) -> dict[str, Any]:
         """One ``/kv/txn`` call; ``succeeded`` is always present in the answer (False when omitted)."""
         body = {"compare": compare, "success": success, "failure": failure or []}
-        result = self.client.transaction(body)
+        result = self.post("/kv/txn", body)
         result.setdefault("succeeded", False)
         return result
 
@@ -77,14 +152,14 @@ class EtcdConnection:
             body["range_end"] = b64(prefix_range_end(key))
         if count_only:
             body["count_only"] = True
-        return self.client.post(self.client.get_url("/kv/range"), json=body)
+        return self.post("/kv/range", body)
 
     def delete(self, key: bytes, *, prefix: bool = False) -> int:
         """Delete ``key`` (or every key under it); returns how many keys were deleted."""
         body: dict[str, Any] = {"key": b64(key)}
         if prefix:
             body["range_end"] = b64(prefix_range_end(key))
-        answer = self.client.post(self.client.get_url("/kv/deleterange"), json=body)
+        answer = self.post("/kv/deleterange", body)
         return int(answer.get("deleted", 0))
 
     # -- request builders ---------------------------------------------------------------------
@@ -118,11 +193,11 @@ class EtcdConnection:
             if self._lease_id is not None and now - self._lease_refreshed < max(1.0, self.ttl / 10):
                 return self._lease_id
             if self._lease_id is not None:
-                answer = self.client.post(self.client.get_url("/lease/keepalive"), json={"ID": self._lease_id})
+                answer = self.post("/lease/keepalive", {"ID": self._lease_id})
                 if int(answer.get("result", {}).get("TTL", -1)) > 0:
                     self._lease_refreshed = now
                     return self._lease_id
-            answer = self.client.post(self.client.get_url("/lease/grant"), json={"TTL": self.ttl, "ID": 0})
+            answer = self.post("/lease/grant", {"TTL": self.ttl, "ID": 0})
             self._lease_id, self._lease_refreshed = int(answer["ID"]), now
             return self._lease_id
 
@@ -151,10 +226,12 @@ def kv_of(txn_answer: dict[str, Any], index: int = 0) -> dict[str, Any] | None:
     return kvs[0] if kvs else None
 
 
-def create_connection(host: str, port: int, *, protocol: str = "http", read_timeout: float = 60,
+def create_connection(members: Sequence[tuple[str, int]], *, protocol: str = "http", read_timeout: float = 60,
                       ca_cert: str | None = None, cert: str | None = None, cert_key: str | None = None,
                       ttl: int = 7200) -> EtcdConnection:
-    """A connection to the etcd server at ``host:port`` (etcd's client URL, default port 2379)."""
-    client = Etcd3Client(host=host, port=port, protocol=protocol, ca_cert=ca_cert, cert_cert=cert,
-                         cert_key=cert_key, timeout=read_timeout)
-    return EtcdConnection(client, ttl=ttl)
+    """A connection to the etcd cluster whose members' client URLs are ``members`` (``(host, port)``,
+    default port 2379): the same TLS files for every member, as etcdctl takes them. ``read_timeout``
+    bounds each HTTP request and, as ``failover_timeout``, how long a request goes round the members."""
+    clients = [Etcd3Client(host=host, port=port, protocol=protocol, ca_cert=ca_cert, cert_cert=cert,
+                           cert_key=cert_key, timeout=read_timeout) for host, port in members]
+    return EtcdConnection(clients, ttl=ttl, failover_timeout=read_timeout)

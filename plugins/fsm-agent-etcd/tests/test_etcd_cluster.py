@@ -1,0 +1,120 @@
+"""A three-member etcd cluster (conftest.py's ``etcd_cluster``): no single member, and no single
+compute node, takes the rendezvous down.
+
+``--rdzv-endpoint a:2379,b:2379,c:2379`` lists the members; each request goes to the member that
+answered last and, when that one cannot be reached, to the next (``EtcdConnection.post``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import signal
+import time
+import uuid
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+import fsm_agent_etcd
+from fsm_agent.testing.node_loss import NodeLossJob
+
+
+def params(endpoint: str, run_id: str, **conf) -> RendezvousParameters:
+    return RendezvousParameters(backend="etcd-v3", endpoint=endpoint, run_id=run_id, min_nodes=1, max_nodes=2,
+                                **conf)
+
+
+def leader_first(cluster) -> list:
+    """The members, the raft leader first: the one every client asks first is then the one whose
+    loss also costs the cluster an election."""
+    leader = cluster.leader()
+    return [leader] + [m for m in cluster.members if m is not leader]
+
+
+def test_endpoint_lists_every_member():
+    assert fsm_agent_etcd.parse_endpoints("a:1,b, c:3") == [("a", 1), ("b", 2379), ("c", 3)]
+    assert fsm_agent_etcd.parse_endpoints("") == [("localhost", 2379)]
+    with pytest.raises(ValueError, match="an empty etcd member"):
+        fsm_agent_etcd.parse_endpoints("a:1,,b:2")
+
+
+@pytest.mark.parametrize("victim", ["leader", "follower"])
+def test_backend_and_store_go_on_when_the_member_they_use_is_lost(etcd_cluster, victim):
+    members = leader_first(etcd_cluster)
+    if victim == "follower":
+        members = members[1:] + members[:1]  # a follower first: it is the one lost, no election
+    endpoint = ",".join(m.endpoint for m in members)
+    run_id = uuid.uuid4().hex
+    backend, store = fsm_agent_etcd.create_backend(params(endpoint, run_id, read_timeout="30", ttl="60"))
+    store.set_timeout(datetime.timedelta(seconds=30))
+    _, token, _ = backend.set_state(b"before")
+    store.set("k", "v")
+    assert store.add("n", 1) == 1
+
+    members[0].stop()  # every request so far went to it
+
+    assert backend.get_state() == (b"before", token)
+    state, new_token, won = backend.set_state(b"after", token)
+    assert (state, won) == (b"after", True) and new_token > token
+    assert store.get("k") == b"v" and store.add("n", 1) == 2
+    assert store.compare_set("k", "v", "w") == b"w"
+    # a new agent given the same list, its first member dead, still joins
+    again, again_store = fsm_agent_etcd.create_backend(params(endpoint, run_id, read_timeout="30"))
+    assert again.get_state() == (b"after", new_token)
+    assert again_store.get("n") == b"2"
+    assert etcd_cluster.leader() in members[1:]  # two members are a quorum: a leader (again)
+
+
+def test_unreachable_members_are_named_in_one_line():
+    with pytest.raises(Exception, match=r"etcd at http://127\.0\.0\.1:1, http://127\.0\.0\.1:2 does not answer"):
+        fsm_agent_etcd.create_backend(params("127.0.0.1:1,127.0.0.1:2", "nowhere", read_timeout="5"))
+
+
+KEEP_ALIVE_S = 5  # keep_alive_interval=1 x keep_alive_max_attempt=5
+
+
+@pytest.mark.slow
+def test_job_survives_an_etcd_member_then_its_first_node(tmp_path, etcd_cluster):
+    """Three agents (``--nnodes 2:3``, real worker processes) on a three-member etcd: the etcd leader,
+    the member every agent talks to, is SIGKILLed, and the job goes on untouched; then the first
+    agent started is SIGKILLed with its workers (a machine dying), and the other two re-rendezvous
+    without it and finish as a world of 2. Nothing is left running (NodeLossJob.close, conftest)."""
+    members = leader_first(etcd_cluster)
+    flags = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3",
+             "--rdzv-endpoint", ",".join(m.endpoint for m in members), "--rdzv-id", f"ha-{uuid.uuid4().hex[:8]}",
+             "--local-addr", "127.0.0.1", "--monitor-interval", "0.1", "--max-restarts", "0",
+             "--rdzv-conf", "join_timeout=120,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=5,"
+                            "read_timeout=30"]
+    job = NodeLossJob(tmp_path, flags)
+    try:
+        for name in ("a", "b", "c"):
+            job.start(name)
+        job.wait_for_world(3, {"a", "b", "c"}, timeout=240)
+        world_of_3 = {r["name"]: r for r in job.records() if r["world"] == 3}
+
+        member_lost_at = time.time()
+        members[0].stop()
+        time.sleep(2 * KEEP_ALIVE_S)  # long enough for a keep-alive to have expired, had it failed
+        assert all(job.agent(n).poll() is None for n in "abc"), job.diagnostics()
+        assert {r["pid"] for r in job.records() if r["world"] == 3} == {r["pid"] for r in world_of_3.values()}
+        for name in "abc":  # no re-rendezvous, no restart: the member's loss is invisible to the job
+            assert job.transitions(name, since=member_lost_at) == [], job.diagnostics()
+
+        job.finish_next_world()
+        node_lost_at = job.lose("a", signal.SIGKILL)  # the first agent started
+        job.wait_for_world(2, {"b", "c"}, since=node_lost_at, timeout=120)
+        assert job.agent("b").wait(120) == 0, job.diagnostics()
+        assert job.agent("c").wait(120) == 0, job.diagnostics()
+
+        world_of_2 = [r for r in job.records() if r["ts"] >= node_lost_at]
+        assert sorted(r["name"] for r in world_of_2) == ["b", "c"]
+        assert all(r["world"] == 2 and r["group_world"] == 2 for r in world_of_2)
+        assert sorted(r["group_rank"] for r in world_of_2) == [0, 1]
+        for name in ("b", "c"):
+            change = job.first_transition(name, "membership_changed", node_lost_at)
+            assert change["failure_class"] == "node_lost", change
+            assert all(e["restart_count"] == 0 for e in job.events(name))
+        print(f"\nfirst node (group rank {world_of_3['a']['group_rank']}) lost -> survivors running again "
+              f"{max(r['ts'] for r in world_of_2) - node_lost_at:.2f} s")
+    finally:
+        job.close()
