@@ -105,6 +105,7 @@ class Sizes:
     node_loss_nproc: int           # (g) workers per agent
     node_loss_trials_fsm: int      # (g)
     node_loss_trials_torchrun: int  # (g)
+    node_loss_trials_etcd: int     # (g) fsm-agent etcd-v3 on a three-member etcd (0: skip)
     node_loss_cutoff_s: float      # (g) wait for the survivors after the kill
     node_loss_goal_s: float        # (g) "running again within N s"
     node_loss_rdzv_conf: str       # (g) --rdzv-conf for c10d runs ("" = torch's defaults)
@@ -126,7 +127,7 @@ FULL = Sizes(
     trials=5, startup_p=[1, 4, 8], startup_torch_p=[1, 4, 8], startup_torch_trials=3, restart_p=4, restart_intervals=[0.1, 5.0],
     torch_restart_p=4, torch_restart_intervals=[0.1], torch_restart_trials=3, sigterm_p=4,
     idle_p=4, idle_s=20.0, idle_trials=3, rdzv_k=[2, 4, 8, 16], rdzv_trials=3, node_loss_nproc=1,
-    node_loss_trials_fsm=10, node_loss_trials_torchrun=3, node_loss_cutoff_s=90.0, node_loss_goal_s=10.0,
+    node_loss_trials_fsm=10, node_loss_trials_torchrun=3, node_loss_trials_etcd=5, node_loss_cutoff_s=90.0, node_loss_goal_s=10.0,
     node_loss_rdzv_conf="", hang_p=4, hang_timeout_s=3.0, hang_grace_s=10.0, hang_trials_torchrun=2,
     idle_loss_trials=3, idle_loss_cutoff_s=30.0, idle_loss_rdzv_conf=IDLE_LOSS_CONF, trial_timeout_s=180.0,
 )
@@ -134,7 +135,7 @@ QUICK = Sizes(
     trials=1, startup_p=[4], startup_torch_p=[1], startup_torch_trials=1, restart_p=2, restart_intervals=[0.1],
     torch_restart_p=1, torch_restart_intervals=[0.1], torch_restart_trials=1, sigterm_p=2,
     idle_p=2, idle_s=3.0, idle_trials=1, rdzv_k=[2], rdzv_trials=1, node_loss_nproc=1,
-    node_loss_trials_fsm=1, node_loss_trials_torchrun=1, node_loss_cutoff_s=20.0, node_loss_goal_s=10.0,
+    node_loss_trials_fsm=1, node_loss_trials_torchrun=1, node_loss_trials_etcd=1, node_loss_cutoff_s=20.0, node_loss_goal_s=10.0,
     # torch's defaults (keep-alive 5 s x 3, last call 30 s) cost >= 41 s per node-loss trial;
     # quick mode checks that the scenario works, so it shortens them for every c10d run.
     node_loss_rdzv_conf="last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2",
@@ -552,8 +553,9 @@ class Bench:
         self.fast_backend = "c10d"
         self.preimport: list[str] | None = None
         self.single_backend = "?"  # the rendezvous backend fsm-agent's single-node flags end up using
-        self._etcd: subprocess.Popen | None = None  # (i): one etcd for every etcd-v3 trial, started on demand
-        self._etcd_endpoint: str | None = None
+        # (g), (i): one etcd cluster per member count for every etcd-v3 trial, started on demand
+        self._etcd: list[subprocess.Popen] = []
+        self._etcd_endpoints: dict[int, str] = {}
         self.etcd_error = ""
         # torch 2.13's torchrun shares its rendezvous TCPStore with the workers across attempts, and
         # a restarted gloo group then reads the previous attempt's addresses and fails to connect
@@ -668,11 +670,12 @@ class Bench:
             kill_pid(proc.pid)
         return len(victims)
 
-    def etcd_endpoint(self) -> str | None:
-        """127.0.0.1:PORT of an etcd this bench started (``$FSMBENCH_ETCD`` or ``etcd`` on PATH), or
-        None (``etcd_error`` says why). Its process group is killed by ``close``."""
-        if self._etcd_endpoint is not None or self.etcd_error:
-            return self._etcd_endpoint
+    def etcd_endpoint(self, members: int = 1) -> str | None:
+        """``--rdzv-endpoint`` of an etcd cluster of ``members`` members this bench started on 127.0.0.1
+        (``$FSMBENCH_ETCD`` or ``etcd`` on PATH): ``127.0.0.1:P1,127.0.0.1:P2,...``, or None
+        (``etcd_error`` says why). Their process groups are killed by ``close``."""
+        if members in self._etcd_endpoints or self.etcd_error:
+            return self._etcd_endpoints.get(members)
         import shutil
         import urllib.request
 
@@ -680,34 +683,46 @@ class Bench:
         if not binary:
             self.etcd_error = "no etcd binary (set $FSMBENCH_ETCD or put etcd on PATH)"
             return None
-        port, peer = free_port(), free_port()
-        url, peer_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{peer}"
-        with open(self.tmp / "etcd.log", "wb") as out:
-            self._etcd = subprocess.Popen(
-                [binary, "--name", "fsmbench", "--data-dir", str(self.tmp / "etcd"), "--listen-client-urls", url,
-                 "--advertise-client-urls", url, "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls",
-                 peer_url, "--initial-cluster", f"fsmbench={peer_url}"],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and self._etcd.poll() is None:
+        ports = [(free_port(), free_port()) for _ in range(members)]
+        names = [f"fsmbench{members}m{i}" for i in range(members)]
+        cluster = ",".join(f"{n}=http://127.0.0.1:{peer}" for n, (_, peer) in zip(names, ports))
+        urls = [f"http://127.0.0.1:{port}" for port, _ in ports]
+        procs = []
+        for name, url, (_, peer) in zip(names, urls, ports):
+            peer_url = f"http://127.0.0.1:{peer}"
+            with open(self.tmp / f"{name}.log", "wb") as out:
+                procs.append(subprocess.Popen(
+                    [binary, "--name", name, "--data-dir", str(self.tmp / name), "--listen-client-urls", url,
+                     "--advertise-client-urls", url, "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls",
+                     peer_url, "--initial-cluster", cluster, "--initial-cluster-token", f"fsmbench{members}m-{self.token}",
+                     # raft timing for a loaded machine (defaults 100/1000 ms): no re-election for nothing
+                     "--heartbeat-interval", "250", "--election-timeout", "2500"],
+                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+        self._etcd += procs
+
+        def healthy(url: str) -> bool:
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=1) as answer:
-                    if json.loads(answer.read()).get("health") == "true":
-                        self._etcd_endpoint = f"127.0.0.1:{port}"
-                        return self._etcd_endpoint
+                    return json.loads(answer.read()).get("health") == "true"
             except OSError:
-                pass
+                return False
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            if all(healthy(url) for url in urls):
+                self._etcd_endpoints[members] = ",".join(url[len("http://"):] for url in urls)
+                return self._etcd_endpoints[members]
             time.sleep(0.1)
-        self.etcd_error = f"etcd ({binary}) not healthy within 30 s (log: {self.tmp / 'etcd.log'})"
+        self.etcd_error = f"etcd ({binary}, {members} member(s)) not healthy within 60 s (logs: {self.tmp}/fsmbench*.log)"
         return None
 
     def close(self) -> None:
-        if self._etcd is not None:
+        for etcd in self._etcd:
             try:
-                os.killpg(self._etcd.pid, signal.SIGKILL)
+                os.killpg(etcd.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            self._etcd.wait(timeout=30)
+            etcd.wait(timeout=30)
         for proc in list(self.live):
             proc.kill()
         left = self.sweep()
@@ -1067,37 +1082,65 @@ def listening_on(pid: int, port: int) -> bool:
 
 
 def scenario_g(bench: Bench) -> list[Row]:
+    """Three agents (``--nnodes 2:3``, torch workers doing all_reduce in a loop); one agent and its
+    workers SIGKILLed; timed: kill → the survivors' workers running again in a world of 2 (and their
+    first all_reduce). fsm-agent on its fastest backend loses a node that does not host the store
+    (losing the host ends an ``fsm`` job); fsm-agent on etcd-v3 with a three-member etcd loses the
+    first agent started, the one that would host an ``fsm`` or ``c10d`` store; torchrun (c10d) loses
+    a non-host node. torchrun's values are shown beside both."""
     sz, fast = bench.sizes, bench.fast_backend
     nproc, world = sz.node_loss_nproc, 3 * sz.node_loss_nproc
     goal_s, cutoff = sz.node_loss_goal_s, sz.node_loss_cutoff_s
     fsm_trials = sz.node_loss_trials_fsm if fast != "c10d" else min(sz.node_loss_trials_fsm,
                                                                      sz.node_loss_trials_torchrun)
-    what = (f"node loss, --nnodes 2:3, {nproc} torch worker(s)/agent, fsm-agent --rdzv-backend {fast} vs torchrun "
-            f"c10d: SIGKILL agent+workers → survivors' workers")
-    running = Row("g", f"{what} running again (new world)", "s", goal=f"all ≤ {goal_s:g} s ({fsm_trials}/{fsm_trials})")
-    running.check = lambda r: (len(r.fsm) == fsm_trials and all(v is not None and v <= goal_s for v in r.fsm)
-                               and not r.errors[FSM])
-    reduced = Row("g", f"{what}' first all_reduce in the new world done", "s")
-    for row in (running, reduced):
-        row.never = f"not within {cutoff:g} s"
+    conf = sz.node_loss_rdzv_conf
+    etcd_conf = sz.idle_loss_rdzv_conf  # keep-alive 1 s x 5: torch's 5 s x 3 would cost 15 s of every trial
+    rdzv = bench.backends.get("rendezvous", [])
+    etcd_trials = sz.node_loss_trials_etcd if (not rdzv or "etcd-v3" in rdzv) else 0
+    etcd_note = ""
+    if etcd_trials and bench.etcd_endpoint(3) is None:
+        etcd_trials, etcd_note = 0, f"etcd-v3 not measured: {bench.etcd_error}"
+
+    def rows_for(backend: str, victim: str, trials: int) -> tuple[Row, Row]:
+        what = (f"node loss, --nnodes 2:3, {nproc} torch worker(s)/agent, fsm-agent --rdzv-backend {backend} vs "
+                f"torchrun c10d: SIGKILL {victim} agent+workers → survivors' workers")
+        running = Row("g", f"{what} running again (new world)", "s", goal=f"all ≤ {goal_s:g} s ({trials}/{trials})")
+        running.check = lambda r: (len(r.fsm) == trials and all(v is not None and v <= goal_s for v in r.fsm)
+                                   and not r.errors[FSM])
+        reduced = Row("g", f"{what}' first all_reduce in the new world done", "s")
+        for row in (running, reduced):
+            row.never = f"not within {cutoff:g} s"
+        return running, reduced
+
+    made = {fast: rows_for(fast, "a non-host", fsm_trials)}
+    running = made[fast][0]
     if fast == "c10d":
         running.notes.append(f"fsm-agent has no 'fsm' rendezvous backend here: c10d used, {fsm_trials} trials")
-    conf = sz.node_loss_rdzv_conf
     if conf:
         running.notes.append(f"c10d runs use --rdzv-conf {conf}")
-    counts = {FSM: fsm_trials, TR: sz.node_loss_trials_torchrun}
+    if etcd_trials:
+        made["etcd-v3 ×3"] = rows_for("etcd-v3 (three etcd members)", "the first-started", etcd_trials)
+        made["etcd-v3 ×3"][0].notes.append(f"etcd-v3 runs use --rdzv-conf {etcd_conf}; the victim is the first agent "
+                                           "started (for fsm and c10d, the store host)")
+    elif etcd_note:
+        running.notes.append(etcd_note)
+    counts = {(FSM, fast): fsm_trials, (TR, "c10d"): sz.node_loss_trials_torchrun, (FSM, "etcd-v3 ×3"): etcd_trials}
     for i in range(max(counts.values())):
-        for who in interleaved(i, [FSM, TR]):
-            if i >= counts[who]:
+        for who, backend in interleaved(i, list(counts)):
+            if i >= counts[(who, backend)]:
                 continue
-            backend = fast if who == FSM else "c10d"
+            targets = [r for pair in made.values() for r in pair] if who == TR else list(made[backend])
 
-            def measure(who=who, backend=backend):
-                with bench.trial(f"g_{who}_{backend}") as t:
+            def measure(who=who, backend=backend, targets=targets):
+                rdzv_backend = "etcd-v3" if backend.startswith("etcd-v3") else backend
+                with bench.trial(f"g_{who}_{rdzv_backend}") as t:
                     port, run_id = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
-                    argv = [*multi_node_args(backend, port, run_id, "2:3"), "--nproc-per-node", nproc,
+                    argv = [*multi_node_args(rdzv_backend, port, run_id, "2:3"), "--nproc-per-node", nproc,
                             "--max-restarts", 3]
-                    if conf and backend == "c10d":
+                    if rdzv_backend == "etcd-v3":
+                        argv[argv.index("--rdzv-endpoint") + 1] = bench.etcd_endpoint(3)
+                        argv += ["--rdzv-conf", etcd_conf]
+                    elif conf and backend == "c10d":
                         argv += ["--rdzv-conf", conf]
                     argv += [TORCH_WORKER, "loop", world]
                     procs = [t.launch(who, argv, f"agent{j}", restarts_pg=True) for j in range(3)]
@@ -1113,9 +1156,13 @@ def scenario_g(bench: Bench) -> list[Row]:
                             continue
                         if parent in by_agent:
                             by_agent[parent].append(e)
-                    hosts = {p.pid for p in procs if listening_on(p.pid, port)}
-                    candidates = [p for p in procs if p.pid not in hosts and by_agent[p.pid]] or \
-                                 [p for p in procs if by_agent[p.pid]]
+                    if rdzv_backend == "etcd-v3":  # no agent hosts the rendezvous: lose the first one started
+                        hosts: set[int] = set()
+                        candidates = [procs[0]] if by_agent[procs[0].pid] else []
+                    else:
+                        hosts = {p.pid for p in procs if listening_on(p.pid, port)}
+                        candidates = [p for p in procs if p.pid not in hosts and by_agent[p.pid]] or \
+                                     [p for p in procs if by_agent[p.pid]]
                     if not candidates:
                         raise TrialError("cannot tell which workers belong to which agent" + t.tails())
                     victim = max(candidates, key=lambda p: max(e["group_rank"] for e in by_agent[p.pid]))
@@ -1135,20 +1182,23 @@ def scenario_g(bench: Bench) -> list[Row]:
                             values.append(None)
                     ended = "survivors exited" if all(not p.running for p in survivors) else f"cutoff {cutoff:g} s"
                     info = dict(victim_group_rank=max(e["group_rank"] for e in by_agent[victim.pid]),
-                                rdzv_host_killed=victim.pid in hosts)
-                    running.add(who, values[0], **info)
-                    reduced.add(who, values[1], **info)
+                                rdzv_host_killed=victim.pid in hosts, first_started_killed=victim is procs[0])
+                    for running_row, reduced_row in zip(targets[::2], targets[1::2]):
+                        running_row.add(who, values[0], **info)
+                        reduced_row.add(who, values[1], **info)
                     show = lambda v: f"{v:.3f} s" if v is not None else "never"  # noqa: E731
                     log(f"  (g) #{i + 1} {who} {backend}: survivors' workers running again {show(values[0])}, "
                         f"all_reduce {show(values[1])} ({ended}; killed group rank {info['victim_group_rank']}"
-                        f"{', the rendezvous host' if info['rdzv_host_killed'] else ''})")
-            attempt(measure, [running, reduced], who, "g")
-    for who in (FSM, TR):
-        values = running.values(who)
-        if values:
-            within = sum(1 for v in values if v is not None and v <= goal_s)
-            running.notes.append(f"{who}: running again ≤ {goal_s:g} s in {within}/{len(values)}")
-    return [running, reduced]
+                        f"{', the rendezvous host' if info['rdzv_host_killed'] else ''}"
+                        f"{', the first agent started' if info['first_started_killed'] else ''})")
+            attempt(measure, targets, who, "g")
+    for running_row, _ in made.values():
+        for who in (FSM, TR):
+            values = running_row.values(who)
+            if values:
+                within = sum(1 for v in values if v is not None and v <= goal_s)
+                running_row.notes.append(f"{who}: running again ≤ {goal_s:g} s in {within}/{len(values)}")
+    return [row for pair in made.values() for row in pair]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1408,7 +1458,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Sizes]:
                        ("restart_intervals", floats), ("torch_restart_p", int), ("torch_restart_intervals", floats),
                        ("torch_restart_trials", int), ("sigterm_p", int), ("idle_p", int), ("idle_s", float),
                        ("idle_trials", int), ("rdzv_k", ints), ("rdzv_trials", int), ("node_loss_nproc", int),
-                       ("node_loss_trials_fsm", int), ("node_loss_trials_torchrun", int),
+                       ("node_loss_trials_fsm", int), ("node_loss_trials_torchrun", int), ("node_loss_trials_etcd", int),
                        ("node_loss_cutoff_s", float), ("node_loss_goal_s", float), ("node_loss_rdzv_conf", str),
                        ("hang_p", int), ("hang_timeout_s", float), ("hang_grace_s", float),
                        ("hang_trials_torchrun", int), ("idle_loss_trials", int), ("idle_loss_cutoff_s", float),

@@ -26,6 +26,12 @@ from fsm_agent.testing import AgentProcesses
 ETCD_BINARY = os.environ.get("FSM_AGENT_TEST_ETCD", shutil.which("etcd") or "/usr/bin/etcd")
 
 
+#: etcd's raft heartbeat and election timeout (ms; defaults 100/1000) raised for a loaded 2-core
+#: machine, where 100 ms heartbeats are missed and a three-member cluster re-elects for nothing.
+#: The election stays well below the agents' keep-alive timeout (5 s in these tests).
+ETCD_TIMING = ("--heartbeat-interval", "250", "--election-timeout", "2500")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,7 +56,7 @@ class EtcdMember:
              "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
              "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
              "--initial-cluster", initial_cluster, "--initial-cluster-state", "new",
-             "--initial-cluster-token", f"fsm-agent-test-{self.data_dir.name}"],
+             "--initial-cluster-token", f"fsm-agent-test-{self.data_dir.name}", *ETCD_TIMING],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def healthy(self) -> bool:
