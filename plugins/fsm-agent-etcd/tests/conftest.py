@@ -14,9 +14,11 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -38,14 +40,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class EtcdMember:
-    """One etcd member: clients on 127.0.0.1:``port``, peers on 127.0.0.1:``peer_port``, its own session."""
+@dataclass(frozen=True)
+class TlsFiles:
+    """A test CA and one certificate for 127.0.0.1 (server and client use), made with openssl."""
 
-    def __init__(self, data_dir: Path, name: str):
-        self.name, self.data_dir = name, data_dir
+    ca: Path
+    cert: Path
+    key: Path
+
+    @classmethod
+    def make(cls, directory: Path) -> "TlsFiles":
+        openssl = shutil.which("openssl")
+        if not openssl:
+            pytest.fail("no openssl on PATH (Debian's openssl package) to make the TLS test certificates")
+        d = directory
+        (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n"
+                                   "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n")
+        for argv in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+                      "-days", "1", "-subj", "/CN=fsm-agent test CA"],
+                     ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr",
+                      "-subj", "/CN=127.0.0.1"],
+                     ["x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                      "-out", "node.pem", "-days", "1", "-extfile", "ext.cnf"]):
+            subprocess.run([openssl, *argv], cwd=d, check=True, capture_output=True, timeout=60)
+        return cls(ca=d / "ca.pem", cert=d / "node.pem", key=d / "node.key")
+
+    def context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca))
+        context.load_cert_chain(str(self.cert), str(self.key))
+        return context
+
+
+class EtcdMember:
+    """One etcd member: clients on 127.0.0.1:``port`` (https with client certificates when ``tls``),
+    peers on 127.0.0.1:``peer_port`` (plain http), its own session."""
+
+    def __init__(self, data_dir: Path, name: str, tls: TlsFiles | None = None):
+        self.name, self.data_dir, self.tls = name, data_dir, tls
         self.port, self.peer_port = free_port(), free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
-        self.url, self.peer_url = f"http://{self.endpoint}", f"http://127.0.0.1:{self.peer_port}"
+        self.url = f"{'https' if tls else 'http'}://{self.endpoint}"
+        self.peer_url = f"http://127.0.0.1:{self.peer_port}"
         self.log_path = data_dir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
 
@@ -56,7 +91,9 @@ class EtcdMember:
              "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
              "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
              "--initial-cluster", initial_cluster, "--initial-cluster-state", "new",
-             "--initial-cluster-token", f"fsm-agent-test-{self.data_dir.name}", *ETCD_TIMING],
+             "--initial-cluster-token", f"fsm-agent-test-{self.data_dir.name}", *ETCD_TIMING,
+             *(["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key), "--trusted-ca-file",
+                str(self.tls.ca), "--client-cert-auth"] if self.tls else [])],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def healthy(self) -> bool:
@@ -64,15 +101,18 @@ class EtcdMember:
         if self.proc is None or self.proc.poll() is not None:
             raise RuntimeError(f"etcd member {self.name} is not running: {self.log_path.read_text()[-3000:]}")
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as answer:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1, context=self._context()) as answer:
                 return json.loads(answer.read()).get("health") == "true"
         except OSError:
             return False
 
+    def _context(self) -> ssl.SSLContext | None:
+        return self.tls.context() if self.tls else None
+
     def status(self) -> dict:
         """etcd's maintenance status of this member (``header.member_id``, ``leader``, ...)."""
         request = urllib.request.Request(f"{self.url}/v3/maintenance/status", data=b"{}", method="POST")
-        with urllib.request.urlopen(request, timeout=5) as answer:
+        with urllib.request.urlopen(request, timeout=5, context=self._context()) as answer:
             return json.loads(answer.read())
 
     @property
@@ -96,10 +136,11 @@ class EtcdCluster:
     together (they elect a leader among themselves). ``endpoint`` is ``--rdzv-endpoint``: every
     member's HOST:PORT, comma-separated."""
 
-    def __init__(self, data_dir: Path, size: int = 1):
+    def __init__(self, data_dir: Path, size: int = 1, tls: TlsFiles | None = None):
         if not os.access(ETCD_BINARY, os.X_OK):
             pytest.fail(f"no etcd binary at {ETCD_BINARY}: run .ci/install-etcd.sh (Debian's etcd-server)")
-        self.members = [EtcdMember(data_dir, f"member{i}") for i in range(size)]
+        self.tls = tls
+        self.members = [EtcdMember(data_dir, f"member{i}", tls) for i in range(size)]
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         try:
             for member in self.members:
@@ -162,6 +203,15 @@ def etcd_server(tmp_path_factory):
 def etcd_cluster(tmp_path_factory):
     """A real three-member etcd cluster of this test alone (members may be killed: ``members[i].stop()``)."""
     cluster = EtcdCluster(tmp_path_factory.mktemp("etcd3"), size=3)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def etcd_tls_cluster(tmp_path_factory):
+    """As ``etcd_cluster``, its client URLs https and client certificates required (``cluster.tls``)."""
+    directory = tmp_path_factory.mktemp("etcd3tls")
+    cluster = EtcdCluster(directory, size=3, tls=TlsFiles.make(directory))
     yield cluster
     cluster.stop()
 

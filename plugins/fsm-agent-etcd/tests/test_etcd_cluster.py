@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 import fsm_agent_etcd
 from fsm_agent.testing.node_loss import NodeLossJob
@@ -66,8 +67,26 @@ def test_backend_and_store_go_on_when_the_member_they_use_is_lost(etcd_cluster, 
 
 
 def test_unreachable_members_are_named_in_one_line():
-    with pytest.raises(Exception, match=r"etcd at http://127\.0\.0\.1:1, http://127\.0\.0\.1:2 does not answer"):
+    with pytest.raises(RendezvousConnectionError,
+                       match=r"etcd at http://127\.0\.0\.1:1, http://127\.0\.0\.1:2 does not answer"):
         fsm_agent_etcd.create_backend(params("127.0.0.1:1,127.0.0.1:2", "nowhere", read_timeout="5"))
+
+
+def test_tls_options_apply_to_every_member(etcd_tls_cluster):
+    """https with a client certificate (``--rdzv-conf protocol=https,ca_cert=...,ssl_cert=...,ssl_cert_key=...``),
+    as for one member: the same files for each, and the failover keeps them."""
+    tls, run_id = etcd_tls_cluster.tls, uuid.uuid4().hex
+    conf = {"protocol": "https", "ca_cert": str(tls.ca), "read_timeout": "30"}
+    client_cert = {"ssl_cert": str(tls.cert), "ssl_cert_key": str(tls.key)}
+    backend, store = fsm_agent_etcd.create_backend(params(etcd_tls_cluster.endpoint, run_id, **conf, **client_cert))
+    _, token, _ = backend.set_state(b"over tls")
+    etcd_tls_cluster.members[0].stop()
+    assert backend.get_state() == (b"over tls", token)
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    # no client certificate: the members that are left refuse the handshake (the files did reach each one)
+    with pytest.raises(RendezvousConnectionError, match="https://127.0.0.1:.*, https://127.0.0.1:.* does not answer"):
+        fsm_agent_etcd.create_backend(params(etcd_tls_cluster.endpoint, run_id, **conf))
 
 
 KEEP_ALIVE_S = 10  # keep_alive_interval=1 x keep_alive_max_attempt=10: room for a loaded 2-core machine

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+import requests
 from etcd3gw import exceptions as etcd_exceptions
 from etcd3gw.client import Etcd3Client
 
@@ -226,12 +227,32 @@ def kv_of(txn_answer: dict[str, Any], index: int = 0) -> dict[str, Any] | None:
     return kvs[0] if kvs else None
 
 
+class _Session(requests.Session):
+    """A requests session whose own CA file (``verify``) wins over ``$REQUESTS_CA_BUNDLE`` and
+    ``$CURL_CA_BUNDLE``: requests lets those replace a session's ``verify`` (psf/requests#3829),
+    so ``ca_cert`` would be ignored wherever they are set."""
+
+    def merge_environment_settings(self, url, proxies, stream, verify, cert):
+        settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
+        if verify in (None, True) and self.verify not in (None, True):
+            settings["verify"] = self.verify
+        return settings
+
+
 def create_connection(members: Sequence[tuple[str, int]], *, protocol: str = "http", read_timeout: float = 60,
                       ca_cert: str | None = None, cert: str | None = None, cert_key: str | None = None,
                       ttl: int = 7200) -> EtcdConnection:
     """A connection to the etcd cluster whose members' client URLs are ``members`` (``(host, port)``,
-    default port 2379): the same TLS files for every member, as etcdctl takes them. ``read_timeout``
-    bounds each HTTP request and, as ``failover_timeout``, how long a request goes round the members."""
-    clients = [Etcd3Client(host=host, port=port, protocol=protocol, ca_cert=ca_cert, cert_cert=cert,
-                           cert_key=cert_key, timeout=read_timeout) for host, port in members]
+    default port 2379): the same TLS files for every member, as etcdctl takes them (``ca_cert``: the
+    CA to verify the members with; ``cert``/``cert_key``: this client's certificate and key).
+    ``read_timeout`` bounds each HTTP request and, as ``failover_timeout``, how long a request goes
+    round the members."""
+    clients = []
+    for host, port in members:
+        session = _Session()
+        if ca_cert:
+            session.verify = ca_cert
+        if cert:  # one file with both, or the certificate and its key (torch's etcd-v2 reads them so)
+            session.cert = (cert, cert_key) if cert_key else cert
+        clients.append(Etcd3Client(host=host, port=port, protocol=protocol, timeout=read_timeout, session=session))
     return EtcdConnection(clients, ttl=ttl, failover_timeout=read_timeout)
