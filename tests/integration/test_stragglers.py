@@ -49,6 +49,10 @@ def test_a_slow_worker_is_found_with_its_rank_and_factor(tmp_path, agents, backe
     judge = next(n for n in "ab" if events(paths[n], "straggler"))
     other = "b" if judge == "a" else "a"
     status = _status(ports[judge])
+    if backend == "fsm":  # the fsm backend's agents publish and judge without torch
+        for proc in procs.values():
+            with open(f"/proc/{proc.pid}/maps") as maps:
+                assert "libtorch" not in maps.read(), "an fsm agent loaded torch"
     # Several windows more: the episode goes on, and is not reported again.
     seen = len(events(paths[judge], "step_times"))
     assert wait_until(lambda: len(events(paths[judge], "step_times")) >= seen + 2 * WINDOWS, timeout=120)
