@@ -72,7 +72,7 @@ def test_a_slow_worker_is_found_with_its_rank_and_factor(tmp_path, agents, backe
 
 def test_an_even_job_has_no_straggler(tmp_path, agents):
     """Four even workers for 600 steps (about 40 windows): no straggler record on either agent,
-    nearly every window judged every rank, no ratio above FACTOR."""
+    nearly every window judged every rank, the ratios around 1."""
     script, port = write_worker(tmp_path), free_port()
     procs = [agents.start(*_common("fsm", port, "even", "--events-file", str(tmp_path / f"{n}.jsonl"), host=n == "a"),
                           script, "600") for n in "ab"]
@@ -84,7 +84,11 @@ def test_an_even_job_has_no_straggler(tmp_path, agents):
     assert not events(tmp_path / "a.jsonl", "straggler") and not events(tmp_path / "b.jsonl", "straggler")
     judged = [w for w in windows if len(w["ranks"]) == 4]
     assert len(judged) >= len(windows) - 5 and all(not w["stragglers"] for w in windows)
-    assert max(r["ratio"] for w in judged for r in w["ranks"]) <= FACTOR
+    # A single window of one rank may pass FACTOR under load (a step more or less in a window of
+    # 16); what must not happen is WINDOWS in a row, which the absent straggler records show.
+    ratios = sorted(r["ratio"] for w in judged for r in w["ranks"])
+    assert 0.8 <= ratios[len(ratios) // 2] <= 1.25, ratios
+    assert sum(r > FACTOR for r in ratios) <= len(ratios) // 20, ratios
 
 
 def test_with_exclusion_the_slow_node_leaves_and_the_job_continues(tmp_path, agents):
