@@ -41,14 +41,16 @@ def test_a_slow_worker_is_found_with_its_rank_and_factor(tmp_path, agents, backe
     rank 1 its own ranks marked."""
     script, port = write_worker(tmp_path), free_port()
     paths = {n: tmp_path / f"{n}.jsonl" for n in "ab"}
-    ports = {n: free_port() for n in "ab"}
+    ports, metrics = {n: free_port() for n in "ab"}, {n: free_port() for n in "ab"}
     procs = {n: agents.start(*_common(backend, port, "slow", "--events-file", str(paths[n]), "--status-port",
-                                      str(ports[n]), host=n == "a"), script, env={"SLOW_RANK": "3"}) for n in "ab"}
+                                      str(ports[n]), "--prometheus-port", str(metrics[n]), host=n == "a"),
+                             script, env={"SLOW_RANK": "3"}) for n in "ab"}
     assert wait_until(lambda: any(events(p, "straggler") for p in paths.values()), timeout=120), (
         [events(p, "step_times")[-2:] for p in paths.values()])
     judge = next(n for n in "ab" if events(paths[n], "straggler"))
     other = "b" if judge == "a" else "a"
     status = _status(ports[judge])
+    scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics[judge]}/metrics", timeout=10).read().decode()
     if backend == "fsm":  # the fsm backend's agents publish and judge without torch
         for proc in procs.values():
             with open(f"/proc/{proc.pid}/maps") as maps:
@@ -65,6 +67,10 @@ def test_a_slow_worker_is_found_with_its_rank_and_factor(tmp_path, agents, backe
     assert times["median_s"] > 0 and {r["global_rank"] for r in times["ranks"]} == {0, 1, 2, 3}, times
     slowest = max(times["ranks"], key=lambda r: r["ratio"])
     assert slowest["global_rank"] == 3 and slowest["ratio"] > FACTOR and slowest["straggler"], times
+    ratios = {line.split('global_rank="')[1].split('"')[0]: float(line.split()[-1])
+              for line in scraped.splitlines() if line.startswith("fsm_agent_step_time_ratio{")}
+    assert set(ratios) == {"0", "1", "2", "3"} and ratios["3"] > FACTOR, scraped  # the Prometheus plugin's gauges
+    assert "fsm_agent_step_time_median_seconds{" in scraped and 'fsm_agent_stragglers{role="default"} 1.0' in scraped
     mine = [e for e in events(paths[other], "step_times") if e["group_rank"] == 1]
     assert mine and {r["global_rank"] for r in mine[-1]["ranks"]} == {2, 3}
     assert any(r["straggler"] for e in mine for r in e["ranks"] if r["global_rank"] == 3)
