@@ -1,9 +1,9 @@
 """A straggler job for tests of any rendezvous backend: real agents, real workers, one of them slow.
 
 Two agents with two workers each (``--nproc-per-node 2``); every worker calls
-``fsm_agent.heartbeat(step=N)`` once a step, and the worker whose ``RANK`` is ``SLOW_RANK`` (in
-the 4-worker world only: a job that went on without its node runs even) sleeps ``SLOW_FACTOR``
-times longer. Global rank 3 runs on group rank 1 as local rank 1 with every backend (ranks are
+``fsm_agent.heartbeat(step=N)`` once a step, and the worker whose ``RANK`` is ``SLOW_RANK``, or
+whose ``LOCAL_RANK`` is ``SLOW_LOCAL_RANK`` (set for one agent only), sleeps ``SLOW_FACTOR`` times
+longer, in the 4-worker world only (a job that went on without its node runs even). Global rank 3 runs on group rank 1 as local rank 1 with every backend (ranks are
 ``group_rank * nproc + local_rank``), so it is never on the judge's node.
 """
 
@@ -25,7 +25,8 @@ STEP_S, SLOW_FACTOR = 0.03, 10
 WORKER = f"""
     import os, sys, time
     import fsm_agent
-    slow = os.environ["RANK"] == os.environ.get("SLOW_RANK", "-1") and os.environ["WORLD_SIZE"] == "4"
+    slow = os.environ["WORLD_SIZE"] == "4" and (os.environ["RANK"] == os.environ.get("SLOW_RANK") or
+                                                os.environ["LOCAL_RANK"] == os.environ.get("SLOW_LOCAL_RANK"))
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 10**9
     open(f"started.{{os.environ['WORLD_SIZE']}}.{{os.environ['RANK']}}", "w").close()
     for step in range(1, steps + 1):

@@ -16,7 +16,7 @@ import pytest
 from fsm_agent.testing.processes import wait_until
 from fsm_agent.testing.stragglers import FACTOR, WINDOWS, check_found, events, straggler_flags, write_worker
 
-from .conftest import assert_excluded_node_left, free_port
+from .conftest import assert_excluded_node_left, free_port, read_events
 
 pytestmark = pytest.mark.slow
 
@@ -113,3 +113,33 @@ def test_with_exclusion_the_slow_node_leaves_and_the_job_continues(tmp_path, age
     assert a.returncode == 0, err_a
     assert_excluded_node_left(tmp_path / "b.jsonl", tmp_path / "a.jsonl")
     assert (tmp_path / "started.2.1").exists()  # the job went on with node rank 0 alone
+
+
+def test_an_excluded_straggler_node_is_replaced_by_a_standby(tmp_path, agents):
+    """c10d, --nnodes 1:2 and a third agent beyond MAX (torch's redundancy list): node B's local
+    rank 1 is slow; with --exclude-node-on straggler B leaves (exit 69), the standby C takes its
+    seat, and A and C finish the job in a world of 4 workers again."""
+    script, port = write_worker(tmp_path), free_port()
+
+    def start(name: str, host: bool, **env: str):
+        return agents.start("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                            "--rdzv-id", "standby", "--local-addr", "127.0.0.1", "--rdzv-conf",
+                            f"last_call_timeout=1,is_host={str(host).lower()}",
+                            *straggler_flags("--events-file", str(tmp_path / f"{name}.jsonl"), "--exclude-node-on",
+                                             "straggler"), script, "400", env=env)
+
+    a = start("a", True)
+    b = start("b", False, SLOW_LOCAL_RANK="1")
+    assert wait_until(lambda: all((tmp_path / f"started.4.{r}").exists() for r in range(4)), timeout=120)
+    c = start("c", False)
+    out_b, err_b = b.communicate(timeout=180)
+    assert b.returncode == 69, err_b
+    assert "is a straggler" in err_b and "this node leaves the job" in err_b, err_b
+    for proc in (a, c):
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err
+    c_events = read_events(tmp_path / "c.jsonl")
+    started = [e for e in c_events if e["kind"] == "transition" and e["dest"] == "HEALTHY"]
+    assert started and started[0]["group_world_size"] == 2, started  # the standby ran in the job's world
+    assert c_events[-1]["kind"] == "run_end" and c_events[-1]["exit_code"] == 0
+    assert read_events(tmp_path / "a.jsonl")[-1]["restart_count"] == 0
