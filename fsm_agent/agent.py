@@ -36,8 +36,8 @@ from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.progress import Cycle, next_cycle, read_progress_file
 from fsm_agent.ranks import assign_ranks
 from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine
-from fsm_agent.worker import (HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, FailureClass, RestartDecision, RunResult,
-                              Worker, WorkerFailure, WorkerGroup, WorkerSpec, first_failure)
+from fsm_agent.worker import (HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, FailureClass, NodeProblem, RestartDecision,
+                              RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec, first_failure)
 
 log = logging.getLogger(__name__)
 S = WorkerState
@@ -192,6 +192,9 @@ class ElasticAgent:
         self._cycle_start: float | None = None
         self._progress_file: str | None = None
         self._no_progress_limit = 0
+        #: The ``straggler`` plugin's latest view of step times (``fsm_agent.stragglers``), for
+        #: ``/status``; None while it is off or has no window yet.
+        self.step_times: dict[str, Any] | None = None
         # What made the group UNHEALTHY (the data of workers_hung / health_check_failed): the
         # workers UNHEALTHY's way out counts as failed.
         self._hung: dict[int, str] = {}
@@ -445,10 +448,13 @@ class ElasticAgent:
     def _check_health(self) -> str | None:
         """Ask every health-check plugin; their complaints joined, or None when all are content."""
         answers = self.plugin_manager.hook.fsm_agent_health_check(worker_group=self._worker_group)
-        problems = [str(answer) for answer in answers if answer]
-        if problems:
-            log.warning("[%s] health check failed: %s", self.spec.role, "; ".join(problems))
-        return "; ".join(problems) or None
+        problems = [answer for answer in answers if answer]
+        if not problems:
+            return None
+        log.warning("[%s] health check failed: %s", self.spec.role, "; ".join(problems))
+        # The first answer that names its class (a NodeProblem) decides the workers' failure class.
+        kind = next((p.failure_class for p in problems if isinstance(p, NodeProblem)), FailureClass.HEALTH_CHECK)
+        return NodeProblem("; ".join(problems), kind)
 
     # -- guards: they read the decision the row's prepare step made -------------------------------
     def has_restarts_left(self, event=None) -> bool:
@@ -523,9 +529,28 @@ class ElasticAgent:
         training writes at each checkpoint; ``max_no_progress_restarts`` (the restart limit a
         policy applies) goes into each ``cycle`` event, so ``fsm-agent replay`` applies it too.
         Called by the ``progress`` plugin's ``fsm_agent_configure``."""
-        self._hang.track_steps()
+        self.track_steps()
         self._progress_file = progress_file or None
         self._no_progress_limit = max_no_progress_restarts
+
+    def track_steps(self) -> None:
+        """Hand every worker a heartbeat file from the next attempt on, so ``worker_steps()`` reads
+        what ``fsm_agent.heartbeat(step=N)`` reports. Called by plugins' ``fsm_agent_configure``."""
+        self._hang.track_steps()
+
+    def worker_steps(self) -> dict[int, int]:
+        """{local_rank: the last step its worker reported this attempt}, for workers that did
+        (``fsm_agent.heartbeat(step=N)``; empty unless ``track_steps()`` was called)."""
+        return self._hang.steps(self.spec.local_world_size)
+
+    def record_event(self, kind: str, **fields: Any) -> None:
+        """Send one record of ``kind`` (docs/events.md) with the agent's common fields and ``fields``
+        to every ``fsm_agent_record_event`` listener; for plugins' own records."""
+        self._broadcast("fsm_agent_record_event", event=self._event(kind, **fields))
+
+    def put_metric(self, group: str, name: str, value: float) -> None:
+        """Send one metric to every ``fsm_agent_put_metric`` listener (torch's ``put_metric``)."""
+        self._put_metric(group, name, value)
 
     def _end_cycle(self, event, failure_class: str | None) -> None:
         """Record the attempt that just ended as a ``Cycle`` (``cycle`` event). The progress comes
@@ -700,13 +725,15 @@ class ElasticAgent:
                     select.select(exit_fds, [], [], STACK_DUMP_WAIT_S)
 
     def _health_failures(self) -> dict[int, WorkerFailure]:
-        """A node found unhealthy fails every local worker (class ``health_check``)."""
+        """A node found unhealthy fails every local worker (class ``health_check``, or the class
+        the health check's NodeProblem names, e.g. ``straggler``)."""
+        kind = getattr(self._health_problem, "failure_class", FailureClass.HEALTH_CHECK)
+        what = "health check" if kind == FailureClass.HEALTH_CHECK else kind
         return {
             worker.global_rank: WorkerFailure(
                 local_rank=worker.local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank,
                 pid=worker.id, exitcode=HEALTH_CHECK_EXIT_CODE, timestamp=time.time(),
-                message=f"health check: {self._health_problem}", hostname=self.hostname,
-                failure_class=FailureClass.HEALTH_CHECK)
+                message=f"{what}: {self._health_problem}", hostname=self.hostname, failure_class=kind)
             for worker in self._worker_group.workers}
 
     def _hang_failures(self) -> dict[int, WorkerFailure]:

@@ -113,6 +113,7 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
 WORKER_COLUMNS = ("local_rank", "global_rank", "role_rank", "pid", "state", "exit_code")
 TRANSITION_COLUMNS = ("time", "source", "dest", "trigger", "in source", "restarts", "error")
 CYCLE_COLUMNS = ("attempt", "start", "last step", "checkpoint", "failure", "progress", "no progress")
+STEP_TIME_COLUMNS = ("global_rank", "local_rank", "node_rank", "host", "step time", "ratio", "straggler")
 
 
 def worker_rows(doc: dict[str, Any]) -> list[list[str]]:
@@ -139,10 +140,29 @@ def cycle_rows(doc: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def step_time_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """One row per rank of ``/status``'s ``step_times`` (``--straggler-window``; else none)."""
+    rows = []
+    for r in (doc.get("step_times") or {}).get("ranks", []):
+        rows.append([_text(r.get("global_rank")), _text(r.get("local_rank")), _text(r.get("node_rank")),
+                     _text(r.get("host")), f"{r['step_time_s']:.4f}s" if r.get("step_time_s") is not None else "-",
+                     f"{r['ratio']:.2f}x" if r.get("ratio") is not None else "-", "yes" if r.get("straggler") else ""])
+    return rows
+
+
+def _step_time_title(doc: dict[str, Any]) -> str:
+    times = doc.get("step_times") or {}
+    median = times.get("median_s")
+    return (f"step times (job median {median:.4f}s; straggler above {times.get('factor')}x for "
+            f"{times.get('windows')} windows)" if median is not None else "step times (no job median yet)")
+
+
 def _tables(doc: dict[str, Any]) -> list[tuple[str, tuple[str, ...], list[list[str]]]]:
     tables = [("workers", WORKER_COLUMNS, worker_rows(doc)), ("transitions", TRANSITION_COLUMNS, transition_rows(doc))]
     if doc.get("cycles"):
         tables.append(("cycles", CYCLE_COLUMNS, cycle_rows(doc)))
+    if doc.get("step_times"):
+        tables.append((_step_time_title(doc), STEP_TIME_COLUMNS, step_time_rows(doc)))
     return tables
 
 
@@ -195,6 +215,13 @@ def render_rich(doc: dict[str, Any], url: str) -> Any:
         for row in cycle_rows(doc):
             cycles.add_row(*row, style="red" if row[5] == "no" else "")
         parts.append(cycles)
+    if doc.get("step_times"):
+        steps = Table(title=_step_time_title(doc), title_justify="left")
+        for column in STEP_TIME_COLUMNS:
+            steps.add_column(column)
+        for row in step_time_rows(doc):
+            steps.add_row(*row, style="red" if row[-1] else "")
+        parts.append(steps)
     return Group(*parts)
 
 

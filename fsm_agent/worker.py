@@ -164,7 +164,8 @@ class FailureClass:
 
     Worker failures (one ``WorkerFailure`` per failed worker): ``EXIT_CODE``, ``SIGNAL``, ``HANG``
     (no heartbeat or FileTimer expiry), ``HEALTH_CHECK`` (a ``fsm_agent_health_check`` plugin
-    reported the node unhealthy). Group-level causes (no worker failed): ``NODE_LOST`` (a peer
+    reported the node unhealthy), ``STRAGGLER`` (the ``straggler`` plugin found a rank of this node
+    slower than the job's median step time, with ``--exclude-node-on straggler``). Group-level causes (no worker failed): ``NODE_LOST`` (a peer
     stopped keeping its rendezvous alive or left), ``MEMBERSHIP_CHANGE`` (nodes wait to join:
     scale-up). ``AGENT_ERROR``: the agent or a plugin raised; the group lands in UNKNOWN
     without asking the policy (the agent can no longer vouch for its workers).
@@ -174,13 +175,33 @@ class FailureClass:
     SIGNAL = "signal"
     HANG = "hang"
     HEALTH_CHECK = "health_check"
+    STRAGGLER = "straggler"
     NODE_LOST = "node_lost"
     MEMBERSHIP_CHANGE = "membership_change"
     AGENT_ERROR = "agent_error"
     #: Every class, in documentation order.
-    ALL = (EXIT_CODE, SIGNAL, HANG, HEALTH_CHECK, NODE_LOST, MEMBERSHIP_CHANGE, AGENT_ERROR)
+    ALL = (EXIT_CODE, SIGNAL, HANG, HEALTH_CHECK, STRAGGLER, NODE_LOST, MEMBERSHIP_CHANGE, AGENT_ERROR)
     #: The classes the restart policy is asked about (an agent error never is).
     DECIDED = ALL[:-1]
+
+
+class NodeProblem(str):
+    """A health check's answer (``fsm_agent_health_check``) that names its failure class.
+
+    A plain ``str`` answer fails the node's workers with class ``health_check``; a NodeProblem
+    with ``failure_class`` ``straggler`` fails them with that class, so ``--exclude-node-on``
+    can name it apart from a failed health-check command.
+
+    Attributes:
+        failure_class: one of ``FailureClass.HEALTH_CHECK``, ``FailureClass.STRAGGLER``.
+    """
+
+    failure_class: str
+
+    def __new__(cls, text: str, failure_class: str = FailureClass.HEALTH_CHECK) -> "NodeProblem":
+        problem = super().__new__(cls, text)
+        problem.failure_class = failure_class
+        return problem
 
 
 #: The exit code a worker counts as when it did not exit but was found hung (timeout(1)'s "timed out").

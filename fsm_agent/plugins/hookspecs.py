@@ -246,8 +246,9 @@ def fsm_agent_health_check(worker_group: "WorkerGroup") -> str | None:
 
     Returns:
         None when healthy; else one line saying what is wrong. Any such answer marks the node
-        unhealthy: every local worker is failed with ``failure_class`` ``health_check`` and the
-        restart policy decides (restart, give up, or take this node out with ``exclude_node``).
+        unhealthy: every local worker is failed with ``failure_class`` ``health_check`` (or the
+        class a ``fsm_agent.worker.NodeProblem`` answer names: ``straggler``) and the restart
+        policy decides (restart, give up, or take this node out with ``exclude_node``).
         An exception is an agent error (the group lands in UNKNOWN).
 
     Called from:

@@ -31,6 +31,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "restart-policy": "fsm_agent.plugins.restart_policy",
     "progress": "fsm_agent.plugins.progress",
     "health-check": "fsm_agent.plugins.health_check",
+    "straggler": "fsm_agent.plugins.straggler",
     "metrics-logging": "fsm_agent.plugins.metrics_logging",
     "events-jsonl": "fsm_agent.plugins.events_jsonl",
     "status-http": "fsm_agent.plugins.status_http",

@@ -6,7 +6,7 @@ Worker failures (the root cause's class: ``exit_code``, ``signal``, ``hang``, ``
 - A worker exiting with ``DO_NOT_RESTART_EXIT_CODE`` (78, ``EX_CONFIG``: "restarting will not
   help") makes the group give up at once, whatever restarts are left.
 - ``--exclude-node-on health_check,hang`` (``[plugins.restart-policy] exclude_node_on``): a failure
-  of one of those classes takes this node out of the job (``RestartDecision.exclude_node``): its
+  of one of those classes (``straggler``: the ``straggler`` plugin found a rank of this node slow) takes this node out of the job (``RestartDecision.exclude_node``): its
   agent ends FAILED while the other nodes re-rendezvous without it (``--nnodes MIN:MAX`` permitting).
 - Otherwise restart while ``restart_count < max_restarts`` (torchrun's semantics).
 - ``--restart-budgets hang=1,signal=2`` (``[plugins.restart-policy] budgets``): per failure class,
@@ -48,7 +48,8 @@ def _non_negative(value: float) -> None:
 #: Classes a budget can name: every class the policy is asked about.
 FAILURE_CLASSES = FailureClass.DECIDED
 #: Classes that can take a node out: failures of this node's own workers.
-EXCLUDABLE_CLASSES = (FailureClass.EXIT_CODE, FailureClass.SIGNAL, FailureClass.HANG, FailureClass.HEALTH_CHECK)
+EXCLUDABLE_CLASSES = (FailureClass.EXIT_CODE, FailureClass.SIGNAL, FailureClass.HANG, FailureClass.HEALTH_CHECK,
+                      FailureClass.STRAGGLER)
 MEMBERSHIP_CLASSES = (FailureClass.NODE_LOST, FailureClass.MEMBERSHIP_CHANGE)
 
 

@@ -10,7 +10,9 @@ daemon thread of the standard library's ``ThreadingHTTPServer``:
   rendezvous endpoint as bound: a standalone agent's real port, not ``127.0.0.1:0``), one
   entry per worker (pid, ranks, state, exit code), the last transitions
   (``?transitions=N``, default 20, at most 100) and the last restart cycles (``cycles``: attempt,
-  start, end, last step, checkpoint step, failure class, progress; ``fsm_agent.progress.Cycle``).
+  start, end, last step, checkpoint step, failure class, progress; ``fsm_agent.progress.Cycle``)
+  and, with ``--straggler-window``, ``step_times`` (the job's median step time, each rank's step
+  time and ratio to it, the stragglers; ``fsm_agent.plugins.straggler``), else null.
 - ``GET /statechart``: the Mermaid statechart (``fsm_agent.states.statechart``) with the
   current state highlighted (``class <STATE> current``).
 - ``GET /healthz``: ``ok``.
@@ -222,6 +224,7 @@ class LiveStatus:
                 "transitions": shown,
                 "transitions_total": self._transition_count,
                 "cycles": [attrs.asdict(cycle) for cycle in list(getattr(agent, "cycles", ()))[-CYCLES_SHOWN:]],
+                "step_times": getattr(agent, "step_times", None),
                 "agent": {
                     "pid": os.getpid(),
                     "node": getattr(agent, "hostname", None),

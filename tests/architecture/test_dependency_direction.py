@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Backends reached only through hooks and the registry.
 BACKENDS = ("fsm_agent.plugins.rendezvous_", "fsm_agent.plugins.launcher_", "fsm_agent.plugins.containment",
             "fsm_agent.plugins.restart_policy", "fsm_agent.plugins.progress", "fsm_agent.plugins.health_check",
-            "fsm_agent.plugins.status_http", "fsm_agent.plugins.events_jsonl", "fsm_agent.plugins.metrics_logging")
+            "fsm_agent.plugins.status_http", "fsm_agent.plugins.events_jsonl", "fsm_agent.plugins.metrics_logging",
+            "fsm_agent.plugins.straggler")
 CLI = ("fsm_agent.cli", "fsm_agent.launch", "fsm_agent.status_cli", "fsm_agent.docgen")
 
 #: (rule, which modules it applies to, the prefixes they may not import, allowed exceptions)

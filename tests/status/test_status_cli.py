@@ -100,6 +100,25 @@ def test_plain_rendering_without_rich():
     assert ["1", "1", "1", "4343", "failed", "3"] in rows
 
 
+def test_the_step_times_are_a_table_with_the_median_and_each_ratio():
+    """``step_times`` (plugin ``straggler``): a titled table, the straggler marked; absent: none."""
+    doc = {**DOC, "step_times": {"window_s": 1.0, "factor": 1.5, "windows": 3, "median_s": 0.05, "stragglers": [],
+                                 "ranks": [{"global_rank": 0, "local_rank": 0, "node_rank": 0, "host": "n1",
+                                            "step_time_s": 0.05, "ratio": 1.0, "straggler": False},
+                                           {"global_rank": 1, "local_rank": 1, "node_rank": 0, "host": "n1",
+                                            "step_time_s": 0.2, "ratio": 4.0, "straggler": True}]}}
+    text = status_cli.render_plain(doc, "http://x/status")
+    assert "step times (job median 0.0500s; straggler above 1.5x for 3 windows)" in text
+    assert text.splitlines()[-1].split() == ["1", "1", "0", "n1", "0.2000s", "4.00x", "yes"]
+    assert "step times" not in status_cli.render_plain({**DOC, "step_times": None}, "http://x/status")
+    pytest.importorskip("rich")
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(status_cli.render_rich(doc, "http://x/status"))
+    assert "4.00x" in console.export_text()
+
+
 def test_the_restart_cycles_are_a_table():
     doc = {**DOC, "cycles": [
         {"attempt": 0, "start": 1.0e9, "end": 1.0e9 + 5, "last_step": 15, "checkpoint_step": 10,

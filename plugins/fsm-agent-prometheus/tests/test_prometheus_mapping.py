@@ -21,6 +21,10 @@ from fsm_agent_prometheus import metric_for, read_options
      ("gauge", "torchelastic_simpleelasticagent__rendezvous_duration_ms", {})),
     ("fsm_agent", "state.HEALTHY.duration_s", ("histogram", "fsm_agent_state_duration_seconds", {"state": "HEALTHY"})),
     ("fsm_agent", "hang.detected", ("gauge", "fsm_agent_hang_detected", {})),
+    ("fsm_agent", "step_time.median_s", ("gauge", "fsm_agent_step_time_median_seconds", {})),
+    ("fsm_agent", "step_time.3.seconds", ("gauge", "fsm_agent_step_time_seconds", {"global_rank": "3"})),
+    ("fsm_agent", "step_time.12.ratio", ("gauge", "fsm_agent_step_time_ratio", {"global_rank": "12"})),
+    ("fsm_agent", "stragglers", ("gauge", "fsm_agent_stragglers", {})),
 ])
 def test_metric_for(group, name, expected):
     assert metric_for(group, name) == expected

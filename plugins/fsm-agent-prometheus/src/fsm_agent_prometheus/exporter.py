@@ -16,7 +16,11 @@ torch name                                  Prometheus series                   
 
 fsm-agent's group ``fsm_agent``: ``state.<STATE>.duration_s`` -> histogram
 ``fsm_agent_state_duration_seconds{role,state}`` (``_sum`` is the total time spent in the state,
-``_count`` the number of visits); other names -> gauge ``fsm_agent_<name>{role}``.
+``_count`` the number of visits); the ``straggler`` plugin's ``step_time.median_s`` -> gauge
+``fsm_agent_step_time_median_seconds{role}``, ``step_time.<global_rank>.seconds`` and
+``.ratio`` -> gauges ``fsm_agent_step_time_seconds{role,global_rank}`` and
+``fsm_agent_step_time_ratio{role,global_rank}``; other names -> gauge ``fsm_agent_<name>{role}``
+(``stragglers``: ``fsm_agent_stragglers{role}``, ranks in a straggler episode now).
 
 From the lifecycle hooks: ``fsm_agent_worker_group_state{role,state}`` (1 for the current state,
 0 for the others), ``fsm_agent_restart_count{role}``, ``fsm_agent_transitions_total{role,source,
@@ -73,6 +77,11 @@ def metric_for(group: str, name: str) -> tuple[str, str, dict[str, str]]:
         return "gauge", f"torchelastic_workers_{_sanitize(metric)}", {}
     if group == "fsm_agent" and len(parts) == 3 and parts[0] == "state" and parts[2] == "duration_s":
         return "histogram", "fsm_agent_state_duration_seconds", {"state": parts[1]}
+    if group == "fsm_agent" and parts[0] == "step_time":
+        if parts[1:] == ["median_s"]:
+            return "gauge", "fsm_agent_step_time_median_seconds", {}
+        if len(parts) == 3 and parts[1].isdigit() and parts[2] in ("seconds", "ratio"):
+            return "gauge", f"fsm_agent_step_time_{parts[2]}", {"global_rank": parts[1]}
     return "gauge", f"{_sanitize(group)}_{_sanitize(name)}", {}
 
 
