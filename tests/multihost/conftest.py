@@ -48,6 +48,7 @@ RDZV_PORT = 29400
 #: The training script every agent runs: a gloo all_reduce through init_process_group("env://").
 #: argv: OUT_DIR HOST FINAL_WORLD. A worker whose WORLD_SIZE is not FINAL_WORLD reduces, then
 #: waits to be stopped by its agent (a re-rendezvous); one in the final world reduces and exits 0.
+#: With ``FSM_TEST_WORKER_EXIT=N`` in its environment it exits N right after it started.
 WORKER = r'''
 import json, os, sys, time
 started = time.time()
@@ -65,6 +66,8 @@ def dump(kind, **record):
     os.replace(path + ".tmp", path)
 
 dump("start", ts=started)
+if os.environ.get("FSM_TEST_WORKER_EXIT"):  # a worker that exits at once with this code
+    sys.exit(int(os.environ["FSM_TEST_WORKER_EXIT"]))
 import datetime
 import torch
 import torch.distributed as dist
