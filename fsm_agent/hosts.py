@@ -125,15 +125,19 @@ def advertised_address(endpoint: str | None) -> str | None:
 
     Returns:
         The address of the interface that routes to the first endpoint host that resolves
-        (``127.0.0.1`` for a loopback endpoint); else the first address of an interface that is up
-        and not loopback (IPv4 first); None when there is neither (the caller keeps torch's
-        ``socket.getfqdn()``).
+        (``127.0.0.1`` for a loopback endpoint such as ``localhost``); else the first address of an
+        interface that is up and not loopback (IPv4 first), also for a name that resolves to
+        loopback here only (Debian's ``127.0.1.1 <hostname>``: the peers resolve it elsewhere);
+        None when there is none (the caller keeps torch's ``socket.getfqdn()``).
     """
+    looped = None
     for host, port in split_endpoints(endpoint):
         addr = route_address(host, port)
-        if addr is not None:
+        if addr is not None and is_loopback(addr) and not is_loopback(host):
+            looped = looped or addr  # this machine's name mapped to loopback: no address for peers
+        elif addr is not None:
             return addr
-    return _first_interface_address()
+    return _first_interface_address() or looped
 
 
 def _first_interface_address() -> str | None:

@@ -50,3 +50,13 @@ def test_an_unresolvable_endpoint_falls_back_to_an_interface_address():
     addr = hosts.advertised_address("no-such-host.invalid:29400")
     assert addr is None or (addr in hosts.local_addresses() and not hosts.is_loopback(addr))
     assert hosts.route_address("no-such-host.invalid") is None
+
+
+def test_a_name_that_resolves_to_loopback_here_advertises_an_interface_address():
+    """Debian's ``127.0.1.1 <hostname>``: the endpoint ``<hostname>:port`` routes to loopback on this
+    machine only; the peers must get an address of an interface instead."""
+    name = socket.gethostname()
+    if not all(hosts.is_loopback(a) for a in hosts.resolve(name) or ["no"]):
+        pytest.skip(f"this machine's hostname {name!r} does not resolve to loopback only")
+    addr = hosts.advertised_address(f"{name}:29400")
+    assert addr is not None and not hosts.is_loopback(addr) and addr in hosts.local_addresses()
