@@ -535,7 +535,7 @@ def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] 
         help=f"port on the rank-0 node (static rendezvous only; {DEFAULT_MASTER_PORT} when unset): the agents' "
              "store, and the workers' MASTER_PORT. Giving it turns off the implicit single-node (--standalone) "
              "rendezvous")
-    add("--local-addr", default=None, help="this node's address (default: its FQDN)")
+    add("--local-addr", default=None, help="this node's address (default: the address of the interface that routes to the rendezvous endpoint)")
     add("--logs-specs", action="store", default=None,
         help="name of a torchrun.logs_specs entry point that lays out the log files [env FSM_AGENT_LOGS_SPECS]")
     add("--numa-binding", action="store", default=None, choices=NUMA_BINDING_MODES,

@@ -483,7 +483,7 @@ KEYS: tuple[ConfigKey, ...] = (
     _key("rendezvous.node_rank", COUNT),
     _key("rendezvous.master_addr", STRING),
     _key("rendezvous.master_port", PORT, default="unset (`29500`)"),
-    _key("rendezvous.local_addr", STRING, default="unset (the node's FQDN)"),
+    _key("rendezvous.local_addr", STRING, default="unset (the address that routes to the endpoint)"),
     _key("logs.log_dir", STRING, default="unset (a new temporary directory)"),
     _key("logs.redirects", STD),
     _key("logs.tee", STD),

@@ -34,7 +34,7 @@ class RendezvousSpec:
         run_id: job id shared by every agent of one job.
         min_nodes / max_nodes: elastic bounds on the number of agents (``--nnodes MIN:MAX``).
         config: backend-specific string options (``--rdzv-conf k=v,...``), e.g. ``join_timeout`` in seconds.
-        local_addr: this node's address for identity and MASTER_ADDR (``--local-addr``); None uses the FQDN.
+        local_addr: this node's address for identity and MASTER_ADDR (``--local-addr``); None: the address that routes to the endpoint (``fsm_agent.hosts``).
         node_rank: static backend only (``--node-rank``).
     """
 

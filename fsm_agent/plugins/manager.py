@@ -36,6 +36,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "events-jsonl": "fsm_agent.plugins.events_jsonl",
     "status-http": "fsm_agent.plugins.status_http",
     "scheduler-slurm": "fsm_agent.plugins.scheduler_slurm",
+    "scheduler-kubernetes": "fsm_agent.plugins.scheduler_kubernetes",
 }
 #: Test tooling, registered like a built-in but only while ``pytest --statechart-coverage``
 #: records (it sets the recorder's directory variable for the agents it runs), and never listed

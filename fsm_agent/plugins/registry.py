@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Iterable
 from typing import Any, Callable
@@ -9,6 +10,7 @@ from typing import Any, Callable
 import attrs
 
 from fsm_agent.errors import ConfigError, PluginError
+from fsm_agent.hosts import advertised_address
 
 KINDS = ("rendezvous", "launcher")
 #: torch's etcd backends: they need etcd's v2 API (off by default since etcd 3.4, gone in 3.6) and
@@ -61,7 +63,18 @@ class BackendRegistry:
             self._parameters[name] = parameters
 
     def rendezvous_parameters(self, name: str, config: Any) -> Any:
-        """What backend ``name``'s creator receives for ``config`` (a ``LaunchConfig``)."""
+        """What backend ``name``'s creator receives for ``config`` (a ``LaunchConfig``).
+
+        Without ``--local-addr``, ``local_addr`` becomes the address of the interface that routes
+        to the rendezvous endpoint (``fsm_agent.hosts.advertised_address``), for every backend:
+        torch's default, ``socket.getfqdn()``, is a name the peers may not resolve (a pod's
+        hostname), and MASTER_ADDR is built from it.
+        """
+        if getattr(config, "local_addr", None) is None:
+            addr = advertised_address(getattr(config, "rdzv_endpoint", None))
+            if addr is not None:
+                config = attrs.evolve(config, local_addr=addr) if attrs.has(type(config)) else \
+                    dataclasses.replace(config, local_addr=addr)
         return self._parameters.get(name, torch_parameters)(config)
 
     def conf_keys(self, name: str) -> frozenset[str] | None:

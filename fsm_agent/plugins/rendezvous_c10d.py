@@ -30,6 +30,7 @@ import time
 from datetime import timedelta
 
 from fsm_agent.errors import RendezvousFailed
+from fsm_agent.hosts import is_this_host
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.registry import require_positive_seconds
 
@@ -218,12 +219,18 @@ def create_c10d_handler(params):
         RendezvousFailed: the endpoint is held by something that does not answer as a TCPStore
             (within PROBE_TIMEOUT seconds), or no store came up within ``read_timeout``.
     """
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     require_positive_seconds(params.config, C10D_TIMEOUTS)
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    inferred = params.get("is_host") is None
+    if inferred:
+        # Found by address: torch's own inference resolves this machine's hostname unguarded, and
+        # a pod's or container's hostname that does not resolve raises gaierror (fsm_agent.hosts).
+        params.config["is_host"] = "1" if is_this_host(host) else "0"
     read_timeout = float(params.get("read_timeout", 60))
     # Something already listens: a real TCPStore answers in milliseconds, so a silent peer is an
     # unrelated program (torch would block in its client handshake, then retry until join_timeout).
@@ -233,7 +240,13 @@ def create_c10d_handler(params):
 
     def connect():
         try:
-            backend, store = create_backend(params)
+            try:
+                backend, store = create_backend(params)
+            except RendezvousConnectionError:
+                if not (inferred and params.config["is_host"] == "1"):
+                    raise
+                params.config["is_host"] = "0"  # as torch: another agent on this machine hosts it already
+                backend, store = create_backend(params)
             _probe(store, read_timeout)
             outcome["value"] = (backend, store)
         except BaseException as exc:  # reported in the caller's thread

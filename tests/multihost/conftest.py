@@ -9,7 +9,9 @@ Topology (nothing is created in the root namespace, nothing outside the namespac
     namespace fsmh<tag>_2:   fsmeth0 10.231.<net>.3/24, lo up
 
 Each agent runs as ``ip netns exec fsmh<tag>_<i> python -m fsm_agent run --local-addr <its IP> ...``
-(the namespaces share one hostname, so ``--local-addr`` tells the nodes apart). Workers use gloo on
+(the namespaces share one hostname, so ``--local-addr`` tells the nodes apart), or without
+``--local-addr``, in a UTS namespace of its own (``unshare --uts``) with a hostname of its own and
+``/etc/hosts``/``/etc/resolv.conf`` of its namespace (``/etc/netns/<ns>/``, removed at teardown). Workers use gloo on
 ``fsmeth0`` (``GLOO_SOCKET_IFNAME``): the shared hostname resolves to no address inside a namespace.
 
 Teardown, also after a failure: every agent's process group gets SIGKILL, then every process still
@@ -21,6 +23,7 @@ permission, no veth/bridge support).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -45,6 +48,7 @@ RDZV_PORT = 29400
 #: The training script every agent runs: a gloo all_reduce through init_process_group("env://").
 #: argv: OUT_DIR HOST FINAL_WORLD. A worker whose WORLD_SIZE is not FINAL_WORLD reduces, then
 #: waits to be stopped by its agent (a re-rendezvous); one in the final world reduces and exits 0.
+#: With ``FSM_TEST_WORKER_EXIT=N`` in its environment it exits N right after it started.
 WORKER = r'''
 import json, os, sys, time
 started = time.time()
@@ -62,6 +66,8 @@ def dump(kind, **record):
     os.replace(path + ".tmp", path)
 
 dump("start", ts=started)
+if os.environ.get("FSM_TEST_WORKER_EXIT"):  # a worker that exits at once with this code
+    sys.exit(int(os.environ["FSM_TEST_WORKER_EXIT"]))
 import datetime
 import torch
 import torch.distributed as dist
@@ -154,7 +160,9 @@ class NetnsHosts:
         self.script = workdir / "worker.py"
         self.script.write_text(textwrap.dedent(WORKER))
         self.agents: list[Agent] = []
+        self._processes: list[subprocess.Popen] = []
         self._created: list[str] = []
+        self._etc: list[Path] = []
 
     # -- topology --------------------------------------------------------------------------------
     def create(self) -> None:
@@ -180,9 +188,9 @@ class NetnsHosts:
         _ip("-n", self.names[host], "link", "set", IFNAME, "up" if up else "down")
 
     def destroy(self) -> None:
-        for agent in self.agents:  # the agents' process groups first
+        for pid in [agent.pid for agent in self.agents] + [p.pid for p in self._processes]:  # their groups first
             try:
-                os.killpg(agent.pid, signal.SIGKILL)
+                os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
         for name in self._created:  # then whatever still lives in our namespaces, by pid
@@ -191,9 +199,9 @@ class NetnsHosts:
                     os.kill(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
-        for agent in self.agents:
+        for proc in [agent.proc for agent in self.agents] + self._processes:
             try:
-                agent.proc.wait(timeout=30)
+                proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
         deadline = time.monotonic() + 10
@@ -206,6 +214,11 @@ class NetnsHosts:
         for name in reversed(self._created):
             _ip("netns", "del", name, check=False)
         self._created.clear()
+        for folder in self._etc:
+            shutil.rmtree(folder, ignore_errors=True)
+            with contextlib.suppress(OSError):  # /etc/netns itself, when no one else's folder is in it
+                folder.parent.rmdir()
+        self._etc.clear()
 
     @staticmethod
     def pids_in(name: str) -> list[int]:
@@ -216,20 +229,58 @@ class NetnsHosts:
     def endpoint(self) -> str:
         return f"{self.addrs[0]}:{RDZV_PORT}"
 
-    def start_agent(self, host: int, *flags: str, final_world: int, name: str | None = None) -> Agent:
-        """``ip netns exec <host ns> python -m fsm_agent run --local-addr <host IP> FLAGS worker.py``."""
+    def set_etc(self, host: int, hosts: str, resolv: str = "nameserver 127.0.0.1\n") -> None:
+        """Give host ``host`` its own ``/etc/hosts`` and ``/etc/resolv.conf`` (``ip netns exec`` bind-mounts
+        ``/etc/netns/<ns>/*`` over ``/etc``); the default resolver answers nothing (nothing listens
+        on the namespace's loopback port 53), so a name missing from ``hosts`` does not resolve."""
+        folder = Path("/etc/netns") / self.names[host]
+        folder.mkdir(parents=True, exist_ok=True)
+        self._etc.append(folder)
+        (folder / "hosts").write_text(hosts)
+        (folder / "resolv.conf").write_text(resolv)
+
+    def _wrap(self, host: int, argv: list[str], hostname: str | None) -> list[str]:
+        """``ip netns exec <ns> [unshare --uts sh -c 'hostname NAME; exec ...'] ARGV`` (one pid throughout)."""
+        if hostname is not None:
+            argv = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname, *argv]
+        return ["ip", "netns", "exec", self.names[host], *argv]
+
+    def start_process(self, host: int, argv: list[str], name: str) -> subprocess.Popen:
+        """Any program in host ``host`` (an etcd server, ...), output in ``<name>.log``; killed at teardown."""
+        with open(self.workdir / f"{name}.log", "w") as log:
+            proc = subprocess.Popen(self._wrap(host, argv, None), cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self._processes.append(proc)
+        return proc
+
+    def run_in(self, host: int, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+        """Run a short command in host ``host`` and return its result."""
+        return subprocess.run(self._wrap(host, argv, None), capture_output=True, text=True, timeout=timeout)
+
+    def start_agent(self, host: int, *flags: str, final_world: int, name: str | None = None,
+                    local_addr: bool = True, hostname: str | None = None, env: dict[str, str] | None = None,
+                    gloo_ifname: bool = True) -> Agent:
+        """``ip netns exec <host ns> python -m fsm_agent run --local-addr <host IP> FLAGS worker.py``.
+
+        ``local_addr=False`` leaves ``--local-addr`` out; ``hostname`` runs the agent in its own UTS
+        namespace with that hostname (``unshare --uts``); ``env`` is added to the agent's environment
+        (a pod's ``PET_*``...); ``gloo_ifname=False`` leaves ``GLOO_SOCKET_IFNAME`` unset.
+        """
         name = name or f"h{host}"
         events = self.workdir / f"events_{name}.jsonl"
         stdout, stderr = self.workdir / f"agent_{name}.out", self.workdir / f"agent_{name}.err"
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "FSM_AGENT_", "TORCHELASTIC_"))}
-        env.update(GLOO_SOCKET_IFNAME=IFNAME, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", LOGLEVEL="INFO")
-        env.update(tmpdir_env(self.workdir / "tmp"))  # a killed node's heartbeat directory stays in the workdir
-        argv = ["ip", "netns", "exec", self.names[host], sys.executable, "-m", "fsm_agent", "run",
-                "--local-addr", self.addrs[host], "--events-file", str(events),
-                "--log-dir", str(self.workdir / f"logs_{name}"), *flags,
-                str(self.script), str(self.out), name, str(final_world)]
+        agent_env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "FSM_AGENT_", "TORCHELASTIC_"))}
+        agent_env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", LOGLEVEL="INFO")
+        if gloo_ifname:
+            agent_env.update(GLOO_SOCKET_IFNAME=IFNAME)
+        agent_env.update(tmpdir_env(self.workdir / "tmp"))  # a killed node's heartbeat directory stays in the workdir
+        agent_env.update(env or {})
+        addr = ["--local-addr", self.addrs[host]] if local_addr else []
+        argv = self._wrap(host, [sys.executable, "-m", "fsm_agent", "run", *addr, "--events-file", str(events),
+                                 "--log-dir", str(self.workdir / f"logs_{name}"), *flags,
+                                 str(self.script), str(self.out), name, str(final_world)], hostname)
         with open(stdout, "w") as out, open(stderr, "w") as err:
-            proc = subprocess.Popen(argv, cwd=self.workdir, env=env, stdout=out, stderr=err,
+            proc = subprocess.Popen(argv, cwd=self.workdir, env=agent_env, stdout=out, stderr=err,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         agent = Agent(host, name, proc, events, stdout, stderr)
         self.agents.append(agent)

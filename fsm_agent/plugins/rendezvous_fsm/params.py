@@ -3,13 +3,13 @@ the ``--rdzv-conf`` keys the backend reads, and endpoint parsing."""
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import socket
 from dataclasses import dataclass, fields
 from typing import Any
 
 from fsm_agent.errors import ConfigError
+from fsm_agent.hosts import is_loopback  # noqa: F401  (the handler's, re-exported)
 
 
 BACKEND = "fsm"
@@ -190,13 +190,6 @@ def parse_endpoint(endpoint: str | None, default_port: int = DEFAULT_PORT) -> tu
                           f"(use host:port, e.g. node0:{default_port})") from None
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def free_port() -> int:
