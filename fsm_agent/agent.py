@@ -36,8 +36,8 @@ from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.progress import Cycle, next_cycle, read_progress_file
 from fsm_agent.ranks import assign_ranks
 from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine
-from fsm_agent.worker import (HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, FailureClass, RestartDecision, RunResult,
-                              Worker, WorkerFailure, WorkerGroup, WorkerSpec, first_failure)
+from fsm_agent.worker import (DRAIN_EXIT_CODE, DRAIN_SCOPES, DrainSettings, HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, FailureClass, RestartDecision,
+                              RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec, first_failure)
 
 log = logging.getLogger(__name__)
 S = WorkerState
@@ -47,6 +47,10 @@ EXIT_BARRIER_PREFIX = "torchelastic/agent/terminal_state"  # torch's key: torchr
 ERROR_TRIGGERS = ("rendezvous_failed", "agent_errored")
 STACK_DUMP_WAIT_S = 5.0  # at most this long for an aborted hung worker to write its stacks and exit
 EXIT_BARRIER_RELEASE_WAIT_S = 5.0  # at most this long for a failing agent's exit-barrier check-in
+#: The rendezvous-store key (in the round's store, shared by its agents) of a job-wide drain.
+JOB_DRAIN_KEY = "fsm_agent/drain/job"
+#: Seconds between looks at the --drain-file and at a peer's job-wide drain, while the workers run.
+DRAIN_POLL_S = 0.5
 
 
 class SignalStop(BaseException):
@@ -211,6 +215,13 @@ class ElasticAgent:
         self._error: str | None = None
         self._signal: int | None = None
         self._interruptible = False
+        self._drain_settings = DrainSettings()
+        self._drain_lock = threading.Lock()
+        self._drain_request: dict[str, str] | None = None  # set by any thread, fired by the run loop
+        self._next_drain_check = 0.0
+        #: The drain that ended (or is ending) the run: scope, source, by, and once the workers are
+        #: stopped checkpoint_signal, timeout_s, exits, checkpointed, duration_s; else None.
+        self.drain: dict[str, Any] | None = None
         self._state_since = time.monotonic()
         self._next_tick = 0.0
         self._wake_r, self._wake_w = os.pipe()
@@ -284,8 +295,9 @@ class ElasticAgent:
         result = RunResult(state=self.state, return_values=dict(self._return_values),
                            failures=dict(self._failures), error=self._error, signal=self._signal,
                            restart_count=self.restart_count,
-                           verdict=(self._decision.reason or None) if gave_up else None,
-                           verdict_exit_code=self._decision.exit_code if gave_up else None)
+                           verdict=(self._decision.reason or None) if gave_up else self._drain_verdict(),
+                           verdict_exit_code=self._decision.exit_code if gave_up else None,
+                           drain=self.drain["scope"] if self.drain is not None and self.state == S.FAILED else None)
         self._record_final_metrics(result)
         self._broadcast("fsm_agent_record_event", event=self._event("run_end", state=result.state.value,
                                                                     exit_code=result.exit_code, error=result.error))
@@ -297,6 +309,11 @@ class ElasticAgent:
     def _step(self) -> None:
         if self._signal is not None:
             self._fire("stop_requested")
+            return
+        if self.state in (S.INIT, S.STOPPED):  # no workers to watch: look for a drain before going on
+            self._look_for_drain()
+        if self._drain_request is not None and "drain_requested" in self.machine.get_triggers(self.state):
+            self._fire("drain_requested", **self._drain_request)
             return
         auto = AUTO_TRIGGERS.get(self.state)
         if auto is not None:
@@ -377,6 +394,9 @@ class ElasticAgent:
         means with its data (see the table's comments), or None when nothing happened."""
         tick = self._tick_interval
         timeout = None if tick is None else max(0.0, self._next_tick - time.monotonic())
+        if self._watches_drain:
+            drain_wait = max(0.0, self._next_drain_check - time.monotonic())
+            timeout = drain_wait if timeout is None else min(timeout, drain_wait)
         # A backend's membership fd stays readable until the next rendezvous: watch it only here.
         membership = [self._membership_fd] if self._membership_fd is not None else []
         launcher_fds = list(self._launcher.wait_fds())
@@ -384,13 +404,14 @@ class ElasticAgent:
                                     [], [], timeout)
         ticked = tick is not None and time.monotonic() >= self._next_tick
         if self._wake_r in ready:
-            try:
-                while os.read(self._wake_r, 512):
-                    pass
-            except BlockingIOError:
-                pass
+            self._empty_wake_pipe()
         if self._signal is not None:
             return "stop_requested", {}
+        if self._watches_drain and time.monotonic() >= self._next_drain_check:
+            self._next_drain_check = time.monotonic() + DRAIN_POLL_S
+            self._look_for_drain()
+        if self._drain_request is not None:
+            return "drain_requested", dict(self._drain_request)
         self._hang.read_timer_requests()
         if membership and membership[0] in ready and (change := self._membership_change()):
             # A lost peer usually fails our workers too (their collectives break); the cause is the
@@ -459,6 +480,10 @@ class ElasticAgent:
         """The restart policy took this node out of the job (``RestartDecision.exclude_node``)."""
         return self._decision is not None and self._decision.exclude_node
 
+    def drains_whole_job(self, event=None) -> bool:
+        """The drain ``_decide_on_drain`` took is job-wide (scope ``job``), not this node's alone."""
+        return self.drain is not None and self.drain["scope"] == "job"
+
     @property
     def _tick_interval(self) -> float | None:
         """Seconds between periodic checks, or None when nothing needs polling.
@@ -516,6 +541,157 @@ class ElasticAgent:
                                  change.replace("_", " "))
         if not self._decision.restart:
             self._error = f"{change}: {self._decision.reason or 'the restart policy gave up'}"
+
+    def _decide_on_drain(self, event) -> None:
+        """Take the drain request (data ``scope``, ``source``, ``by``) as this run's drain, once.
+
+        Raises:
+            ValueError: ``scope`` is neither ``node`` nor ``job``.
+        """
+        if self._decided_event is event:
+            return
+        self._decided_event = event
+        scope = str(event.kwargs.get("scope") or self._drain_settings.scope)
+        if scope not in DRAIN_SCOPES:
+            raise ValueError(f"drain_requested: scope {scope!r} is not one of {', '.join(DRAIN_SCOPES)}")
+        self.drain = {"scope": scope, "source": str(event.kwargs.get("source") or "api"),
+                      "by": str(event.kwargs.get("by") or ""), "ts": time.time()}
+        # A drain decides nothing about restarts: no earlier verdict or failure class applies.
+        self._decision, self._decided_class = None, None
+        log.warning("[%s] draining (%s scope), requested by %s %s", self.spec.role, scope, self.drain["source"],
+                    self.drain["by"])
+
+    def drain_on(self, settings: DrainSettings) -> None:
+        """Watch for drain requests as ``settings`` says (signals, the drain file) and drain that way.
+
+        Called by the ``drain`` plugin's ``fsm_agent_configure``, before ``run()``.
+
+        Raises:
+            ValueError: a drain signal is also a stop signal (``--signals-to-handle``) or forwarded
+                (``--forward-signals``), or the scope is unknown.
+        """
+        if settings.scope not in DRAIN_SCOPES:
+            raise ValueError(f"drain scope {settings.scope!r} is not one of {', '.join(DRAIN_SCOPES)}")
+        for sig in settings.signals:
+            for flag, taken in (("--signals-to-handle", self._signals), ("--forward-signals", self._forwarded)):
+                if sig in taken:
+                    raise ValueError(f"{signal.Signals(sig).name} is both a drain signal and in {flag}; "
+                                     f"list it in one of them")
+        self._drain_settings = settings
+
+    def request_drain(self, scope: str | None = None, source: str = "api", by: str = "") -> bool:
+        """Ask for a drain; safe from any thread (the status endpoint's, a signal handler).
+
+        Args:
+            scope: ``"node"`` or ``"job"``; None: the configured ``--drain-scope``.
+            source: what asked: ``signal``, ``file``, ``http``, ``peer`` or ``api``.
+            by: which one (the signal's name, the file's path, the client's address).
+
+        Returns:
+            True if this request was taken; False when one is pending or the run is ending already.
+
+        Raises:
+            ValueError: ``scope`` is neither ``node`` nor ``job``.
+        """
+        scope = scope or self._drain_settings.scope
+        if scope not in DRAIN_SCOPES:
+            raise ValueError(f"drain scope {scope!r} is not one of {', '.join(DRAIN_SCOPES)}")
+        with self._drain_lock:
+            if self._drain_request is not None or self.drain is not None or self._closed:
+                return False
+            self._drain_request = {"scope": scope, "source": source, "by": by}
+        try:
+            os.write(self._wake_w, b"d")  # wake the run loop
+        except OSError:  # the pipe is full (the loop wakes anyway) or closed (the run ended)
+            pass
+        return True
+
+    @property
+    def drain_request(self) -> dict[str, str] | None:
+        """The drain request the run loop has not acted on yet (scope, source, by), or None."""
+        return self._drain_request
+
+    @property
+    def _watches_drain(self) -> bool:
+        """While the workers run: look for the drain file, and for a peer's job-wide drain in a job of
+        several nodes."""
+        group = self._worker_group
+        return bool(self._drain_settings.file) or (group.store is not None and (group.group_world_size or 0) > 1)
+
+    def _look_for_drain(self) -> None:
+        """Request a drain if the drain file exists or a peer announced a job-wide drain."""
+        if self._drain_request is not None:
+            return
+        path = self._drain_settings.file
+        if path and os.path.exists(path):
+            self.request_drain(source="file", by=path)
+            return
+        group = self._worker_group
+        if self.state != S.HEALTHY or group.store is None or (group.group_world_size or 0) <= 1:
+            return
+        try:
+            announced = group.store.check([JOB_DRAIN_KEY])
+        except Exception as exc:  # the store is gone: the membership checks report that
+            log.debug("could not look for a job-wide drain: %s", exc)
+            return
+        if announced:
+            try:
+                by = group.store.get(JOB_DRAIN_KEY)
+                by = by.decode() if isinstance(by, bytes) else str(by)
+            except Exception:
+                by = "a peer"
+            self.request_drain(scope="job", source="peer", by=by)
+
+    def _announce_job_drain(self, event=None) -> None:
+        """A job-wide drain asked here is written to the round's rendezvous store, where every
+        agent of the job looks for it while its workers run (``_look_for_drain``)."""
+        group = self._worker_group
+        if self.drain is None or self.drain["source"] == "peer" or group.store is None:
+            return
+        try:
+            self._interruptible_call("announce-drain", lambda: group.store.set(
+                JOB_DRAIN_KEY, f"{self.hostname} (group_rank {group.group_rank}): {self.drain['source']} "
+                               f"{self.drain['by']}".strip()), interruptible=False, timeout=EXIT_BARRIER_RELEASE_WAIT_S)
+        except Exception as exc:  # the others then see this node leave, as in a node drain
+            log.warning("could not tell the other nodes of the job-wide drain: %s", exc)
+
+    def _drain_workers(self, event=None) -> None:
+        """The orderly stop: the checkpoint signal to every live worker, up to ``timeout_s`` seconds
+        for them to exit by themselves, then the usual stop (SIGTERM, SIGKILL after shutdown_timeout
+        s). A stop signal meanwhile cuts the wait short. Records the ``drain`` event."""
+        settings, drain = self._drain_settings, self.drain
+        started = time.monotonic()
+        exits = dict(self._launcher.poll())
+        live = [r for r in self._launcher.pids() if r not in exits]
+        for local_rank in live:
+            self._launcher.signal_worker(local_rank, settings.checkpoint_signal)
+        deadline = started + settings.timeout_s
+        while live and self._signal is None and not set(live) <= set(exits):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            select.select([self._wake_r, *self._launcher.wait_fds()], [], [], min(remaining, 1.0))
+            self._empty_wake_pipe()
+            exits = dict(self._launcher.poll())
+        by_themselves = {r: exits[r] for r in live if r in exits}
+        if len(by_themselves) < len(live):
+            log.warning("[%s] drain: %d of %d workers still running after %gs: stopping them", self.spec.role,
+                        len(live) - len(by_themselves), len(live), settings.timeout_s)
+        self._stop_workers()
+        if drain is not None:
+            drain.update(checkpoint_signal=signal.Signals(settings.checkpoint_signal).name, timeout_s=settings.timeout_s,
+                         exits={str(r): c for r, c in sorted(by_themselves.items())},
+                         checkpointed=bool(live) and len(by_themselves) == len(live)
+                         and all(c == 0 for c in by_themselves.values()),
+                         duration_s=round(time.monotonic() - started, 6))
+            self._broadcast("fsm_agent_record_event", event=self._event("drain", **drain))
+
+    def _drain_verdict(self) -> str | None:
+        drain = self.drain
+        if drain is None or self.state != S.FAILED or self._signal is not None:
+            return None
+        return (f"drained ({drain['scope']} scope, requested by {drain['source']} {drain['by']}".rstrip()
+                + f"): requeue (exit code {DRAIN_EXIT_CODE})")
 
     def track_progress(self, progress_file: str | None = None, max_no_progress_restarts: int = 0) -> None:
         """Read progress for the cycle records: every worker gets a heartbeat file (so
@@ -821,18 +997,23 @@ class ElasticAgent:
         self.transitions.append(record)
         role = self.spec.role
         self._broadcast("fsm_agent_state_changed", transition=record)
-        decided = {"failure_class": decided_class} if decided_class else {}
+        decided: dict[str, Any] = {"failure_class": decided_class} if decided_class else {}
+        if trigger == "drain_requested" and self.drain is not None:  # a drain, not a failure
+            decided.update(drain_scope=self.drain["scope"], drain_source=self.drain["source"])
         self._broadcast("fsm_agent_record_event", event=self._event(
             "transition", source=record.source, dest=record.dest, trigger=trigger,
             duration_s=round(record.duration_s, 6), error=record.error, **decided))
         self._put_metric("torchelastic", f"workers.{role}.remaining_restarts", self.remaining_restarts)
         self._put_metric("torchelastic", f"workers.{role}.{dest.lower()}", 1)
         self._put_metric("fsm_agent", f"state.{source}.duration_s", record.duration_s)
+        if trigger == "drain_requested":  # counted apart from failures and restarts
+            self._put_metric("fsm_agent", "drains", 1)
 
     def _record_final_metrics(self, result: RunResult) -> None:
         """torch's ``_record_metrics`` names: run_total, flakiness, run_{success,failed}_{with,no}_retries."""
         role, spec = self.spec.role, self.spec
-        failed, restarted = result.is_failed(), self.restart_count > 0
+        drained, restarted = result.drain is not None, self.restart_count > 0
+        failed = result.is_failed() and not drained  # a drain is counted apart (run_drained)
         flakiness = 100.0 if failed else 100.0 - 100.0 * (self.remaining_restarts + 1) / (spec.max_restarts + 1)
         values = {
             "run_total": 1, "flakiness": flakiness,
@@ -840,6 +1021,7 @@ class ElasticAgent:
             "run_success_no_retries": int(not failed and not restarted),
             "run_failed_with_retries": int(failed and restarted),
             "run_failed_no_retries": int(failed and not restarted),
+            **({"run_drained": 1} if drained else {}),  # only then: a run's metrics stay torch's otherwise
         }
         for name, value in values.items():
             self._put_metric("torchelastic", f"workers.{role}.{name}", value)
@@ -967,11 +1149,7 @@ class ElasticAgent:
                     break
                 if not ready:
                     raise TimeoutError(f"{name} did not finish within {timeout:g}s")
-                try:  # a signal woke us: its Python handler runs before the next turn
-                    while os.read(self._wake_r, 512):
-                        pass
-                except BlockingIOError:
-                    pass
+                self._empty_wake_pipe()  # a signal woke us: its Python handler runs before the next turn
         finally:
             os.close(done_r)
             if not finished:
@@ -979,6 +1157,18 @@ class ElasticAgent:
         if "error" in outcome:
             raise outcome["error"]
         return outcome["value"]
+
+    def _on_drain_signal(self, signum: int, frame) -> None:
+        """A drain signal (``--drain-signals``): request a drain of the configured scope."""
+        self.request_drain(source="signal", by=signal.Signals(signum).name)
+
+    def _empty_wake_pipe(self) -> None:
+        """Read what signals and ``request_drain`` wrote to the wake-up pipe (non-blocking)."""
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
 
     def _forward_signal(self, signum: int, frame) -> None:
         """Relay ``signum`` to each running worker's process group; nothing is stopped."""
@@ -996,6 +1186,8 @@ class ElasticAgent:
             previous[sig] = signal.signal(sig, self._on_signal)
         for sig in self._forwarded:
             previous[sig] = signal.signal(sig, self._forward_signal)
+        for sig in self._drain_settings.signals:
+            previous[sig] = signal.signal(sig, self._on_drain_signal)
         previous[-1] = signal.set_wakeup_fd(self._wake_w)
         return previous
 
@@ -1031,7 +1223,8 @@ class ElasticAgent:
         # torch does) and when this node was excluded (the others carry on without it); a backend
         # whose shutdown only leaves says so and always gets it. A backend with ``leave()`` (c10d,
         # etcd-v3) leaves the round instead, so the others notice at once, not after a keep-alive.
-        leaving_alone = self._signal is not None or self.excludes_this_node()
+        leaving_alone = self._signal is not None or self.excludes_this_node() or (
+            self.drain is not None and not self.drains_whole_job())
         leave = getattr(self._rdzv_handler, "leave", None) if leaving_alone else None
         if leave is not None and self._abandoned_call is not None:
             log.warning("not leaving the rendezvous: its store is still busy with the abandoned %s; the other "

@@ -157,7 +157,8 @@ def test_binds_loopback_only(make_agent):
 def test_the_option_is_declared():
     from fsm_agent.plugins.manager import collect_options, get_plugin_manager
 
-    (option,) = collect_options(get_plugin_manager(load_entry_points=False)).of("status-http")
+    option, *others = collect_options(get_plugin_manager(load_entry_points=False)).of("status-http")
+    assert [o.name for o in others] == ["host", "token_file"]
     assert (option.name, option.flag, option.env, option.default) == ("port", "--status-port",
                                                                      "FSM_AGENT_STATUS_PORT", None)
     assert option.from_string("0") == 0

@@ -87,6 +87,42 @@ def _health_failures(run):
 # -- one case per way through the table ------------------------------------------------------------
 # (id, scenario, exact trace with triggers, extra check(run))
 
+class DrainWhenStopped:
+    """Asks its agent for a drain the first time the group is STOPPED (a request that arrives
+    while the workers are down for a restart)."""
+
+    def __init__(self):
+        self.agent = None
+
+    @hookimpl
+    def fsm_agent_configure(self, agent):
+        self.agent = agent
+
+    @hookimpl
+    def fsm_agent_state_changed(self, transition):
+        if transition.dest == "STOPPED":
+            self.agent.request_drain(source="api", by="test")
+
+
+def _drain_config(**options):
+    from fsm_agent.config import LaunchConfig
+
+    return LaunchConfig(plugins={"drain": {"signals": "SIGUSR2", "timeout": 0.0, **options}})
+
+
+def _drained(scope):
+    def check(run):
+        from fsm_agent.worker import DRAIN_EXIT_CODE
+
+        assert run.result.drain == scope and run.result.exit_code == DRAIN_EXIT_CODE, run.result
+        records = run.agent.transitions
+        assert len(records) == 1 or records[-1].restart_count == records[-2].restart_count  # no restart spent
+        assert "drained" in (run.result.verdict or ""), run.result
+        # a node drain leaves the rendezvous open for the others; a job drain closes it
+        assert run.rendezvous.shutdown_calls == (1 if scope == "job" else 0)
+    return check
+
+
 def _ok(run):
     assert run.result.exit_code == 0 and run.result.error is None
 
@@ -163,6 +199,16 @@ CASES = [
     ("stop_requested_while_stopped",
      Scenario("worker 1 exits 1 -> restart -> SIGTERM during rendezvous", max_restarts=1),
      ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->FAILED (stop_requested)"], _signalled),
+    ("drain_requested_while_healthy", Scenario("wait -> SIGUSR2", config=_drain_config()),
+     ["INIT->HEALTHY (start)", "HEALTHY->FAILED (drain_requested)"], _drained("node")),
+    ("job_drain_requested_while_healthy", Scenario("wait -> SIGUSR2", config=_drain_config(scope="job")),
+     ["INIT->HEALTHY (start)", "HEALTHY->FAILED (drain_requested)"], _drained("job")),
+    ("drain_requested_in_init", Scenario("all succeed", config=_drain_config(file=__file__)),
+     ["INIT->FAILED (drain_requested)"], _drained("node")),
+    ("drain_requested_while_stopped",
+     Scenario("worker 1 exits 1 -> restart -> all succeed", max_restarts=1, plugins=[DrainWhenStopped()]),
+     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->FAILED (drain_requested)"],
+     _drained("node")),
     ("agent_errored_in_init", Scenario("launcher fails to start"),
      ["INIT->UNKNOWN (agent_errored)"], _error_contains("start failed in state INIT", "scripted start failure")),
     ("agent_errored_plugin_in_init", Scenario("all succeed", plugins=[ListenerBoom()]),

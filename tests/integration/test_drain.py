@@ -1,0 +1,115 @@
+"""Drain on loopback: real agents and workers, a drain asked by a signal, a file or ``POST /drain``.
+
+Each worker writes a checkpoint file when it gets the drain's checkpoint signal (SIGUSR1) and
+exits 0; the agent exits with ``DRAIN_EXIT_CODE`` (75, requeue), records a ``drain`` event and
+spends no restart.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from fsm_agent.testing.processes import wait_until
+from fsm_agent.worker import DRAIN_EXIT_CODE
+from tests.integration.conftest import free_port, read_events, transitions
+
+#: argv: OUT_DIR. Records its start, then waits; SIGUSR1 (the checkpoint signal) writes
+#: ckpt_<rank>.json and exits 0.
+WORKER = r'''
+import json, os, signal, sys, time
+out, rank = sys.argv[1], os.environ["RANK"]
+
+def checkpoint(signum, frame):
+    path = os.path.join(out, "ckpt_%s.json" % rank)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"rank": int(rank), "signal": signum, "pid": os.getpid()}, f)
+    os.replace(path + ".tmp", path)
+    sys.exit(0)
+
+signal.signal(signal.SIGUSR1, checkpoint)
+open(os.path.join(out, "start_%s" % rank), "w").close()
+while True:
+    time.sleep(1)
+'''
+NPROC = 2
+#: Generous bounds for a loaded 2-core machine (a drain here takes well under a second).
+START_TIMEOUT_S = 120
+END_TIMEOUT_S = 120
+
+
+def _start(agent_processes, tmp_path: Path, *flags: str):
+    (tmp_path / "worker.py").write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    events = tmp_path / "events.jsonl"
+    proc = agent_processes.start("--standalone", "--nproc-per-node", str(NPROC), "--max-restarts", "3",
+                                 "--events-file", str(events), "--drain-timeout", "60", *flags,
+                                 "worker.py", str(out))
+    started = wait_until(lambda: len(list(out.glob("start_*"))) == NPROC or proc.poll() is not None,
+                         timeout=START_TIMEOUT_S)
+    if not started or proc.poll() is not None:
+        _, err = proc.communicate(timeout=END_TIMEOUT_S)
+        pytest.fail(f"workers did not start: rc={proc.poll()}\n{err}")
+    return proc, out, events
+
+
+def _assert_drained(proc, out: Path, events: Path, source: str) -> str:
+    _, err = proc.communicate(timeout=END_TIMEOUT_S)
+    assert proc.returncode == DRAIN_EXIT_CODE, err
+    checkpoints = sorted(json.loads(p.read_text())["rank"] for p in out.glob("ckpt_*.json"))
+    assert checkpoints == list(range(NPROC)), err  # every worker completed its checkpoint
+    assert transitions(events) == [("INIT", "HEALTHY", "start"), ("HEALTHY", "FAILED", "drain_requested")]
+    records = read_events(events)
+    (drain,) = [e for e in records if e["kind"] == "drain"]
+    assert drain["source"] == source and drain["scope"] == "node", drain
+    assert drain["checkpointed"] is True and drain["exits"] == {"0": 0, "1": 0}, drain
+    assert drain["checkpoint_signal"] == "SIGUSR1"
+    assert all(e["restart_count"] == 0 for e in records)  # the restart budget is untouched
+    (change,) = [e for e in records if e["kind"] == "transition" and e["trigger"] == "drain_requested"]
+    assert "failure_class" not in change and change["drain_scope"] == "node", change
+    assert "DRAINED (node scope)" in err and f"requeue (exit code {DRAIN_EXIT_CODE})" in err, err
+    return err
+
+
+def test_drain_by_signal_checkpoints_and_exits_with_the_requeue_code(agent_processes, tmp_path):
+    proc, out, events = _start(agent_processes, tmp_path, "--drain-signals", "SIGUSR2")
+    proc.send_signal(signal.SIGUSR2)
+    err = _assert_drained(proc, out, events, "signal")
+    assert "requested by signal SIGUSR2" in err
+
+
+def test_drain_by_file_checkpoints_and_exits_with_the_requeue_code(agent_processes, tmp_path):
+    mark = tmp_path / "drain-me"
+    proc, out, events = _start(agent_processes, tmp_path, "--drain-file", str(mark))
+    mark.write_text("maintenance\n")
+    err = _assert_drained(proc, out, events, "file")
+    assert f"requested by file {mark}" in err
+
+
+def test_drain_by_http_post_checkpoints_and_exits_with_the_requeue_code(agent_processes, tmp_path):
+    port = free_port()
+    proc, out, events = _start(agent_processes, tmp_path, "--status-port", str(port))
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(urllib.error.HTTPError) as bad:  # an unknown scope is refused, nothing drains
+        urllib.request.urlopen(urllib.request.Request(f"{url}/drain?scope=rack", method="POST"), timeout=30)
+    assert bad.value.code == 400
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/drain", data=b"", method="POST"), timeout=30) as reply:
+        assert reply.status == 202
+        answer = json.loads(reply.read())
+    assert answer["drain"]["source"] == "http" and answer["drain"]["by"] == "127.0.0.1", answer
+    err = _assert_drained(proc, out, events, "http")
+    assert "requested by http 127.0.0.1" in err
+
+
+def test_a_drain_signal_that_is_also_a_stop_signal_is_a_one_line_error(agent_processes, tmp_path):
+    (tmp_path / "worker.py").write_text(WORKER)
+    done = agent_processes.run("--standalone", "--drain-signals", "SIGTERM", "worker.py", str(tmp_path),
+                               timeout=END_TIMEOUT_S)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert "SIGTERM is both a drain signal and in --signals-to-handle" in done.stderr, done.stderr
