@@ -10,6 +10,7 @@ membership, errors) into triggers with their data. Hooks fire from the steps and
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import select
@@ -49,6 +50,9 @@ STACK_DUMP_WAIT_S = 5.0  # at most this long for an aborted hung worker to write
 EXIT_BARRIER_RELEASE_WAIT_S = 5.0  # at most this long for a failing agent's exit-barrier check-in
 #: The rendezvous-store key (in the round's store, shared by its agents) of a job-wide drain.
 JOB_DRAIN_KEY = "fsm_agent/drain/job"
+#: The same store's count of nodes that left the round by a node drain: a peer's workers that
+#: fail meanwhile (a collective with the departed node) are a membership change, not a failure.
+NODE_DRAIN_KEY = "fsm_agent/drain/nodes"
 #: Seconds between looks at the --drain-file and at a peer's job-wide drain, while the workers run.
 DRAIN_POLL_S = 0.5
 
@@ -59,6 +63,11 @@ class SignalStop(BaseException):
     def __init__(self, signum: int):
         super().__init__(f"received signal {signal.Signals(signum).name}")
         self.signum = signum
+
+
+class DrainInterrupt(BaseException):
+    """Raised to cut a rendezvous wait short when a drain is requested; the run loop's next step
+    fires ``drain_requested`` from the state the interrupted transition left the group in."""
 
 
 @attrs.frozen
@@ -216,7 +225,8 @@ class ElasticAgent:
         self._signal: int | None = None
         self._interruptible = False
         self._drain_settings = DrainSettings()
-        self._drain_lock = threading.Lock()
+        self._drain_lock = threading.RLock()  # RLock: a drain signal may arrive while the loop holds it
+        self._drain_interruptible = False  # the call running now may be cut short by a drain
         self._drain_request: dict[str, str] | None = None  # set by any thread, fired by the run loop
         self._next_drain_check = 0.0
         #: The drain that ended (or is ending) the run: scope, source, by, and once the workers are
@@ -361,6 +371,8 @@ class ElasticAgent:
             self.trigger(trigger, **data)
         except SignalStop:
             pass  # self._signal is set: the next step fires stop_requested
+        except DrainInterrupt:
+            pass  # self._drain_request is set: the next step fires drain_requested
         except Exception as exc:
             kind = _classify_rendezvous_error(exc)
             if kind == "not_needed":
@@ -424,6 +436,10 @@ class ElasticAgent:
             self._reported_exits.add(local_rank)
             self._on_worker_exit(local_rank, exits[local_rank])
         failed = {r: code for r, code in exits.items() if code != 0}
+        if failed and self._peer_left_by_drain():
+            log.warning("[%s] workers failed after a peer left the job by a drain: a membership change, not counted",
+                        self.spec.role)
+            return "membership_changed", {"change": FailureClass.NODE_LOST}
         if failed:
             times = self._launcher.exit_times()
             return "workers_failed", {"exits": failed, "exit_times": {r: times[r] for r in failed if r in times}}
@@ -642,18 +658,38 @@ class ElasticAgent:
                 by = "a peer"
             self.request_drain(scope="job", source="peer", by=by)
 
-    def _announce_job_drain(self, event=None) -> None:
-        """A job-wide drain asked here is written to the round's rendezvous store, where every
-        agent of the job looks for it while its workers run (``_look_for_drain``)."""
-        group = self._worker_group
-        if self.drain is None or self.drain["source"] == "peer" or group.store is None:
+    def _announce_drain(self, event=None) -> None:
+        """Tell the other nodes of the round, through its rendezvous store, before any worker
+        stops: a job-wide drain asked here (``JOB_DRAIN_KEY``: every agent looks for it while its
+        workers run, ``_look_for_drain``), or this node's leaving (``NODE_DRAIN_KEY``: a peer whose
+        workers fail meanwhile takes it as a membership change, ``_peer_left_by_drain``)."""
+        group, drain = self._worker_group, self.drain
+        if drain is None or drain["source"] == "peer" or group.store is None or (group.group_world_size or 0) <= 1:
             return
+        if self._abandoned_call is not None:  # the store client is still busy with it
+            return
+        store = group.store
+        if drain["scope"] == "job":
+            who = f"{self.hostname} (group_rank {group.group_rank}): {drain['source']} {drain['by']}".strip()
+            announce = functools.partial(store.set, JOB_DRAIN_KEY, who)
+        else:
+            announce = functools.partial(store.add, NODE_DRAIN_KEY, 1)
+        try:  # bounded, as the exit-barrier check-in: a store host that is gone must not hold the drain
+            self._interruptible_call("announce-drain", announce, interruptible=False,
+                                     timeout=EXIT_BARRIER_RELEASE_WAIT_S)
+        except Exception as exc:  # the others then see this node leave, later
+            log.warning("could not tell the other nodes of the drain: %s", exc)
+
+    def _peer_left_by_drain(self) -> bool:
+        """Whether another node of this round announced it leaves by a node drain."""
+        group = self._worker_group
+        if group.store is None or (group.group_world_size or 0) <= 1 or self.drain is not None:
+            return False
         try:
-            self._interruptible_call("announce-drain", lambda: group.store.set(
-                JOB_DRAIN_KEY, f"{self.hostname} (group_rank {group.group_rank}): {self.drain['source']} "
-                               f"{self.drain['by']}".strip()), interruptible=False, timeout=EXIT_BARRIER_RELEASE_WAIT_S)
-        except Exception as exc:  # the others then see this node leave, as in a node drain
-            log.warning("could not tell the other nodes of the job-wide drain: %s", exc)
+            return bool(group.store.check([NODE_DRAIN_KEY]))
+        except Exception as exc:  # the store is gone: the failure stands as it is
+            log.debug("could not look for a peer's drain: %s", exc)
+            return False
 
     def _drain_workers(self, event=None) -> None:
         """The orderly stop: the checkpoint signal to every live worker, up to ``timeout_s`` seconds
@@ -741,7 +777,7 @@ class ElasticAgent:
                                       self.spec.local_world_size, self.restart_count)
 
         info, ((base_global, world, base_role, role_world), job_restart_count) = self._interruptible_call(
-            "rendezvous", join)
+            "rendezvous", join, drainable=True)
         if job_restart_count is not None:  # one job, one count: adopt the highest of the round
             self.restart_count = max(self.restart_count, job_restart_count)
         group.store, group.group_rank, group.group_world_size = info.store, info.rank, info.world_size
@@ -1084,7 +1120,7 @@ class ElasticAgent:
             self._launcher.signal_worker(local_rank, signal.SIGKILL)
 
     def _interruptible_call(self, name: str, call: Callable[[], Any], *, interruptible: bool = True,
-                            timeout: float | None = None) -> Any:
+                            timeout: float | None = None, drainable: bool = False) -> Any:
         """``call()`` (a rendezvous or store call that may block), cut short by a stop signal.
 
         torch's store calls (TCPStore's connect and ``wait_for_workers`` in StaticTCPRendezvous,
@@ -1103,23 +1139,30 @@ class ElasticAgent:
             name: the helper thread's name (``fsm-agent-<name>``).
             interruptible: False: a stop signal does not cut the wait short (a check-in on the way out).
             timeout: seconds to wait at most (None: as long as ``call`` takes).
+            drainable: a drain request cuts the wait short too (a rendezvous: a node given notice
+                while it waits for others leaves at once). A backend whose waits are Python is cut
+                short only by a drain signal; a drain by file or HTTP then acts once the call returns.
 
         Returns:
             what ``call`` returned.
 
         Raises:
             SignalStop: a stop signal arrived first (``interruptible``), or had arrived before.
+            DrainInterrupt: a drain was requested first (``drainable``), or had been before.
             TimeoutError: ``timeout`` passed first.
             whatever ``call`` raised.
         """
         if interruptible and self._signal is not None:
             raise SignalStop(self._signal)
+        if drainable and self._drain_request is not None:
+            raise DrainInterrupt()
         if getattr(self._rdzv_handler, "interruptible", False):
             self._interruptible = interruptible  # the handler raises SignalStop into call()
+            self._drain_interruptible = drainable
             try:
                 return call()
             finally:
-                self._interruptible = False
+                self._interruptible = self._drain_interruptible = False
         outcome: dict[str, Any] = {}
         done_r, done_w = os.pipe()
 
@@ -1142,6 +1185,8 @@ class ElasticAgent:
             while True:  # the handler only records the signal here; the loop's next turn acts on it
                 if interruptible and self._signal is not None:
                     raise SignalStop(self._signal)
+                if drainable and self._drain_request is not None:
+                    raise DrainInterrupt()
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 ready, _, _ = select.select([done_r, self._wake_r], [], [], remaining)
                 if done_r in ready:
@@ -1161,6 +1206,8 @@ class ElasticAgent:
     def _on_drain_signal(self, signum: int, frame) -> None:
         """A drain signal (``--drain-signals``): request a drain of the configured scope."""
         self.request_drain(source="signal", by=signal.Signals(signum).name)
+        if self._interruptible and self._drain_interruptible:  # a Python rendezvous wait: cut it short
+            raise DrainInterrupt()
 
     def _empty_wake_pipe(self) -> None:
         """Read what signals and ``request_drain`` wrote to the wake-up pipe (non-blocking)."""

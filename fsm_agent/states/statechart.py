@@ -51,7 +51,7 @@ HOOKS_BY_STEP: dict[str, tuple[str, ...]] = {
     "_release_exit_barrier": (),
     "_backoff": (),
     "_decide_on_drain": (),
-    "_announce_job_drain": (),
+    "_announce_drain": (),
     "_drain_workers": ("fsm_agent_record_event",),
 }
 

@@ -91,17 +91,17 @@ TRANSITIONS: list[Row] = [
     # A drain (preemption notice: a --drain-signals signal, the --drain-file, POST /drain, or a
     # peer's job-wide drain): an orderly stop that is neither a failure nor a restart. The workers
     # get their checkpoint signal and --drain-timeout s to exit, then the agent exits with the
-    # requeue code. Scope "node": this node alone leaves (as an excluded node: no exit-barrier
-    # check-in, the rendezvous learns it left) and the others re-rendezvous without counting;
-    # scope "job": the others are told through the rendezvous store and drain too.
+    # requeue code. Both scopes tell the other nodes first, through the rendezvous store. Scope
+    # "node": this node alone leaves (as an excluded node: no exit-barrier check-in, it leaves its
+    # round) and the others re-rendezvous without counting; scope "job": the others drain too.
     # Data: scope="node" | "job", source="signal" | "file" | "http" | "peer", by="what asked".
     # UNHEALTHY's workers are failed already: a request waits for its workers_failed.
     dict(trigger="drain_requested", source=[S.INIT, S.HEALTHY, S.STOPPED], dest=S.FAILED,
          prepare=_DECIDE_ON_DRAIN, conditions="drains_whole_job",
-         before=["_announce_job_drain", "_drain_workers", "_release_exit_barrier"]),
+         before=["_announce_drain", "_drain_workers", "_release_exit_barrier"]),
     dict(trigger="drain_requested", source=[S.INIT, S.HEALTHY, S.STOPPED], dest=S.FAILED,
          prepare=_DECIDE_ON_DRAIN, unless="drains_whole_job",
-         before="_drain_workers"),
+         before=["_announce_drain", "_drain_workers"]),
     # An unexpected exception in the agent or a plugin: the agent can no longer vouch for its workers.
     # Data: error="what raised".
     dict(trigger="agent_errored", source=_LIVE, dest=S.UNKNOWN,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -59,6 +60,14 @@ def _start(agent_processes, tmp_path: Path, *flags: str):
     return proc, out, events
 
 
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5):
+            return True
+    except OSError:
+        return False
+
+
 def _assert_drained(proc, out: Path, events: Path, source: str) -> str:
     _, err = proc.communicate(timeout=END_TIMEOUT_S)
     assert proc.returncode == DRAIN_EXIT_CODE, err
@@ -105,6 +114,29 @@ def test_drain_by_http_post_checkpoints_and_exits_with_the_requeue_code(agent_pr
     assert answer["drain"]["source"] == "http" and answer["drain"]["by"] == "127.0.0.1", answer
     err = _assert_drained(proc, out, events, "http")
     assert "requested by http 127.0.0.1" in err
+
+
+@pytest.mark.parametrize("backend", ["c10d", "fsm"])
+def test_drain_while_waiting_for_the_other_nodes_leaves_at_once(agent_processes, tmp_path, backend):
+    """``--nnodes 2`` and no second node: the agent waits in its first rendezvous (c10d: a store call
+    in a helper thread; fsm: Python waits in the agent's thread). A drain signal ends the wait:
+    exit 75 long before the join timeout, no worker ever started, no restart."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    events = tmp_path / "events.jsonl"
+    port = free_port()
+    proc = agent_processes.start("--nnodes", "2", "--rdzv-backend", backend, "--rdzv-endpoint",
+                                 f"127.0.0.1:{free_port()}", "--rdzv-id", "drain-waiting", "--rdzv-conf",
+                                 "join_timeout=600", "--events-file", str(events), "--drain-signals", "SIGUSR2",
+                                 "--status-port", str(port), "worker.py", str(tmp_path))
+    assert wait_until(lambda: proc.poll() is not None or _answers(f"http://127.0.0.1:{port}/healthz"),
+                      timeout=START_TIMEOUT_S)
+    time.sleep(2)  # the status server starts just before the run: let the agent reach its join
+    assert proc.poll() is None, proc.communicate()[1]
+    proc.send_signal(signal.SIGUSR2)
+    _, err = proc.communicate(timeout=END_TIMEOUT_S)
+    assert proc.returncode == DRAIN_EXIT_CODE, err
+    assert transitions(events) == [("INIT", "FAILED", "drain_requested")], err
+    assert not list(tmp_path.glob("start_*"))
 
 
 def test_a_drain_signal_that_is_also_a_stop_signal_is_a_one_line_error(agent_processes, tmp_path):

@@ -87,23 +87,6 @@ def _health_failures(run):
 # -- one case per way through the table ------------------------------------------------------------
 # (id, scenario, exact trace with triggers, extra check(run))
 
-class DrainWhenStopped:
-    """Asks its agent for a drain the first time the group is STOPPED (a request that arrives
-    while the workers are down for a restart)."""
-
-    def __init__(self):
-        self.agent = None
-
-    @hookimpl
-    def fsm_agent_configure(self, agent):
-        self.agent = agent
-
-    @hookimpl
-    def fsm_agent_state_changed(self, transition):
-        if transition.dest == "STOPPED":
-            self.agent.request_drain(source="api", by="test")
-
-
 def _drain_config(**options):
     from fsm_agent.config import LaunchConfig
 
@@ -205,8 +188,10 @@ CASES = [
      ["INIT->HEALTHY (start)", "HEALTHY->FAILED (drain_requested)"], _drained("job")),
     ("drain_requested_in_init", Scenario("all succeed", config=_drain_config(file=__file__)),
      ["INIT->FAILED (drain_requested)"], _drained("node")),
+    ("drain_requested_during_the_first_rendezvous", Scenario("SIGUSR2 during rendezvous", config=_drain_config()),
+     ["INIT->FAILED (drain_requested)"], _drained("node")),
     ("drain_requested_while_stopped",
-     Scenario("worker 1 exits 1 -> restart -> all succeed", max_restarts=1, plugins=[DrainWhenStopped()]),
+     Scenario("worker 1 exits 1 -> restart -> SIGUSR2 during rendezvous", max_restarts=1, config=_drain_config()),
      ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->FAILED (drain_requested)"],
      _drained("node")),
     ("agent_errored_in_init", Scenario("launcher fails to start"),
