@@ -28,7 +28,7 @@ import attrs
 import pluggy
 
 from fsm_agent import errorfile
-from fsm_agent._early_signals import note_stop
+from fsm_agent._early_signals import note_stop, take_early_drain
 from fsm_agent.env import worker_env
 from fsm_agent.errors import FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.hang import HangDetector, announce_stack_dump, dump_stacks
@@ -289,6 +289,9 @@ class ElasticAgent:
         those ends in a terminal state whose RunResult says why.
         """
         previous = self._install_signal_handlers()
+        early = take_early_drain()  # a preemption notice can come before the agent ran
+        if early is not None and early in self._drain_settings.signals:
+            self.request_drain(source="signal", by=signal.Signals(early).name)
         try:
             return self._run_to_the_end(previous)
         finally:  # the agent's handlers stay to the very end: a second stop signal never cuts the way out short

@@ -145,3 +145,16 @@ def test_a_drain_signal_that_is_also_a_stop_signal_is_a_one_line_error(agent_pro
                                timeout=END_TIMEOUT_S)
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     assert "SIGTERM is both a drain signal and in --signals-to-handle" in done.stderr, done.stderr
+
+
+def test_early_handlers_keep_a_drain_signal_for_the_agent(tmp_path):
+    """Before the options are read, ``fsmrun --drain-signals USR2`` keeps SIGUSR2 for the agent
+    instead of dying of its default action."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys; sys.argv = ['fsmrun', '--drain-signals', 'USR2', 'train.py']\n"
+            "from fsm_agent import _early_signals as early\n"
+            "early.install(); os.kill(os.getpid(), signal.SIGUSR2); print(early.take_early_drain())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == str(int(signal.SIGUSR2)), done.stderr

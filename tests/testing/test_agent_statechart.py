@@ -439,3 +439,14 @@ def test_health_check_failure_is_replayed_identically(make_agent):
                       "UNHEALTHY->STOPPED (workers_failed)", "STOPPED->HEALTHY (restart)",
                       "HEALTHY->FAILED (workers_failed)"])
     replay(run.agent.events_path).assert_identical()
+
+
+def test_a_drain_signal_before_the_run_drains_at_its_start(make_agent):
+    """A drain signal the CLI's early handlers kept (``_early_signals``) is the agent's first fact."""
+    from fsm_agent import _early_signals
+
+    _early_signals._note_drain(signal.SIGUSR2, None)
+    run = Scenario("all succeed", config=_drain_config()).run(make_agent)
+    run.assert_trace(["INIT->FAILED (drain_requested)"])
+    assert run.agent.drain["source"] == "signal" and run.agent.drain["by"] == "SIGUSR2"
+    assert _early_signals.take_early_drain() is None  # taken once
