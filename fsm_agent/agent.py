@@ -37,8 +37,9 @@ from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.progress import Cycle, next_cycle, read_progress_file
 from fsm_agent.ranks import assign_ranks
 from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine
-from fsm_agent.worker import (DRAIN_EXIT_CODE, DRAIN_SCOPES, DrainSettings, HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, FailureClass, RestartDecision,
-                              RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec, first_failure)
+from fsm_agent.worker import (DRAIN_EXIT_CODE, DRAIN_SCOPES, HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, DrainSettings,
+                              FailureClass, RestartDecision, RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec,
+                              first_failure)
 
 log = logging.getLogger(__name__)
 S = WorkerState

@@ -158,3 +158,33 @@ def test_early_handlers_keep_a_drain_signal_for_the_agent(tmp_path):
             "early.install(); os.kill(os.getpid(), signal.SIGUSR2); print(early.take_early_drain())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.strip() == str(int(signal.SIGUSR2)), done.stderr
+
+
+def test_job_wide_drain_of_two_fsm_nodes_on_loopback(agent_processes, tmp_path):
+    """Two agents of one job (backend ``fsm``, 127.0.0.1): ``--drain-scope job`` on node 0 and its
+    drain signal: both nodes' workers checkpoint and both agents exit 75 (node 1 learnt it from the
+    rendezvous store: source ``peer``)."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    port = free_port()
+    procs, outs, events = [], [], []
+    for node in range(2):
+        out = tmp_path / f"out{node}"
+        out.mkdir()
+        outs.append(out)
+        events.append(tmp_path / f"events{node}.jsonl")
+        procs.append(agent_processes.start(
+            "--nnodes", "2", "--nproc-per-node", str(NPROC), "--rdzv-backend", "fsm", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-id", "drain-job", "--local-addr", "127.0.0.1", "--events-file",
+            str(events[node]), *(["--drain-signals", "SIGUSR2", "--drain-scope", "job"] if node == 0 else []),
+            "worker.py", str(out)))
+    assert wait_until(lambda: all(len(list(o.glob("start_*"))) == NPROC for o in outs)
+                      or any(p.poll() is not None for p in procs), timeout=START_TIMEOUT_S)
+    assert all(p.poll() is None for p in procs), [p.communicate()[1] for p in procs if p.poll() is not None]
+    procs[0].send_signal(signal.SIGUSR2)
+    errs = [p.communicate(timeout=END_TIMEOUT_S)[1] for p in procs]
+    assert [p.returncode for p in procs] == [DRAIN_EXIT_CODE, DRAIN_EXIT_CODE], errs
+    checkpointed = [sorted(json.loads(p.read_text())["rank"] for p in out.glob("ckpt_*.json")) for out in outs]
+    assert sorted(checkpointed) == [[0, 1], [2, 3]], errs  # every worker of the job (global ranks)
+    drains = [[e for e in read_events(path) if e["kind"] == "drain"][0] for path in events]
+    assert [(d["scope"], d["source"], d["checkpointed"]) for d in drains] == [("job", "signal", True),
+                                                                             ("job", "peer", True)], drains

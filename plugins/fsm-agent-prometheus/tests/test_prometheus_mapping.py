@@ -21,6 +21,9 @@ from fsm_agent_prometheus import metric_for, read_options
      ("gauge", "torchelastic_simpleelasticagent__rendezvous_duration_ms", {})),
     ("fsm_agent", "state.HEALTHY.duration_s", ("histogram", "fsm_agent_state_duration_seconds", {"state": "HEALTHY"})),
     ("fsm_agent", "hang.detected", ("gauge", "fsm_agent_hang_detected", {})),
+    # drains are counted apart from failures
+    ("fsm_agent", "drains", ("counter", "fsm_agent_drains", {})),
+    ("torchelastic", "workers.default.run_drained", ("counter", "torchelastic_workers_run_drained", {})),
 ])
 def test_metric_for(group, name, expected):
     assert metric_for(group, name) == expected
