@@ -6,9 +6,10 @@ until then a signal has its default action: SIGUSR1 ``--forward-signals``-listed
 (exit 138), Ctrl-C prints a ``KeyboardInterrupt`` traceback. The console scripts import this package
 first, and the package imports this module first: from then on, in the agent command only (argv
 says ``fsm-agent run``, ``fsmrun`` or ``python -m fsm_agent run``), a stop signal ends the process
-with 128+N and no traceback, and a signal to relay is dropped. The names come from a quick look at
+with 128+N and no traceback, a signal to relay is dropped, and a drain signal (``--drain-signals``)
+is kept for the agent (``take_early_drain``), which drains as soon as it runs. The names come from a quick look at
 argv and the environment (``--signals-to-handle``/``FSM_AGENT_SIGNALS_TO_HANDLE``/``PET_SIGNALS_TO_HANDLE``, ``--forward-signals``/
-``FSM_AGENT_FORWARD_SIGNALS``); ``launch_agent`` puts the full configuration's handlers in place.
+``FSM_AGENT_FORWARD_SIGNALS``, ``--drain-signals``/``FSM_AGENT_DRAIN_SIGNALS``); ``launch_agent`` puts the full configuration's handlers in place.
 A worker or a program that imports ``fsm_agent`` is left alone.
 
 One stop signal ends the process; a second one (GNU ``timeout`` and schedulers signal the whole
@@ -53,7 +54,8 @@ def _option(argv: list[str], flag: str, env: str, default: str) -> str:
 def _names(value: str) -> list[int]:
     sigs = []
     for name in value.split(","):
-        sig = getattr(signal, name.strip(), None)
+        name = name.strip().upper()
+        sig = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
         if isinstance(sig, signal.Signals) and sig not in (signal.SIGKILL, signal.SIGSTOP):
             sigs.append(sig)
     return sigs
@@ -81,6 +83,20 @@ def _drop(signum: int, frame: object) -> None:
     pass
 
 
+#: The drain signal this process got before its agent ran, if any (see ``take_early_drain``).
+_drain_asked: list[int] = []
+
+
+def _note_drain(signum: int, frame: object) -> None:
+    if not _drain_asked:
+        _drain_asked.append(signum)
+
+
+def take_early_drain() -> int | None:
+    """The drain signal that arrived before the agent's own handlers were in place (once), or None."""
+    return _drain_asked.pop() if _drain_asked else None
+
+
 def install() -> None:
     """Install the early handlers when this process is the agent command (see the module docstring)."""
     argv, orig = list(sys.argv), list(getattr(sys, "orig_argv", []))
@@ -94,6 +110,9 @@ def install() -> None:
         for sig in relay:
             if signal.getsignal(sig) == signal.SIG_DFL:
                 signal.signal(sig, _drop)
+        for sig in _names(_option(args, "--drain-signals", "FSM_AGENT_DRAIN_SIGNALS", "")):
+            if signal.getsignal(sig) == signal.SIG_DFL and sig not in stop:
+                signal.signal(sig, _note_drain)
         for sig in stop:
             if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):  # nohup's SIG_IGN stays
                 signal.signal(sig, _exit)

@@ -10,6 +10,7 @@ membership, errors) into triggers with their data. Hooks fire from the steps and
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import select
@@ -27,7 +28,7 @@ import attrs
 import pluggy
 
 from fsm_agent import errorfile
-from fsm_agent._early_signals import note_stop
+from fsm_agent._early_signals import note_stop, take_early_drain
 from fsm_agent.env import worker_env
 from fsm_agent.errors import FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.hang import HangDetector, announce_stack_dump, dump_stacks
@@ -36,8 +37,9 @@ from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.progress import Cycle, next_cycle, read_progress_file
 from fsm_agent.ranks import assign_ranks
 from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine
-from fsm_agent.worker import (HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, FailureClass, NodeProblem, RestartDecision,
-                              RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec, first_failure)
+from fsm_agent.worker import (DRAIN_EXIT_CODE, DRAIN_SCOPES, HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, DrainSettings,
+                              FailureClass, NodeProblem, RestartDecision, RunResult, Worker, WorkerFailure,
+                              WorkerGroup, WorkerSpec, first_failure)
 
 log = logging.getLogger(__name__)
 S = WorkerState
@@ -47,6 +49,13 @@ EXIT_BARRIER_PREFIX = "torchelastic/agent/terminal_state"  # torch's key: torchr
 ERROR_TRIGGERS = ("rendezvous_failed", "agent_errored")
 STACK_DUMP_WAIT_S = 5.0  # at most this long for an aborted hung worker to write its stacks and exit
 EXIT_BARRIER_RELEASE_WAIT_S = 5.0  # at most this long for a failing agent's exit-barrier check-in
+#: The rendezvous-store key (in the round's store, shared by its agents) of a job-wide drain.
+JOB_DRAIN_KEY = "fsm_agent/drain/job"
+#: The same store's count of nodes that left the round by a node drain: a peer's workers that
+#: fail meanwhile (a collective with the departed node) are a membership change, not a failure.
+NODE_DRAIN_KEY = "fsm_agent/drain/nodes"
+#: Seconds between looks at the --drain-file and at a peer's job-wide drain, while the workers run.
+DRAIN_POLL_S = 0.5
 
 
 class SignalStop(BaseException):
@@ -55,6 +64,11 @@ class SignalStop(BaseException):
     def __init__(self, signum: int):
         super().__init__(f"received signal {signal.Signals(signum).name}")
         self.signum = signum
+
+
+class DrainInterrupt(BaseException):
+    """Raised to cut a rendezvous wait short when a drain is requested; the run loop's next step
+    fires ``drain_requested`` from the state the interrupted transition left the group in."""
 
 
 @attrs.frozen
@@ -214,6 +228,14 @@ class ElasticAgent:
         self._error: str | None = None
         self._signal: int | None = None
         self._interruptible = False
+        self._drain_settings = DrainSettings()
+        self._drain_lock = threading.RLock()  # RLock: a drain signal may arrive while the loop holds it
+        self._drain_interruptible = False  # the call running now may be cut short by a drain
+        self._drain_request: dict[str, str] | None = None  # set by any thread, fired by the run loop
+        self._next_drain_check = 0.0
+        #: The drain that ended (or is ending) the run: scope, source, by, and once the workers are
+        #: stopped checkpoint_signal, timeout_s, exits, checkpointed, duration_s; else None.
+        self.drain: dict[str, Any] | None = None
         self._state_since = time.monotonic()
         self._next_tick = 0.0
         self._wake_r, self._wake_w = os.pipe()
@@ -271,6 +293,9 @@ class ElasticAgent:
         those ends in a terminal state whose RunResult says why.
         """
         previous = self._install_signal_handlers()
+        early = take_early_drain()  # a preemption notice can come before the agent ran
+        if early is not None and early in self._drain_settings.signals:
+            self.request_drain(source="signal", by=signal.Signals(early).name)
         try:
             return self._run_to_the_end(previous)
         finally:  # the agent's handlers stay to the very end: a second stop signal never cuts the way out short
@@ -287,8 +312,9 @@ class ElasticAgent:
         result = RunResult(state=self.state, return_values=dict(self._return_values),
                            failures=dict(self._failures), error=self._error, signal=self._signal,
                            restart_count=self.restart_count,
-                           verdict=(self._decision.reason or None) if gave_up else None,
-                           verdict_exit_code=self._decision.exit_code if gave_up else None)
+                           verdict=(self._decision.reason or None) if gave_up else self._drain_verdict(),
+                           verdict_exit_code=self._decision.exit_code if gave_up else None,
+                           drain=self.drain["scope"] if self.drain is not None and self.state == S.FAILED else None)
         self._record_final_metrics(result)
         self._broadcast("fsm_agent_record_event", event=self._event("run_end", state=result.state.value,
                                                                     exit_code=result.exit_code, error=result.error))
@@ -300,6 +326,11 @@ class ElasticAgent:
     def _step(self) -> None:
         if self._signal is not None:
             self._fire("stop_requested")
+            return
+        if self.state in (S.INIT, S.STOPPED):  # no workers to watch: look for a drain before going on
+            self._look_for_drain()
+        if self._drain_request is not None and "drain_requested" in self.machine.get_triggers(self.state):
+            self._fire("drain_requested", **self._drain_request)
             return
         auto = AUTO_TRIGGERS.get(self.state)
         if auto is not None:
@@ -347,6 +378,8 @@ class ElasticAgent:
             self.trigger(trigger, **data)
         except SignalStop:
             pass  # self._signal is set: the next step fires stop_requested
+        except DrainInterrupt:
+            pass  # self._drain_request is set: the next step fires drain_requested
         except Exception as exc:
             kind = _classify_rendezvous_error(exc)
             if kind == "not_needed":
@@ -380,6 +413,9 @@ class ElasticAgent:
         means with its data (see the table's comments), or None when nothing happened."""
         tick = self._tick_interval
         timeout = None if tick is None else max(0.0, self._next_tick - time.monotonic())
+        if self._watches_drain:
+            drain_wait = max(0.0, self._next_drain_check - time.monotonic())
+            timeout = drain_wait if timeout is None else min(timeout, drain_wait)
         # A backend's membership fd stays readable until the next rendezvous: watch it only here.
         membership = [self._membership_fd] if self._membership_fd is not None else []
         launcher_fds = list(self._launcher.wait_fds())
@@ -387,13 +423,14 @@ class ElasticAgent:
                                     [], [], timeout)
         ticked = tick is not None and time.monotonic() >= self._next_tick
         if self._wake_r in ready:
-            try:
-                while os.read(self._wake_r, 512):
-                    pass
-            except BlockingIOError:
-                pass
+            self._empty_wake_pipe()
         if self._signal is not None:
             return "stop_requested", {}
+        if self._watches_drain and time.monotonic() >= self._next_drain_check:
+            self._next_drain_check = time.monotonic() + DRAIN_POLL_S
+            self._look_for_drain()
+        if self._drain_request is not None:
+            return "drain_requested", dict(self._drain_request)
         self._hang.read_timer_requests()
         if membership and membership[0] in ready and (change := self._membership_change()):
             # A lost peer usually fails our workers too (their collectives break); the cause is the
@@ -406,6 +443,10 @@ class ElasticAgent:
             self._reported_exits.add(local_rank)
             self._on_worker_exit(local_rank, exits[local_rank])
         failed = {r: code for r, code in exits.items() if code != 0}
+        if failed and self._peer_left_by_drain():
+            log.warning("[%s] workers failed after a peer left the job by a drain: a membership change, not counted",
+                        self.spec.role)
+            return "membership_changed", {"change": FailureClass.NODE_LOST}
         if failed:
             times = self._launcher.exit_times()
             return "workers_failed", {"exits": failed, "exit_times": {r: times[r] for r in failed if r in times}}
@@ -465,6 +506,10 @@ class ElasticAgent:
         """The restart policy took this node out of the job (``RestartDecision.exclude_node``)."""
         return self._decision is not None and self._decision.exclude_node
 
+    def drains_whole_job(self, event=None) -> bool:
+        """The drain ``_decide_on_drain`` took is job-wide (scope ``job``), not this node's alone."""
+        return self.drain is not None and self.drain["scope"] == "job"
+
     @property
     def _tick_interval(self) -> float | None:
         """Seconds between periodic checks, or None when nothing needs polling.
@@ -522,6 +567,177 @@ class ElasticAgent:
                                  change.replace("_", " "))
         if not self._decision.restart:
             self._error = f"{change}: {self._decision.reason or 'the restart policy gave up'}"
+
+    def _decide_on_drain(self, event) -> None:
+        """Take the drain request (data ``scope``, ``source``, ``by``) as this run's drain, once.
+
+        Raises:
+            ValueError: ``scope`` is neither ``node`` nor ``job``.
+        """
+        if self._decided_event is event:
+            return
+        self._decided_event = event
+        scope = str(event.kwargs.get("scope") or self._drain_settings.scope)
+        if scope not in DRAIN_SCOPES:
+            raise ValueError(f"drain_requested: scope {scope!r} is not one of {', '.join(DRAIN_SCOPES)}")
+        self.drain = {"scope": scope, "source": str(event.kwargs.get("source") or "api"),
+                      "by": str(event.kwargs.get("by") or ""), "ts": time.time()}
+        # A drain decides nothing about restarts: no earlier verdict or failure class applies.
+        self._decision, self._decided_class = None, None
+        log.warning("[%s] draining (%s scope), requested by %s %s", self.spec.role, scope, self.drain["source"],
+                    self.drain["by"])
+
+    def drain_on(self, settings: DrainSettings) -> None:
+        """Watch for drain requests as ``settings`` says (signals, the drain file) and drain that way.
+
+        Called by the ``drain`` plugin's ``fsm_agent_configure``, before ``run()``.
+
+        Raises:
+            ValueError: a drain signal is also a stop signal (``--signals-to-handle``) or forwarded
+                (``--forward-signals``), or the scope is unknown.
+        """
+        if settings.scope not in DRAIN_SCOPES:
+            raise ValueError(f"drain scope {settings.scope!r} is not one of {', '.join(DRAIN_SCOPES)}")
+        for sig in settings.signals:
+            for flag, taken in (("--signals-to-handle", self._signals), ("--forward-signals", self._forwarded)):
+                if sig in taken:
+                    raise ValueError(f"{signal.Signals(sig).name} is both a drain signal and in {flag}; "
+                                     f"list it in one of them")
+        self._drain_settings = settings
+
+    def request_drain(self, scope: str | None = None, source: str = "api", by: str = "") -> bool:
+        """Ask for a drain; safe from any thread (the status endpoint's, a signal handler).
+
+        Args:
+            scope: ``"node"`` or ``"job"``; None: the configured ``--drain-scope``.
+            source: what asked: ``signal``, ``file``, ``http``, ``peer`` or ``api``.
+            by: which one (the signal's name, the file's path, the client's address).
+
+        Returns:
+            True if this request was taken; False when one is pending or the run is ending already.
+
+        Raises:
+            ValueError: ``scope`` is neither ``node`` nor ``job``.
+        """
+        scope = scope or self._drain_settings.scope
+        if scope not in DRAIN_SCOPES:
+            raise ValueError(f"drain scope {scope!r} is not one of {', '.join(DRAIN_SCOPES)}")
+        with self._drain_lock:
+            if self._drain_request is not None or self.drain is not None or self._closed:
+                return False
+            self._drain_request = {"scope": scope, "source": source, "by": by}
+        try:
+            os.write(self._wake_w, b"d")  # wake the run loop
+        except OSError:  # the pipe is full (the loop wakes anyway) or closed (the run ended)
+            pass
+        return True
+
+    @property
+    def drain_request(self) -> dict[str, str] | None:
+        """The drain request the run loop has not acted on yet (scope, source, by), or None."""
+        return self._drain_request
+
+    @property
+    def _watches_drain(self) -> bool:
+        """While the workers run: look for the drain file, and for a peer's job-wide drain in a job of
+        several nodes."""
+        group = self._worker_group
+        return bool(self._drain_settings.file) or (group.store is not None and (group.group_world_size or 0) > 1)
+
+    def _look_for_drain(self) -> None:
+        """Request a drain if the drain file exists or a peer announced a job-wide drain."""
+        if self._drain_request is not None:
+            return
+        path = self._drain_settings.file
+        if path and os.path.exists(path):
+            self.request_drain(source="file", by=path)
+            return
+        group = self._worker_group
+        if self.state != S.HEALTHY or group.store is None or (group.group_world_size or 0) <= 1:
+            return
+        try:
+            announced = group.store.check([JOB_DRAIN_KEY])
+        except Exception as exc:  # the store is gone: the membership checks report that
+            log.debug("could not look for a job-wide drain: %s", exc)
+            return
+        if announced:
+            try:
+                by = group.store.get(JOB_DRAIN_KEY)
+                by = by.decode() if isinstance(by, bytes) else str(by)
+            except Exception:
+                by = "a peer"
+            self.request_drain(scope="job", source="peer", by=by)
+
+    def _announce_drain(self, event=None) -> None:
+        """Tell the other nodes of the round, through its rendezvous store, before any worker
+        stops: a job-wide drain asked here (``JOB_DRAIN_KEY``: every agent looks for it while its
+        workers run, ``_look_for_drain``), or this node's leaving (``NODE_DRAIN_KEY``: a peer whose
+        workers fail meanwhile takes it as a membership change, ``_peer_left_by_drain``)."""
+        group, drain = self._worker_group, self.drain
+        if drain is None or drain["source"] == "peer" or group.store is None or (group.group_world_size or 0) <= 1:
+            return
+        if self._abandoned_call is not None:  # the store client is still busy with it
+            return
+        store = group.store
+        if drain["scope"] == "job":
+            who = f"{self.hostname} (group_rank {group.group_rank}): {drain['source']} {drain['by']}".strip()
+            announce = functools.partial(store.set, JOB_DRAIN_KEY, who)
+        else:
+            announce = functools.partial(store.add, NODE_DRAIN_KEY, 1)
+        try:  # bounded, as the exit-barrier check-in: a store host that is gone must not hold the drain
+            self._interruptible_call("announce-drain", announce, interruptible=False,
+                                     timeout=EXIT_BARRIER_RELEASE_WAIT_S)
+        except Exception as exc:  # the others then see this node leave, later
+            log.warning("could not tell the other nodes of the drain: %s", exc)
+
+    def _peer_left_by_drain(self) -> bool:
+        """Whether another node of this round announced it leaves by a node drain."""
+        group = self._worker_group
+        if group.store is None or (group.group_world_size or 0) <= 1 or self.drain is not None:
+            return False
+        try:
+            return bool(group.store.check([NODE_DRAIN_KEY]))
+        except Exception as exc:  # the store is gone: the failure stands as it is
+            log.debug("could not look for a peer's drain: %s", exc)
+            return False
+
+    def _drain_workers(self, event=None) -> None:
+        """The orderly stop: the checkpoint signal to every live worker, up to ``timeout_s`` seconds
+        for them to exit by themselves, then the usual stop (SIGTERM, SIGKILL after shutdown_timeout
+        s). A stop signal meanwhile cuts the wait short. Records the ``drain`` event."""
+        settings, drain = self._drain_settings, self.drain
+        started = time.monotonic()
+        exits = dict(self._launcher.poll())
+        live = [r for r in self._launcher.pids() if r not in exits]
+        for local_rank in live:
+            self._launcher.signal_worker(local_rank, settings.checkpoint_signal)
+        deadline = started + settings.timeout_s
+        while live and self._signal is None and not set(live) <= set(exits):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            select.select([self._wake_r, *self._launcher.wait_fds()], [], [], min(remaining, 1.0))
+            self._empty_wake_pipe()
+            exits = dict(self._launcher.poll())
+        by_themselves = {r: exits[r] for r in live if r in exits}
+        if len(by_themselves) < len(live):
+            log.warning("[%s] drain: %d of %d workers still running after %gs: stopping them", self.spec.role,
+                        len(live) - len(by_themselves), len(live), settings.timeout_s)
+        self._stop_workers()
+        if drain is not None:
+            drain.update(checkpoint_signal=signal.Signals(settings.checkpoint_signal).name, timeout_s=settings.timeout_s,
+                         exits={str(r): c for r, c in sorted(by_themselves.items())},
+                         checkpointed=bool(live) and len(by_themselves) == len(live)
+                         and all(c == 0 for c in by_themselves.values()),
+                         duration_s=round(time.monotonic() - started, 6))
+            self._broadcast("fsm_agent_record_event", event=self._event("drain", **drain))
+
+    def _drain_verdict(self) -> str | None:
+        drain = self.drain
+        if drain is None or self.state != S.FAILED or self._signal is not None:
+            return None
+        return (f"drained ({drain['scope']} scope, requested by {drain['source']} {drain['by']}".rstrip()
+                + f"): requeue (exit code {DRAIN_EXIT_CODE})")
 
     def track_progress(self, progress_file: str | None = None, max_no_progress_restarts: int = 0) -> None:
         """Read progress for the cycle records: every worker gets a heartbeat file (so
@@ -590,7 +806,7 @@ class ElasticAgent:
                                       self.spec.local_world_size, self.restart_count)
 
         info, ((base_global, world, base_role, role_world), job_restart_count) = self._interruptible_call(
-            "rendezvous", join)
+            "rendezvous", join, drainable=True)
         if job_restart_count is not None:  # one job, one count: adopt the highest of the round
             self.restart_count = max(self.restart_count, job_restart_count)
         group.store, group.group_rank, group.group_world_size = info.store, info.rank, info.world_size
@@ -848,18 +1064,23 @@ class ElasticAgent:
         self.transitions.append(record)
         role = self.spec.role
         self._broadcast("fsm_agent_state_changed", transition=record)
-        decided = {"failure_class": decided_class} if decided_class else {}
+        decided: dict[str, Any] = {"failure_class": decided_class} if decided_class else {}
+        if trigger == "drain_requested" and self.drain is not None:  # a drain, not a failure
+            decided.update(drain_scope=self.drain["scope"], drain_source=self.drain["source"])
         self._broadcast("fsm_agent_record_event", event=self._event(
             "transition", source=record.source, dest=record.dest, trigger=trigger,
             duration_s=round(record.duration_s, 6), error=record.error, **decided))
         self._put_metric("torchelastic", f"workers.{role}.remaining_restarts", self.remaining_restarts)
         self._put_metric("torchelastic", f"workers.{role}.{dest.lower()}", 1)
         self._put_metric("fsm_agent", f"state.{source}.duration_s", record.duration_s)
+        if trigger == "drain_requested":  # counted apart from failures and restarts
+            self._put_metric("fsm_agent", "drains", 1)
 
     def _record_final_metrics(self, result: RunResult) -> None:
         """torch's ``_record_metrics`` names: run_total, flakiness, run_{success,failed}_{with,no}_retries."""
         role, spec = self.spec.role, self.spec
-        failed, restarted = result.is_failed(), self.restart_count > 0
+        drained, restarted = result.drain is not None, self.restart_count > 0
+        failed = result.is_failed() and not drained  # a drain is counted apart (run_drained)
         flakiness = 100.0 if failed else 100.0 - 100.0 * (self.remaining_restarts + 1) / (spec.max_restarts + 1)
         values = {
             "run_total": 1, "flakiness": flakiness,
@@ -867,6 +1088,7 @@ class ElasticAgent:
             "run_success_no_retries": int(not failed and not restarted),
             "run_failed_with_retries": int(failed and restarted),
             "run_failed_no_retries": int(failed and not restarted),
+            **({"run_drained": 1} if drained else {}),  # only then: a run's metrics stay torch's otherwise
         }
         for name, value in values.items():
             self._put_metric("torchelastic", f"workers.{role}.{name}", value)
@@ -929,7 +1151,7 @@ class ElasticAgent:
             self._launcher.signal_worker(local_rank, signal.SIGKILL)
 
     def _interruptible_call(self, name: str, call: Callable[[], Any], *, interruptible: bool = True,
-                            timeout: float | None = None) -> Any:
+                            timeout: float | None = None, drainable: bool = False) -> Any:
         """``call()`` (a rendezvous or store call that may block), cut short by a stop signal.
 
         torch's store calls (TCPStore's connect and ``wait_for_workers`` in StaticTCPRendezvous,
@@ -948,23 +1170,30 @@ class ElasticAgent:
             name: the helper thread's name (``fsm-agent-<name>``).
             interruptible: False: a stop signal does not cut the wait short (a check-in on the way out).
             timeout: seconds to wait at most (None: as long as ``call`` takes).
+            drainable: a drain request cuts the wait short too (a rendezvous: a node given notice
+                while it waits for others leaves at once). A backend whose waits are Python is cut
+                short only by a drain signal; a drain by file or HTTP then acts once the call returns.
 
         Returns:
             what ``call`` returned.
 
         Raises:
             SignalStop: a stop signal arrived first (``interruptible``), or had arrived before.
+            DrainInterrupt: a drain was requested first (``drainable``), or had been before.
             TimeoutError: ``timeout`` passed first.
             whatever ``call`` raised.
         """
         if interruptible and self._signal is not None:
             raise SignalStop(self._signal)
+        if drainable and self._drain_request is not None:
+            raise DrainInterrupt()
         if getattr(self._rdzv_handler, "interruptible", False):
             self._interruptible = interruptible  # the handler raises SignalStop into call()
+            self._drain_interruptible = drainable
             try:
                 return call()
             finally:
-                self._interruptible = False
+                self._interruptible = self._drain_interruptible = False
         outcome: dict[str, Any] = {}
         done_r, done_w = os.pipe()
 
@@ -987,6 +1216,8 @@ class ElasticAgent:
             while True:  # the handler only records the signal here; the loop's next turn acts on it
                 if interruptible and self._signal is not None:
                     raise SignalStop(self._signal)
+                if drainable and self._drain_request is not None:
+                    raise DrainInterrupt()
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 ready, _, _ = select.select([done_r, self._wake_r], [], [], remaining)
                 if done_r in ready:
@@ -994,11 +1225,7 @@ class ElasticAgent:
                     break
                 if not ready:
                     raise TimeoutError(f"{name} did not finish within {timeout:g}s")
-                try:  # a signal woke us: its Python handler runs before the next turn
-                    while os.read(self._wake_r, 512):
-                        pass
-                except BlockingIOError:
-                    pass
+                self._empty_wake_pipe()  # a signal woke us: its Python handler runs before the next turn
         finally:
             os.close(done_r)
             if not finished:
@@ -1006,6 +1233,20 @@ class ElasticAgent:
         if "error" in outcome:
             raise outcome["error"]
         return outcome["value"]
+
+    def _on_drain_signal(self, signum: int, frame) -> None:
+        """A drain signal (``--drain-signals``): request a drain of the configured scope."""
+        self.request_drain(source="signal", by=signal.Signals(signum).name)
+        if self._interruptible and self._drain_interruptible:  # a Python rendezvous wait: cut it short
+            raise DrainInterrupt()
+
+    def _empty_wake_pipe(self) -> None:
+        """Read what signals and ``request_drain`` wrote to the wake-up pipe (non-blocking)."""
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
 
     def _forward_signal(self, signum: int, frame) -> None:
         """Relay ``signum`` to each running worker's process group; nothing is stopped."""
@@ -1023,6 +1264,8 @@ class ElasticAgent:
             previous[sig] = signal.signal(sig, self._on_signal)
         for sig in self._forwarded:
             previous[sig] = signal.signal(sig, self._forward_signal)
+        for sig in self._drain_settings.signals:
+            previous[sig] = signal.signal(sig, self._on_drain_signal)
         previous[-1] = signal.set_wakeup_fd(self._wake_w)
         return previous
 
@@ -1058,7 +1301,8 @@ class ElasticAgent:
         # torch does) and when this node was excluded (the others carry on without it); a backend
         # whose shutdown only leaves says so and always gets it. A backend with ``leave()`` (c10d,
         # etcd-v3) leaves the round instead, so the others notice at once, not after a keep-alive.
-        leaving_alone = self._signal is not None or self.excludes_this_node()
+        leaving_alone = self._signal is not None or self.excludes_this_node() or (
+            self.drain is not None and not self.drains_whole_job())
         leave = getattr(self._rdzv_handler, "leave", None) if leaving_alone else None
         if leave is not None and self._abandoned_call is not None:
             log.warning("not leaving the rendezvous: its store is still busy with the abandoned %s; the other "

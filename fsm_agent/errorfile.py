@@ -54,6 +54,9 @@ def format_summary(name: str, result: RunResult) -> str:
     root cause first, since that is where a reader looks.
     """
     width = 72
+    if result.drain is not None and result.signal is None:  # an orderly stop, not a failure
+        return "\n".join(["=" * width, f"{name} DRAINED ({result.drain} scope)", "-" * width,
+                          f"Verdict: {result.verdict or 'drained'}", "=" * width])
     lines = ["=" * width, f"{name} FAILED", "-" * width]
     if result.verdict:  # what the restart policy decided, e.g. "no restarts left (max_restarts=3)"
         lines += [f"Verdict: {result.verdict}", "-" * width]

@@ -315,6 +315,9 @@ def _trigger_data(record: dict, source: str, exits: list[dict], cycle: dict | No
         return {"problem": "replayed health check"}
     if trigger == "membership_changed":
         return {"change": record.get("failure_class") or "membership_change"}
+    if trigger == "drain_requested":
+        return {"scope": record.get("drain_scope") or "node", "source": record.get("drain_source") or "replay",
+                "by": "replay"}
     if trigger in ("rendezvous_failed", "agent_errored"):
         return {"error": str(record.get("error") or f"replayed {trigger}")}
     return {}
@@ -339,7 +342,11 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
     launcher = _ReplayLauncher()
     limits = [int(r["max_no_progress_restarts"]) for _, _, r in run
               if r["kind"] == "cycle" and r.get("max_no_progress_restarts")]
-    config = LaunchConfig(plugins={"progress": {"max_no_progress_restarts": limits[0]}}) if limits else None
+    # A replayed drain does not wait for the workers' checkpoint: there are none.
+    plugin_options: dict[str, dict[str, Any]] = {"drain": {"timeout": 0.0}}
+    if limits:
+        plugin_options["progress"] = {"max_no_progress_restarts": limits[0]}
+    config = LaunchConfig(plugins=plugin_options)
     pm = get_plugin_manager(disabled=(*NOT_REPLAYED_PLUGINS, *disabled), load_entry_points=load_plugins)
     pm.register(_NoBackoff(), "replay-no-backoff")
     agent = build_agent(rendezvous, launcher, plugin_manager=pm, local_world_size=int(first.get("local_world_size") or 1),

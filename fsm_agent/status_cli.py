@@ -95,10 +95,16 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
     """(label, value) lines of the summary."""
     members = doc.get("membership", {})
     agent = doc.get("agent", {})
+    drain = doc.get("drain")  # counted apart from the restarts: a drain is not a failure
+    drains = ([("drain", f"{drain.get('scope')} scope, requested by {drain.get('source')} {drain.get('by') or ''}".rstrip()
+                + ("" if drain.get("checkpointed") is None else
+                   f", {'checkpointed' if drain['checkpointed'] else 'not every worker checkpointed'}"))]
+              if isinstance(drain, dict) else [])
     return [
         ("state", f"{doc['state']} for {doc.get('time_in_state_s', 0):.1f}s"),
         ("restarts", f"{doc.get('restart_count')} used, {doc.get('remaining_restarts')} left "
                      f"(max {doc.get('max_restarts')})"),
+        *drains,
         ("rendezvous round", _text(doc.get("rendezvous_round"))),
         ("run id", _text(members.get("run_id"))),
         ("node", f"group rank {_text(members.get('group_rank'))} of {_text(members.get('group_world_size'))} "

@@ -212,6 +212,33 @@ HEALTH_CHECK_EXIT_CODE = 69
 #: (``--max-no-progress-restarts``): a requeue wrapper should not start it again. A worker's own
 #: exit with this code is reported as 1, so the code always means the agent's verdict.
 DO_NOT_REQUEUE_EXIT_CODE = 79
+#: The agent's exit code after a drain (``--drain-signals``, ``--drain-file``, ``POST /drain``): an
+#: orderly stop, the workers had their checkpoint chance, requeue it (sysexits' EX_TEMPFAIL, "try
+#: again later"). A worker's own exit with this code is passed on as it is.
+DRAIN_EXIT_CODE = 75
+#: What a drain stops: this node alone (the others re-rendezvous) or the whole job.
+DRAIN_SCOPES = ("node", "job")
+DEFAULT_DRAIN_TIMEOUT_S = 60.0
+
+
+@attrs.frozen
+class DrainSettings:
+    """How this agent drains (the ``drain`` plugin's options).
+
+    Attributes:
+        signals: signal numbers that request a drain (``--drain-signals``).
+        file: a path whose appearance requests a drain (``--drain-file``), or None.
+        timeout_s: seconds the workers get, after the checkpoint signal, to exit by themselves
+            (``--drain-timeout``); then they are stopped as on a restart.
+        scope: the scope of a signal's or file's drain: ``"node"`` or ``"job"`` (``--drain-scope``).
+        checkpoint_signal: the signal number the workers get first (``--drain-checkpoint-signal``).
+    """
+
+    signals: tuple[int, ...] = ()
+    file: str | None = None
+    timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    scope: str = "node"
+    checkpoint_signal: int = signal.SIGUSR1
 
 
 def signal_name(exitcode: int) -> str:
@@ -327,6 +354,8 @@ class RunResult:
             (``RestartDecision.reason``), else None.
         verdict_exit_code: the exit code the restart policy gave up with
             (``RestartDecision.exit_code``, e.g. ``DO_NOT_REQUEUE_EXIT_CODE``), else None.
+        drain: the scope of the drain that ended the run (``"node"`` or ``"job"``), else None;
+            such a run exits ``DRAIN_EXIT_CODE``.
     """
 
     state: WorkerState
@@ -337,6 +366,7 @@ class RunResult:
     restart_count: int = 0
     verdict: str | None = None
     verdict_exit_code: int | None = None
+    drain: str | None = None
 
     def is_failed(self) -> bool:
         """True unless the group SUCCEEDED (torch checks only FAILED and so misses UNHEALTHY)."""
@@ -349,14 +379,16 @@ class RunResult:
 
     @property
     def exit_code(self) -> int:
-        """0 on success; 128+N when a signal N stopped the agent; the restart policy's
-        ``verdict_exit_code`` when it gave one; else the root-cause worker's code, except that a
+        """0 on success; 128+N when a signal N stopped the agent; ``DRAIN_EXIT_CODE`` after a drain;
+        the restart policy's ``verdict_exit_code`` when it gave one; else the root-cause worker's code, except that a
         worker's ``DO_NOT_REQUEUE_EXIT_CODE`` is reported as 1 (only the agent says "do not requeue").
         docs/failure-handling.md "Exit codes" has the table."""
         if self.state == WorkerState.SUCCEEDED:
             return 0
         if self.signal is not None:
             return 128 + self.signal
+        if self.drain is not None:
+            return DRAIN_EXIT_CODE
         if self.verdict_exit_code is not None:
             return self.verdict_exit_code
         cause = self.root_cause

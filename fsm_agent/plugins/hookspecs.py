@@ -301,7 +301,8 @@ def fsm_agent_record_event(event: dict[str, Any]) -> None:
         After every transition, after every worker exit, and at the end of ``run``; a ``cycle``
         record from the steps that end a restart cycle, before their transition:
         ``_decide_on_failed_workers`` (``workers_failed``), ``_decide_on_membership_change``
-        (``membership_changed``) and ``_record_return_values`` (``workers_succeeded``).
+        (``membership_changed``) and ``_record_return_values`` (``workers_succeeded``); a ``drain``
+        record from ``_drain_workers`` (``drain_requested``), once its workers are stopped.
     """
 
 

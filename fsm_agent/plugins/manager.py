@@ -30,6 +30,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "launcher-preload": "fsm_agent.plugins.launcher_preload",
     "restart-policy": "fsm_agent.plugins.restart_policy",
     "progress": "fsm_agent.plugins.progress",
+    "drain": "fsm_agent.plugins.drain",
     "health-check": "fsm_agent.plugins.health_check",
     "straggler": "fsm_agent.plugins.straggler",
     "metrics-logging": "fsm_agent.plugins.metrics_logging",

@@ -16,6 +16,14 @@ daemon thread of the standard library's ``ThreadingHTTPServer``:
 - ``GET /statechart``: the Mermaid statechart (``fsm_agent.states.statechart``) with the
   current state highlighted (``class <STATE> current``).
 - ``GET /healthz``: ``ok``.
+- ``POST /drain`` (``?scope=node`` or ``?scope=job``; default ``--drain-scope``): ask the agent to
+  drain (the ``drain`` plugin; docs/failure-handling.md "Drain"); ``202`` with the request, ``409``
+  when a drain is already under way. Allowed from a loopback client; from any other address only
+  with ``Authorization: Bearer <token>``, the token read from ``--status-token-file`` (``401``
+  without it, ``403`` when no token file is configured).
+
+``--status-host ADDR`` (default 127.0.0.1) serves on another interface, e.g. for an orchestrator's
+preemption watcher; ``GET`` stays open to whoever can reach it, ``POST /drain`` needs the token.
 
 State is tracked through hooks (``fsm_agent_rendezvous_completed``, ``fsm_agent_workers_started``,
 ``fsm_agent_worker_exited``, ``fsm_agent_state_changed``) by a ``LiveStatus`` object registered in
@@ -29,14 +37,18 @@ import collections
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import attrs
+import hmac
+import ipaddress
 from urllib.parse import parse_qs, urlsplit
+
+import attrs
 
 from fsm_agent.errors import ConfigError
 from fsm_agent.plugins import hookimpl
@@ -64,21 +76,53 @@ def _check_port(port: int) -> None:
         raise ValueError("expected a port number 0-65535 (0: any free port)")
 
 
+def _check_host(host: str) -> None:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"expected an IP address of this host, e.g. {HOST}, got {host!r}") from None
+
+
+def _read_token(path: str) -> str:
+    """The bearer token in ``path`` (surrounding whitespace stripped).
+
+    Raises:
+        ConfigError: the file cannot be read or is empty.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"--status-token-file {path}: cannot read it: {exc.strerror or exc}; "
+                          f"give a readable file holding the token") from None
+    if not token:
+        raise ConfigError(f"--status-token-file {path}: the file is empty; write the token into it")
+    return token
+
+
 @hookimpl
 def fsm_agent_addoption(options):
     options.add("port", type=int, default=None, flag="--status-port", env="FSM_AGENT_STATUS_PORT",
                 check=_check_port,
-                help="serve live status on http://127.0.0.1:PORT (/status, /statechart, /healthz); "
+                help="serve live status on http://127.0.0.1:PORT (/status, /statechart, /healthz, POST /drain); "
                      "0 picks a free port; unset: off")
+    options.add("host", type=str, default=HOST, flag="--status-host", env="FSM_AGENT_STATUS_HOST", check=_check_host,
+                help="address the status endpoint listens on; POST /drain from a non-loopback client needs "
+                     "--status-token-file")
+    options.add("token_file", type=str, default="", flag="--status-token-file", env="FSM_AGENT_STATUS_TOKEN_FILE",
+                help="file holding the bearer token POST /drain needs from a non-loopback client (default: none, "
+                     "loopback clients only)")
 
 
 @hookimpl
 def fsm_agent_configure(config, agent):
-    port = config.plugin_options(PLUGIN_NAME).get("port") if config is not None else None
+    options = config.plugin_options(PLUGIN_NAME) if config is not None else {}
+    port = options.get("port")
     if port is None:
         return
-    status = LiveStatus(agent)
-    status.serve(port)
+    token_file = options.get("token_file") or ""
+    status = LiveStatus(agent, token=_read_token(token_file) if token_file else None)
+    status.serve(port, options.get("host") or HOST)
     agent.plugin_manager.register(status, f"{PLUGIN_NAME}-server")
     print(f"fsm-agent: status at {status.url}/status", file=sys.stderr, flush=True)
 
@@ -93,8 +137,9 @@ class LiveStatus:
         url: ``http://127.0.0.1:PORT`` once ``serve`` bound the port.
     """
 
-    def __init__(self, agent: Any):
+    def __init__(self, agent: Any, token: str | None = None):
         self._agent = agent
+        self._token = token
         self._lock = threading.Lock()
         self._state = _state_name(getattr(agent, "state", "INIT"))
         self._since = time.monotonic()
@@ -166,21 +211,22 @@ class LiveStatus:
         self.close()
 
     # -- the server ----------------------------------------------------------------------------
-    def serve(self, port: int) -> None:
-        """Listen on 127.0.0.1:``port`` (0: a free port) from a daemon thread.
+    def serve(self, port: int, host: str = HOST) -> None:
+        """Listen on ``host``:``port`` (0: a free port) from a daemon thread.
 
         Raises:
-            ConfigError: the port cannot be bound (in use, no permission).
+            ConfigError: the port cannot be bound (in use, no permission, not this host's address).
         """
+        server_class = _ThreadingHTTPServerV6 if ":" in host else ThreadingHTTPServer
         try:
-            server = ThreadingHTTPServer((HOST, port), _Handler)
+            server = server_class((host, port), _Handler)
         except OSError as exc:
-            raise ConfigError(f"--status-port {port}: cannot listen on {HOST}:{port}: {exc.strerror or exc}; "
-                              f"choose another port (0 picks a free one)") from None
+            raise ConfigError(f"--status-port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}; "
+                              f"choose another port (0 picks a free one) or another --status-host") from None
         server.daemon_threads = True
         server.status = self  # type: ignore[attr-defined]
         self._server = server
-        self.url = f"http://{HOST}:{server.server_address[1]}"
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{server.server_address[1]}"
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
                                         name="fsm-agent-status-http", daemon=True)
         self._thread.start()
@@ -195,6 +241,32 @@ class LiveStatus:
             self._thread.join(timeout=5)
 
     # -- what is served ------------------------------------------------------------------------
+    def drain(self, scope: str | None, client: str, authorization: str | None) -> tuple[int, dict[str, Any]]:
+        """Answer ``POST /drain`` from ``client`` (its IP address): (HTTP code, JSON document).
+
+        A loopback client may always ask; any other only with ``Authorization: Bearer <token>``.
+        """
+        if not _is_loopback(client):
+            if self._token is None:
+                return 403, {"error": f"POST /drain from {client} refused: only loopback clients may drain "
+                                      f"unless the agent has --status-token-file"}
+            given = (authorization or "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), self._token.encode()):
+                return 401, {"error": f"POST /drain from {client} refused: missing or wrong bearer token "
+                                      f"(Authorization: Bearer <token of --status-token-file>)"}
+        try:
+            taken = self._agent.request_drain(scope=scope, source="http", by=client)
+        except ValueError as exc:
+            return 400, {"error": str(exc)}
+        if not taken:
+            return 409, {"error": "a drain is already under way, or the run is ending", "drain": self._drain_doc()}
+        return 202, {"drain": self._drain_doc() or {"scope": scope, "source": "http", "by": client}}
+
+    def _drain_doc(self) -> dict[str, Any] | None:
+        agent = self._agent
+        drain = getattr(agent, "drain", None) or getattr(agent, "drain_request", None)
+        return dict(drain) if drain else None
+
     def snapshot(self, transitions: int = TRANSITIONS_SHOWN) -> dict[str, Any]:
         """The ``/status`` document."""
         agent = self._agent
@@ -225,6 +297,9 @@ class LiveStatus:
                 "transitions_total": self._transition_count,
                 "cycles": [attrs.asdict(cycle) for cycle in list(getattr(agent, "cycles", ()))[-CYCLES_SHOWN:]],
                 "step_times": getattr(agent, "step_times", None),
+                # A drain is not a failure: apart from restart_count, with its own count.
+                "drain": self._drain_doc(),
+                "drains": int(getattr(agent, "drain", None) is not None),
                 "agent": {
                     "pid": os.getpid(),
                     "node": getattr(agent, "hostname", None),
@@ -244,6 +319,19 @@ class LiveStatus:
         return (self._chart.rstrip("\n")
                 + "\n  classDef current fill:#ffd54f,stroke:#e65100,stroke-width:3px"
                 + f"\n  class {state} current\n")
+
+
+class _ThreadingHTTPServerV6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
 
 
 def _state_name(state: Any) -> str:
@@ -305,6 +393,23 @@ class _Handler(BaseHTTPRequestHandler):
                     {"error": f"no such path {url.path!r}", "paths": ["/status", "/statechart", "/healthz"]}) + "\n")
         except Exception as exc:  # never take the agent down from the status thread
             log.exception("status request %s failed", self.path)
+            self._send(500, "application/json", json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        status: LiveStatus = self.server.status  # type: ignore[attr-defined]
+        url = urlsplit(self.path)
+        try:
+            if url.path not in ("/drain", "/drain/"):
+                return self._send(404, "application/json", json.dumps(
+                    {"error": f"no such path {url.path!r} for POST", "paths": ["/drain"]}) + "\n")
+            length = int(self.headers.get("Content-Length") or 0)
+            if length:
+                self.rfile.read(min(length, 65536))  # a body is allowed, and ignored
+            scope = parse_qs(url.query).get("scope", [None])[0]
+            code, doc = status.drain(scope, self.client_address[0], self.headers.get("Authorization"))
+            self._send(code, "application/json", json.dumps(doc, default=str) + "\n")
+        except Exception as exc:  # never take the agent down from the status thread
+            log.exception("status request POST %s failed", self.path)
             self._send(500, "application/json", json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
 
     def _send(self, code: int, content_type: str, body: str) -> None:

@@ -50,6 +50,9 @@ HOOKS_BY_STEP: dict[str, tuple[str, ...]] = {
     "_exit_barrier": (),
     "_release_exit_barrier": (),
     "_backoff": (),
+    "_decide_on_drain": (),
+    "_announce_drain": (),
+    "_drain_workers": ("fsm_agent_record_event",),
 }
 
 #: Fired after every transition, once the state has changed, by ``ElasticAgent._after_state_change``.

@@ -31,6 +31,8 @@ _RUNNING = [S.HEALTHY, S.UNHEALTHY]
 #: and ``excludes_this_node`` read the decision it made; every row of one trigger decides alike.
 _DECIDE_ON_FAILURE = "_decide_on_failed_workers"
 _DECIDE_ON_MEMBERSHIP = "_decide_on_membership_change"
+#: The step that takes a drain request (its scope) for the guard ``drains_whole_job``.
+_DECIDE_ON_DRAIN = "_decide_on_drain"
 
 TRANSITIONS: list[Row] = [
     # -- starting: rendezvous, assign ranks, spawn the workers ----------------------------------
@@ -86,6 +88,20 @@ TRANSITIONS: list[Row] = [
     dict(trigger="rendezvous_not_needed", source=[S.INIT, S.STOPPED], dest=S.SUCCEEDED),
     dict(trigger="stop_requested", source=_LIVE, dest=S.FAILED,
          before=["_stop_workers", "_release_exit_barrier"]),
+    # A drain (preemption notice: a --drain-signals signal, the --drain-file, POST /drain, or a
+    # peer's job-wide drain): an orderly stop that is neither a failure nor a restart. The workers
+    # get their checkpoint signal and --drain-timeout s to exit, then the agent exits with the
+    # requeue code. Both scopes tell the other nodes first, through the rendezvous store. Scope
+    # "node": this node alone leaves (as an excluded node: no exit-barrier check-in, it leaves its
+    # round) and the others re-rendezvous without counting; scope "job": the others drain too.
+    # Data: scope="node" | "job", source="signal" | "file" | "http" | "peer", by="what asked".
+    # UNHEALTHY's workers are failed already: a request waits for its workers_failed.
+    dict(trigger="drain_requested", source=[S.INIT, S.HEALTHY, S.STOPPED], dest=S.FAILED,
+         prepare=_DECIDE_ON_DRAIN, conditions="drains_whole_job",
+         before=["_announce_drain", "_drain_workers", "_release_exit_barrier"]),
+    dict(trigger="drain_requested", source=[S.INIT, S.HEALTHY, S.STOPPED], dest=S.FAILED,
+         prepare=_DECIDE_ON_DRAIN, unless="drains_whole_job",
+         before=["_announce_drain", "_drain_workers"]),
     # An unexpected exception in the agent or a plugin: the agent can no longer vouch for its workers.
     # Data: error="what raised".
     dict(trigger="agent_errored", source=_LIVE, dest=S.UNKNOWN,

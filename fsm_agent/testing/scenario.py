@@ -198,7 +198,7 @@ PHRASES = {
     "stop fails | stop fails once": "the launcher's stop raises (every time / only the first time)",
 }
 
-_SIG = r"(sig[a-z]+)"
+_SIG = r"(sig[a-z0-9]+)"
 
 
 def _signum(name: str) -> int:

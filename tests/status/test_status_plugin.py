@@ -157,7 +157,8 @@ def test_binds_loopback_only(make_agent):
 def test_the_option_is_declared():
     from fsm_agent.plugins.manager import collect_options, get_plugin_manager
 
-    (option,) = collect_options(get_plugin_manager(load_entry_points=False)).of("status-http")
+    option, *others = collect_options(get_plugin_manager(load_entry_points=False)).of("status-http")
+    assert [o.name for o in others] == ["host", "token_file"]
     assert (option.name, option.flag, option.env, option.default) == ("port", "--status-port",
                                                                      "FSM_AGENT_STATUS_PORT", None)
     assert option.from_string("0") == 0
@@ -208,3 +209,24 @@ def test_status_shows_the_restart_cycles(make_agent):
     assert [(c["attempt"], c["failure_class"], c["last_step"], c["checkpoint_step"]) for c in last] == [
         (0, "exit_code", None, None), (1, None, None, None)]
     assert snapshots[0] == [] and len(snapshots[1]) == 1 and last[0]["start"] <= last[0]["end"]
+
+
+def test_post_drain_rules_and_the_drain_in_status(make_agent, tmp_path):
+    """Who may drain (a loopback client; another only with the token), and that ``/status``
+    shows the drain apart from the restarts."""
+    from fsm_agent.plugins.status_http import LiveStatus
+    from fsm_agent.status_cli import summary_rows
+
+    agent = make_agent()
+    tokenless, guarded = LiveStatus(agent), LiveStatus(agent, token="s3cret")
+    assert tokenless.drain(None, "10.0.0.7", "Bearer s3cret")[0] == 403
+    assert guarded.drain(None, "10.0.0.7", None)[0] == 401
+    assert guarded.drain(None, "10.0.0.7", "Bearer wrong")[0] == 401
+    assert guarded.drain("rack", "127.0.0.1", None)[0] == 400
+    assert agent.drain_request is None  # nothing refused was taken
+    code, doc = guarded.drain("job", "::ffff:127.0.0.1", None)  # loopback, whatever the token
+    assert code == 202 and doc["drain"] == {"scope": "job", "source": "http", "by": "::ffff:127.0.0.1"}
+    assert tokenless.drain(None, "127.0.0.1", None)[0] == 409  # one drain at a time
+    snapshot = guarded.snapshot()
+    assert snapshot["drain"]["scope"] == "job" and snapshot["restart_count"] == 0
+    assert ("drain", "job scope, requested by http ::ffff:127.0.0.1") in summary_rows(snapshot)

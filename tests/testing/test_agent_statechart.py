@@ -87,6 +87,25 @@ def _health_failures(run):
 # -- one case per way through the table ------------------------------------------------------------
 # (id, scenario, exact trace with triggers, extra check(run))
 
+def _drain_config(**options):
+    from fsm_agent.config import LaunchConfig
+
+    return LaunchConfig(plugins={"drain": {"signals": "SIGUSR2", "timeout": 0.0, **options}})
+
+
+def _drained(scope):
+    def check(run):
+        from fsm_agent.worker import DRAIN_EXIT_CODE
+
+        assert run.result.drain == scope and run.result.exit_code == DRAIN_EXIT_CODE, run.result
+        records = run.agent.transitions
+        assert len(records) == 1 or records[-1].restart_count == records[-2].restart_count  # no restart spent
+        assert "drained" in (run.result.verdict or ""), run.result
+        # a node drain leaves the rendezvous open for the others; a job drain closes it
+        assert run.rendezvous.shutdown_calls == (1 if scope == "job" else 0)
+    return check
+
+
 def _ok(run):
     assert run.result.exit_code == 0 and run.result.error is None
 
@@ -163,6 +182,18 @@ CASES = [
     ("stop_requested_while_stopped",
      Scenario("worker 1 exits 1 -> restart -> SIGTERM during rendezvous", max_restarts=1),
      ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->FAILED (stop_requested)"], _signalled),
+    ("drain_requested_while_healthy", Scenario("wait -> SIGUSR2", config=_drain_config()),
+     ["INIT->HEALTHY (start)", "HEALTHY->FAILED (drain_requested)"], _drained("node")),
+    ("job_drain_requested_while_healthy", Scenario("wait -> SIGUSR2", config=_drain_config(scope="job")),
+     ["INIT->HEALTHY (start)", "HEALTHY->FAILED (drain_requested)"], _drained("job")),
+    ("drain_requested_in_init", Scenario("all succeed", config=_drain_config(file=__file__)),
+     ["INIT->FAILED (drain_requested)"], _drained("node")),
+    ("drain_requested_during_the_first_rendezvous", Scenario("SIGUSR2 during rendezvous", config=_drain_config()),
+     ["INIT->FAILED (drain_requested)"], _drained("node")),
+    ("drain_requested_while_stopped",
+     Scenario("worker 1 exits 1 -> restart -> SIGUSR2 during rendezvous", max_restarts=1, config=_drain_config()),
+     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->FAILED (drain_requested)"],
+     _drained("node")),
     ("agent_errored_in_init", Scenario("launcher fails to start"),
      ["INIT->UNKNOWN (agent_errored)"], _error_contains("start failed in state INIT", "scripted start failure")),
     ("agent_errored_plugin_in_init", Scenario("all succeed", plugins=[ListenerBoom()]),
@@ -408,3 +439,14 @@ def test_health_check_failure_is_replayed_identically(make_agent):
                       "UNHEALTHY->STOPPED (workers_failed)", "STOPPED->HEALTHY (restart)",
                       "HEALTHY->FAILED (workers_failed)"])
     replay(run.agent.events_path).assert_identical()
+
+
+def test_a_drain_signal_before_the_run_drains_at_its_start(make_agent):
+    """A drain signal the CLI's early handlers kept (``_early_signals``) is the agent's first fact."""
+    from fsm_agent import _early_signals
+
+    _early_signals._note_drain(signal.SIGUSR2, None)
+    run = Scenario("all succeed", config=_drain_config()).run(make_agent)
+    run.assert_trace(["INIT->FAILED (drain_requested)"])
+    assert run.agent.drain["source"] == "signal" and run.agent.drain["by"] == "SIGUSR2"
+    assert _early_signals.take_early_drain() is None  # taken once

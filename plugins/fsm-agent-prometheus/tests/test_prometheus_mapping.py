@@ -25,6 +25,9 @@ from fsm_agent_prometheus import metric_for, read_options
     ("fsm_agent", "step_time.3.seconds", ("gauge", "fsm_agent_step_time_seconds", {"global_rank": "3"})),
     ("fsm_agent", "step_time.12.ratio", ("gauge", "fsm_agent_step_time_ratio", {"global_rank": "12"})),
     ("fsm_agent", "stragglers", ("gauge", "fsm_agent_stragglers", {})),
+    # drains are counted apart from failures
+    ("fsm_agent", "drains", ("counter", "fsm_agent_drains", {})),
+    ("torchelastic", "workers.default.run_drained", ("counter", "torchelastic_workers_run_drained", {})),
 ])
 def test_metric_for(group, name, expected):
     assert metric_for(group, name) == expected

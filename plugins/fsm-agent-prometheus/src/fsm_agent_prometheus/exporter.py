@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 STATES = [s.value for s in WorkerState]
 WORKER_STATE_NAMES = {s.lower() for s in STATES}
 RUN_OUTCOMES = ("run_success_with_retries", "run_success_no_retries", "run_failed_with_retries",
-                "run_failed_no_retries")
+                "run_failed_no_retries", "run_drained")
 #: seconds; from a fast INIT to a multi-day HEALTHY
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 24 * 3600, float("inf"))
 
@@ -75,6 +75,8 @@ def metric_for(group: str, name: str) -> tuple[str, str, dict[str, str]]:
         if metric in RUN_OUTCOMES:
             return "counter", f"torchelastic_workers_{metric}", {}
         return "gauge", f"torchelastic_workers_{_sanitize(metric)}", {}
+    if group == "fsm_agent" and name == "drains":  # one per drain_requested transition
+        return "counter", "fsm_agent_drains", {}
     if group == "fsm_agent" and len(parts) == 3 and parts[0] == "state" and parts[2] == "duration_s":
         return "histogram", "fsm_agent_state_duration_seconds", {"state": parts[1]}
     if group == "fsm_agent" and parts[0] == "step_time":

@@ -1,0 +1,82 @@
+"""Built-in drain plugin: preemption notice as an input, an orderly stop that is not a failure.
+
+A drain is requested by
+
+- a signal of ``--drain-signals SIGUSR2,...`` (none by default; a signal cannot be both a drain
+  signal and in ``--signals-to-handle``, which keeps torch's meaning: stop the job),
+- a file appearing at ``--drain-file PATH`` (a node-health daemon's mark; looked at every 0.5 s
+  while the workers run, and before each rendezvous),
+- ``POST /drain`` on the status endpoint (``--status-port``; see the ``status-http`` plugin),
+- a peer's job-wide drain (``--drain-scope job``), read from the rendezvous store.
+
+The statechart's ``drain_requested`` rows then send every worker ``--drain-checkpoint-signal``
+(default SIGUSR1), wait up to ``--drain-timeout`` seconds for them to exit by themselves, stop the
+rest, and end the run with ``DRAIN_EXIT_CODE`` (75: requeue). ``--drain-scope node`` (the default):
+only this node leaves; the others see a departed node and re-rendezvous without counting a
+restart. ``--drain-scope job``: every node of the job drains. A drain never spends the restart
+budget; it is a ``drain`` record in the events file, the ``fsm_agent.drains`` and
+``run_drained`` metrics and the ``drain`` field of ``/status``.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from fsm_agent.plugins import hookimpl
+from fsm_agent.worker import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_SCOPES, DrainSettings
+
+PLUGIN_NAME = "drain"
+
+
+def _signal_number(name: str) -> int:
+    """``SIGUSR2`` (or ``USR2``) as its number.
+
+    Raises:
+        ValueError: not a signal name.
+    """
+    text = name.strip().upper()
+    text = text if text.startswith("SIG") else "SIG" + text
+    try:
+        return int(signal.Signals[text])
+    except KeyError:
+        raise ValueError(f"expected signal names like SIGUSR2, got {name.strip()!r}") from None
+
+
+def _signal_numbers(names: str) -> tuple[int, ...]:
+    return tuple(_signal_number(n) for n in names.split(",") if n.strip())
+
+
+def _check_signals(names: str) -> None:
+    for number in _signal_numbers(names):
+        if number in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"expected signals that can be caught; {signal.Signals(number).name} cannot")
+
+
+def _check_timeout(seconds: float) -> None:
+    if seconds < 0:
+        raise ValueError(f"expected seconds >= 0, got {seconds}")
+
+
+@hookimpl
+def fsm_agent_addoption(options):
+    options.add("signals", type=str, default="", check=_check_signals,
+                help="signals that request a drain, e.g. SIGUSR2 (default: none); not a --signals-to-handle one")
+    options.add("file", type=str, default="",
+                help="a file whose appearance requests a drain (a node-health daemon's mark); default: none")
+    options.add("timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, check=_check_timeout,
+                help="seconds the workers get after the checkpoint signal to exit by themselves; then stopped")
+    options.add("scope", type=str, default="node", choices=DRAIN_SCOPES,
+                help="node: only this node leaves, the others re-rendezvous; job: the whole job drains")
+    options.add("checkpoint_signal", type=str, default="SIGUSR1", check=_signal_number,
+                help="the signal the workers get when a drain starts (their cue to checkpoint and exit 0)")
+
+
+@hookimpl
+def fsm_agent_configure(config, agent):
+    options = config.plugin_options(PLUGIN_NAME) if config is not None else {}
+    settings = DrainSettings(
+        signals=_signal_numbers(options.get("signals") or ""), file=options.get("file") or None,
+        timeout_s=float(options["timeout"] if options.get("timeout") is not None else DEFAULT_DRAIN_TIMEOUT_S),
+        scope=options.get("scope") or "node",
+        checkpoint_signal=_signal_number(options.get("checkpoint_signal") or "SIGUSR1"))
+    agent.drain_on(settings)
