@@ -103,6 +103,8 @@ class Rendezvous:
                 self._forget(me)
                 return Joined("not_needed", self.round)
             self.wait_list.setdefault(me, now)
+            if self._live_participants() == 0:  # no one of the last round is left to open the next
+                self._open(None, now)
             return Joined("wait", self.round)
         if me not in self.participants:
             if self._seats(me) <= 0:
@@ -121,6 +123,8 @@ class Rendezvous:
             self.wait_list.pop(me, None)
             if not self.complete:
                 self._unseat(me)
+        if self.complete and self.wait_list and self._live_participants() == 0:
+            self._open(None, now)  # the last participant of the round is gone: the waiting nodes go on
         self._admit(now)
 
     def lose(self, me: str, now: float) -> None:
@@ -211,12 +215,14 @@ class Rendezvous:
             self._unseat(me)
         self.nodes.pop(me, None)
 
-    def _open(self, me: str, now: float) -> None:
+    def _open(self, me: str | None, now: float) -> None:
+        """Open the next round (``me``: the participant that asked for it, seated first)."""
         self.reserved = {p for p in self.participants if p not in self.lost and p != me}
         self.round += 1
         self.complete = False
         self.participants, self.lost, self.master, self._new_in_round = {}, set(), None, 0
-        self._seat(me, now)
+        if me is not None:
+            self._seat(me, now)
         self._admit(now)
 
     def _admit(self, now: float) -> None:
