@@ -17,7 +17,7 @@ Protocol (one JSON object per line, UTF-8, in both directions; one reply per req
 
 Operations (``StoreClient`` method in brackets): set, get (blocks until the key exists), add
 (atomic counter), compare_set, multi_get (blocks until all exist), multi_set, check, wait,
-delete_key, num_keys, and for the rendezvous: get_versioned (values, versions, a prefix listing
+delete_key, num_keys, stats, and for the rendezvous: get_versioned (values, versions, a prefix listing
 and ``now`` in one round trip), watch (block until a key's version changes), touch (extend
 leases). Every mutation gives the key a new version (a server-wide counter); a missing key has
 version 0.
@@ -36,7 +36,9 @@ atomic without locks. ``python -m fsm_agent.store --host H --port P`` (a stable 
 
 from __future__ import annotations
 
+import array
 import base64
+import fcntl
 import heapq
 import itertools
 import json
@@ -44,6 +46,7 @@ import logging
 import os
 import selectors
 import socket
+import termios
 import threading
 import time
 from collections import deque
@@ -121,6 +124,16 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not allowed")  # NaN/Infinity would break deadlines and leases
 
 
+def _unread(sock: socket.socket) -> bool:
+    """True when ``sock`` holds received bytes not read yet."""
+    buf = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf, True)
+    except OSError:
+        return False
+    return buf[0] > 0
+
+
 def _encode(obj: dict) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode("utf-8") + b"\n"
 
@@ -183,7 +196,7 @@ class StoreServer:
             EADDRINUSE, EADDRNOTAVAIL, ...).
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, backlog: int = 1024):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, backlog: int = 4096):
         self._host, self._req_port, self._backlog = host, port, backlog
         self._listener: socket.socket | None = None
         self._sel: selectors.BaseSelector | None = None
@@ -200,6 +213,7 @@ class StoreServer:
         self._runs: dict[str, _Run] = {}
         self._leases: dict[str, tuple[str, str]] = {}  # lease key -> (run, node) it keeps alive
         self._timers: list[tuple[float, int, str]] = []  # (when, seq, run): a round may complete then
+        self._traffic = {"bytes_in": 0, "bytes_out": 0, "requests": 0}  # for the "stats" op (benchmarks)
         self.port = port
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -344,6 +358,7 @@ class StoreServer:
         if not chunk:
             self._drop(conn)
             return
+        self._traffic["bytes_in"] += len(chunk)
         conn.inbuf += chunk
         while True:
             i = conn.inbuf.find(b"\n")
@@ -394,6 +409,7 @@ class StoreServer:
                 self._drop(conn)
                 return
             del conn.outbuf[:n]
+            self._traffic["bytes_out"] += n
         if conn.outbuf:
             self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
         else:
@@ -448,7 +464,11 @@ class StoreServer:
         self._notify(key)
         lease = self._leases.pop(key, None)
         if lease is not None:  # a rendezvous node's lease ended: it is lost, at once
-            self._rdzv_apply(lease[0], lambda rdzv, now: rdzv.lose(lease[1], now))
+            run_id, node = lease
+            self._rdzv_apply(run_id, lambda rdzv, now: rdzv.lose(node, now))
+            w = self._runs[run_id].joins.get(node) if run_id in self._runs else None
+            if w is not None:  # still alive and joining (its lease lapsed): it renews and joins again
+                self._finish(w, {"ok": True, "status": "no_lease"})
         return True
 
     def _version(self, key: str) -> int:
@@ -462,11 +482,19 @@ class StoreServer:
         heapq.heappush(self._expiries, (entry.expiry, next(self._seq), key))
 
     def _expire(self, now: float) -> None:
+        deferred = []
         while self._expiries and self._expiries[0][0] <= now:
             when, _, key = heapq.heappop(self._expiries)
             entry = self._data.get(key)
             if entry is not None and entry.expiry is not None and entry.expiry <= now:
+                if entry.owner is not None and _unread(entry.owner.sock):
+                    # A busy store, not a silent node: its renewal may be in the socket, unread.
+                    # Read first (select answers at once), then decide.
+                    deferred.append((when, next(self._seq), key))
+                    continue
                 self._delete(key)
+        for item in deferred:
+            heapq.heappush(self._expiries, item)
 
     # -- waiting ---------------------------------------------------------------------------------
     def _satisfied(self, w: _Waiter) -> bool:
@@ -548,6 +576,7 @@ class StoreServer:
     def _handle(self, conn: _Conn, req: dict) -> None:
         op = req.get("op")
         now = time.monotonic()
+        self._traffic["requests"] += 1
         if op == "hello":
             self._reply(conn, {"ok": True, "proto": PROTO, "now": now})
         elif op == "set":
@@ -625,6 +654,8 @@ class StoreServer:
             self._reply(conn, {"ok": True, "values": found})
         elif op == "time":
             self._reply(conn, {"ok": True, "now": now})
+        elif op == "stats":
+            self._reply(conn, {"ok": True, **self._traffic, "connections": len(self._conns), "keys": len(self._data)})
         elif op.startswith("rdzv_") if isinstance(op, str) else False:
             self._rdzv_handle(conn, op, req, now)
         else:
@@ -1097,6 +1128,12 @@ class StoreClient:
 
     def server_time(self) -> float:
         return float(self._request({"op": "time"})["now"])
+
+    def stats(self) -> dict[str, int]:
+        """The server's traffic since it started: ``bytes_in``, ``bytes_out``, ``requests``, and
+        its ``connections`` and ``keys`` now (what ``benchmarks/rendezvous_scale.py`` reports)."""
+        reply = self._request({"op": "stats"})
+        return {k: int(reply[k]) for k in ("bytes_in", "bytes_out", "requests", "connections", "keys")}
 
     def rendezvous(self, op: str, wait: float | None = None, **fields: Any) -> dict:
         """One ``rdzv_<op>`` request of the ``fsm`` rendezvous (see ``StoreServer._rdzv_handle``);
