@@ -20,8 +20,8 @@ import pytest
 from fsm_agent.errors import ConfigError, RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.plugins import rendezvous_fsm
 from fsm_agent.plugins.registry import BackendRegistry
-from fsm_agent.plugins.rendezvous_fsm import (FsmRendezvousHandler, FsmRendezvousSettings, create_fsm_handler,
-                                              fresh_state, parse_endpoint, plan)
+from fsm_agent.plugins.rendezvous_fsm import (FsmRendezvousHandler, FsmRendezvousSettings, Joined, Node, Rendezvous,
+                                              create_fsm_handler, parse_endpoint)
 from fsm_agent.ranks import assign_ranks
 
 pytestmark = pytest.mark.timeout(90)
@@ -106,49 +106,51 @@ def time_until_readable(fd: int, timeout: float) -> float | None:
 
 
 # -- the pure state machine -----------------------------------------------------------------------------
-def _step(st, me, alive, now=0.0, returned=None, **kw):
-    args = dict(min_nodes=1, max_nodes=4, last_call_timeout=0.5, rejoin_timeout=60.0, returned_round=returned)
-    args.update(kw)
-    info = {"addr": me, "host": me == "host", "node_rank": None, "port": 1000}
-    return plan(st, alive, me, info, now, **args)
+def _rdzv(min_nodes=1, max_nodes=4, last_call_timeout=0.5):
+    return Rendezvous(min_nodes, max_nodes, last_call_timeout=last_call_timeout, rejoin_timeout=60.0)
+
+
+def _join(rdzv, me, now=0.0, returned=None, hint=None):
+    """One join then the tick the store runs after every request: (join answer, ranked, turned away)."""
+    joined = rdzv.join(me, Node(me, 1000, host=me == "host", node_rank=hint), now, returned)
+    ranked, away = rdzv.tick(now)
+    return joined, ranked, away
 
 
 def test_plan_ranks_follow_hints_then_host_then_join_order():
-    st = fresh_state()
+    rdzv = _rdzv(min_nodes=4)
     for i, (name, hint) in enumerate([("a", None), ("host", None), ("b", 0), ("c", None)]):
-        new, action, _ = _step(st, name, {"a", "host", "b", "c"}, now=float(i), min_nodes=4)
-        st = new
-        if hint is not None:
-            st["nodes"][name]["node_rank"] = hint
-    new, action, _ = _step(st, "a", {"a", "host", "b", "c"}, now=5.0, min_nodes=4)
-    assert new["complete"] and action == "wait"
-    assert new["participants"] == {"b": 0, "host": 1, "a": 2, "c": 3}
-    assert new["master"] == {"addr": "b", "port": 1000}
+        joined, ranked, _ = _join(rdzv, name, now=float(i), hint=hint)
+    assert joined.status == "wait" and ranked == ["b", "host", "a", "c"]  # n == max: at once
+    assert rdzv.complete and rdzv.ranks() == {"b": 0, "host": 1, "a": 2, "c": 3}
+    assert rdzv.master == ("b", 1000)
+    assert rdzv.join("a", Node("a", 1001), 4.0, None) == Joined("ranked", 0, 2, 4)
 
 
 def test_plan_settle_window_and_dead_nodes():
-    st, _, _ = _step(fresh_state(), "a", {"a", "b"}, now=0.0, min_nodes=1)
-    st, _, _ = _step(st, "b", {"a", "b"}, now=0.2, min_nodes=1)
-    new, action, wait = _step(st, "a", {"a", "b"}, now=0.3, min_nodes=1)
-    assert new is None and action == "wait" and wait == pytest.approx(0.4)  # settle: last join 0.2 + 0.5
-    new, _, _ = _step(st, "a", {"a", "b"}, now=0.71, min_nodes=1)
-    assert new["complete"]
-    new, _, _ = _step(st, "a", {"a"}, now=0.3, min_nodes=1)  # b's lease is gone: dropped
-    assert "b" not in new["nodes"] and "b" not in new["participants"]
+    rdzv = _rdzv(min_nodes=1)
+    _join(rdzv, "a", now=0.0)
+    _join(rdzv, "b", now=0.2)
+    assert rdzv.tick(0.3) == ([], []) and rdzv.deadline() == pytest.approx(0.7)  # settle: last join 0.2 + 0.5
+    rdzv.lose("b", 0.3)  # b's lease is gone: dropped
+    assert "b" not in rdzv.nodes and "b" not in rdzv.participants
+    assert rdzv.tick(0.71)[0] == ["a"] and rdzv.complete
 
 
 def test_plan_reserved_seats_and_redundant_nodes():
-    st = fresh_state()
-    for name in ("a", "b"):
-        st, _, _ = _step(st, name, {"a", "b"}, min_nodes=2, max_nodes=2)
-    st, _, _ = _step(st, "a", {"a", "b"}, min_nodes=2, max_nodes=2)
-    assert st["complete"]
-    new, action, _ = _step(st, "c", {"a", "b", "c"}, min_nodes=2, max_nodes=2)
-    assert action == "not_needed" and "c" not in new["nodes"]
-    st, _, _ = _step(st, "a", {"a", "b"}, min_nodes=2, max_nodes=2, returned=0)  # a restarts: round 1
-    assert st["round"] == 1 and st["participants"] == {"a": None} and st["previous"] == ["a", "b"]
-    new, action, _ = _step(st, "c", {"a", "b", "c"}, min_nodes=2, max_nodes=2)
-    assert "c" not in new["participants"] and "c" in new["wait_list"]  # b's seat is reserved
+    rdzv = _rdzv(min_nodes=2, max_nodes=2)
+    _join(rdzv, "a")
+    _, ranked, _ = _join(rdzv, "b")
+    assert ranked == ["a", "b"] and rdzv.complete
+    joined, _, _ = _join(rdzv, "c")
+    assert joined.status == "not_needed" and "c" not in rdzv.nodes
+    joined, _, _ = _join(rdzv, "a", returned=0)  # a restarts: round 1
+    assert (joined.status, rdzv.round, list(rdzv.participants), rdzv.reserved) == ("wait", 1, ["a"], {"b"})
+    joined, _, _ = _join(rdzv, "c")
+    assert joined.status == "wait" and "c" not in rdzv.participants and "c" in rdzv.wait_list  # b's seat is reserved
+    rdzv.lose("b", 1.0)  # b is gone: its seat goes to the waiting c
+    assert list(rdzv.participants) == ["a", "c"] and not rdzv.complete
+    assert rdzv.tick(1.0)[0] == ["a", "c"]  # n == max: no settle window
 
 
 # -- real handlers ----------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
-"""Built-in rendezvous ``fsm``: fsm-agent's own rendezvous, on the JSON store of ``store.py`` beside it.
+"""Built-in rendezvous ``fsm``: fsm-agent's own rendezvous, planned inside the store of ``store.py`` beside it.
 
 This package is the whole backend: the handler, its planner and its store. Nothing outside it
-knows the state format below.
+knows the protocol below.
 
-No torch, no pickle, no sleeps. Beside the torch-compatible ``c10d`` backend; the two cannot join
-one rendezvous (different stores and state formats).
+No torch, no pickle, no polling, no sleeps. Beside the torch-compatible ``c10d`` backend; the two
+cannot join one rendezvous (different stores and protocols).
 
 Store
     One agent hosts the store server in a daemon thread: the agent that can bind the
@@ -14,30 +14,27 @@ Store
     endpoint address only (``bind_addr=0.0.0.0`` to listen everywhere). ``python -m
     fsm_agent.store`` runs the same server outside any agent (give the agents ``is_host=0``).
 
-State (one JSON document at ``fsm_rdzv/<run_id>/state``, changed only by compare_set)::
-
-    {"schema": 1, "round": 3, "complete": true, "closed": false, "seq": 5,
-     "nodes": {"<node id>": {"addr": "n1", "host": true, "node_rank": null, "seq": 0,
-                             "port": 41234, "rounds": 2}},
-     "participants": {"<node id>": 0},      # this round; ranks once complete, else null
-     "previous": ["<node id>", ...],         # live participants of the last completed round
-     "wait_list": {"<node id>": 12.5},       # server time the node started waiting
-     "last_join": 12.1,                      # server time of the last join into this round
-     "master": {"addr": "n1", "port": 41234}}
-
-    ``nodes`` are the live nodes that joined this run; a node id is ``<addr>_<pid>_<random>``.
-    All times are the store server's monotonic clock, so clock skew between machines is harmless.
-    ``fsm_rdzv/<run_id>/event`` is bumped when a round opens or completes or the rendezvous
-    closes: nodes waiting in ``next_rendezvous`` watch it (and the leases, and their own
-    deadline), not the state, so N joins cause O(N) wake-ups in all, not O(N^2). Each round's store is
+Protocol (O(1) requests and bytes per node per join, keep-alive and round completion)
+    The store keeps one ``planner.Rendezvous`` per run_id in memory and applies the nodes'
+    requests to it in its one serving thread, so each is atomic without any compare-and-set
+    retry. A node sends ``rdzv_join`` (its address, rank hint, MASTER_PORT candidate, lease key)
+    and the store answers when the round completes, with the node's rank, the world size and the
+    master address; it answers ``not_needed`` or ``closed`` at once when so. ``rdzv_watch``
+    blocks until this node's round lost a participant, another round opened, or nodes waited
+    ``last_call_timeout`` to join (each event answers each watcher once). ``rdzv_leave``,
+    ``rdzv_close``, ``rdzv_status`` and ``rdzv_linger`` do what they say. All times are the store
+    server's monotonic clock, so clock skew between machines is harmless. Each round's store is
     ``PrefixStore("fsm_rdzv/<run_id>/round/<round>")``: every attempt starts with fresh keys.
+    Before, every join read and compare-and-set one JSON document that grew with N: O(N^2).
 
 Keep-alive
     Each node holds a lease key ``fsm_rdzv/<run_id>/alive/<node id>`` (ttl =
     ``keep_alive_interval * keep_alive_max_attempt``, renewed every ``keep_alive_interval`` by a
-    daemon thread, and deleted by the server as soon as that thread's connection closes). When it
-    expires or is deleted the server wakes every watcher: a killed agent is seen at once, a
-    silent host (power off, partition) within ``keep_alive_timeout`` = 1.5 s by default.
+    daemon thread, and deleted by the server as soon as that thread's connection closes). When
+    it ends the store counts the node lost at once: a killed agent is seen at once, a silent host
+    (power off, partition) within ``keep_alive_timeout`` = 1.5 s by default. Above
+    ``KEEP_ALIVE_RATE * keep_alive_interval`` nodes the interval grows with ``max_nodes`` so the
+    store renews at most ``KEEP_ALIVE_RATE`` leases per second.
 
 Rounds
     A round completes when ``min <= n`` and one of: ``n == max``; no other live node can still
@@ -68,11 +65,10 @@ from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.rendezvous_fsm.handler import FsmRendezvousHandler, RendezvousInfo, create_fsm_handler
 from fsm_agent.plugins.rendezvous_fsm.params import (BACKEND, DEFAULT_PORT, FsmRendezvousParameters,
                                                      FsmRendezvousSettings, parse_endpoint)
-from fsm_agent.plugins.rendezvous_fsm.planner import SCHEMA, fresh_state, plan, rank_order
+from fsm_agent.plugins.rendezvous_fsm.planner import Joined, Node, Rendezvous, rank_order
 
-__all__ = ["BACKEND", "DEFAULT_PORT", "SCHEMA", "FsmRendezvousHandler", "FsmRendezvousParameters",
-           "FsmRendezvousSettings", "RendezvousInfo", "create_fsm_handler", "fresh_state", "parse_endpoint",
-           "plan", "rank_order"]
+__all__ = ["BACKEND", "DEFAULT_PORT", "FsmRendezvousHandler", "FsmRendezvousParameters", "FsmRendezvousSettings",
+           "Joined", "Node", "Rendezvous", "RendezvousInfo", "create_fsm_handler", "parse_endpoint", "rank_order"]
 
 
 @hookimpl

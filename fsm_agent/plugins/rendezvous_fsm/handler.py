@@ -3,9 +3,7 @@ driven by the planner (see the package docstring for the protocol)."""
 
 from __future__ import annotations
 
-import copy
 import errno
-import json
 import logging
 import os
 import socket
@@ -17,7 +15,6 @@ from typing import Any
 
 from fsm_agent.errors import ConfigError, RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.plugins.rendezvous_fsm.params import BACKEND, FsmRendezvousSettings, free_port, is_loopback, parse_endpoint
-from fsm_agent.plugins.rendezvous_fsm.planner import SCHEMA, fresh_state, plan
 from fsm_agent.plugins.rendezvous_fsm.store import PrefixStore, StoreBindError, StoreClient, StoreError, StoreServer, format_endpoint
 
 
@@ -39,20 +36,9 @@ class RendezvousInfo:
     bootstrap_store_info: RendezvousStoreInfo
 
 
-@dataclass(frozen=True)
-class _Snapshot:
-    raw: bytes | None
-    state: dict
-    state_version: int
-    event_version: int
-    listing: dict[str, int]
-    now: float
-
-
 @dataclass
 class _Round:
     round: int
-    participants: list[str]
 
 
 # -- the handler -------------------------------------------------------------------------------------------
@@ -102,17 +88,16 @@ class FsmRendezvousHandler:
         self.node_id = f"{self.addr}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         base = f"fsm_rdzv/{run_id}"
         self._base = base
-        self._state_key = f"{base}/state"
-        self._event_key = f"{base}/event"
-        self._alive_prefix = f"{base}/alive/"
-        self._alive_key = self._alive_prefix + self.node_id
-        self._wake_key = f"{base}/wake/{self.node_id}"
+        self._alive_key = f"{base}/alive/{self.node_id}"
+        self._keep_alive_interval, self._keep_alive_timeout = s.keep_alive_for(max_nodes)
         fast = self._port_taken
+        # A busy store makes a joining node wait, never fail: until the join timeout, a slow
+        # hello counts as load. Only after finding the endpoint port taken (by a store or by some
+        # other program) does the short handshake_timeout tell the two apart.
+        patience = s.handshake_timeout if fast else max(s.join_timeout, s.handshake_timeout)
         self._client = StoreClient(self._connect_host, self.port, timeout=s.read_timeout,
-                                   connect_timeout=s.handshake_timeout if fast else s.join_timeout,
-                                   handshake_timeout=s.handshake_timeout, fail_fast_refused=fast)
-        side = dict(timeout=s.read_timeout, connect_timeout=max(s.keep_alive_timeout, s.handshake_timeout),
-                    handshake_timeout=s.handshake_timeout)
+                                   connect_timeout=patience, handshake_timeout=patience, fail_fast_refused=fast)
+        side = dict(timeout=s.read_timeout, connect_timeout=patience, handshake_timeout=patience)
         self._hb_client = StoreClient(self._connect_host, self.port, **side)
         self._watch_client = StoreClient(self._connect_host, self.port, **side)
         self._started = False
@@ -122,7 +107,7 @@ class FsmRendezvousHandler:
         self._cv = threading.Condition()
         self._round: _Round | None = None
         self._gen = 0
-        self._lost: set[str] = set()
+        self._lost = 0
         self._self_lost = False
         self._waiting = 0
         self._store_error: str | None = None
@@ -218,7 +203,7 @@ class FsmRendezvousHandler:
         with self._cv:
             self._round = None
             self._gen += 1
-            self._lost, self._self_lost, self._waiting, self._store_error = set(), False, 0, None
+            self._lost, self._self_lost, self._waiting, self._store_error = 0, False, 0, None
         try:
             self._ensure_started()
             return self._join()
@@ -233,10 +218,11 @@ class FsmRendezvousHandler:
         # The first connection may wait join_timeout for a host that starts later; once the store
         # was reached, losing it for read_timeout fails the rendezvous.
         self._client.connect_timeout = min(self._client.connect_timeout, s.read_timeout)
+        self._client.handshake_timeout = self._hb_client.handshake_timeout = s.handshake_timeout
         # A one-node job has no peer to lose or admit: its lease lives as long as its connection,
         # and no keep-alive or membership thread wakes the idle agent.
         single = self.max_nodes == 1
-        self._hb_client.set(self._alive_key, self.node_id, ttl=None if single else s.keep_alive_timeout,
+        self._hb_client.set(self._alive_key, self.node_id, ttl=None if single else self._keep_alive_timeout,
                             ephemeral=True)
         self._started = True
         for name, target in () if single else (("keep-alive", self._heartbeat_loop), ("membership", self._watch_loop)):
@@ -244,130 +230,53 @@ class FsmRendezvousHandler:
             t.start()
             self._threads.append(t)
 
-    def _read(self) -> "_Snapshot":
-        values, versions, listing, now = self._client.get_versioned([self._state_key, self._event_key],
-                                                                    prefix=self._alive_prefix)
-        raw = values[0]
-        return _Snapshot(raw, self._decode(raw), versions[0], versions[1], listing, now)
-
-    def _decode(self, raw: bytes | None) -> dict:
-        if raw is None:
-            return fresh_state()
-        try:
-            st = json.loads(raw)
-        except ValueError:
-            st = None
-        if not isinstance(st, dict) or st.get("schema") != SCHEMA:
-            raise RendezvousFailed(self._describe(f"the key {self._state_key} does not hold fsm rendezvous state "
-                                                  f"(schema {SCHEMA}); another program writes to this store?"))
-        return st
-
-    def _cas(self, snap: "_Snapshot", new: dict) -> tuple[bool, "_Snapshot | None"]:
-        """Write ``new`` over ``snap``; ``(ok, the snapshot to retry from or None to re-read)``.
-
-        A lost race hands back the winner's state, reused when it names no node missing from the
-        lease listing (a node unknown to the listing must not look dead). Changes that waiting
-        nodes must see (round opened or completed, closed) also bump the event key they watch.
-        """
-        desired = json.dumps(new, sort_keys=True, separators=(",", ":")).encode()
-        value, version, now = self._client.compare_set_versioned(self._state_key, snap.raw or b"", desired)
-        if value == desired:
-            old = snap.state
-            if (new["round"], new["complete"], new["closed"]) != (old["round"], old["complete"], old["closed"]):
-                self._client.add(self._event_key, 1)
-            return True, None
-        try:
-            st = self._decode(value)
-        except RendezvousFailed:
-            return False, None
-        listed = {k[len(self._alive_prefix):] for k in snap.listing}
-        if not set(st.get("nodes", ())) <= listed | {self.node_id}:
-            return False, None
-        return False, _Snapshot(value, st, version, snap.event_version, snap.listing, now)
-
     def _join(self) -> RendezvousInfo:
         s = self.settings
         deadline = time.monotonic() + s.join_timeout
-        me_info = {"addr": self.addr, "host": self.hosts_store, "node_rank": s.node_rank, "port": free_port()}
-        snap: _Snapshot | None = None
+        info = {"addr": self.addr, "host": self.hosts_store, "node_rank": s.node_rank, "port": free_port()}
         while True:
-            snap = snap or self._read()
-            st, listing, now = snap.state, snap.listing, snap.now
-            alive = {k[len(self._alive_prefix):] for k in listing}
-            try:
-                new, action, wait_s = plan(st, alive, self.node_id, me_info, now, min_nodes=self.min_nodes,
-                                           max_nodes=self.max_nodes, last_call_timeout=s.last_call_timeout,
-                                           rejoin_timeout=s.rejoin_timeout, returned_round=self._returned_round)
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise RendezvousFailed(self._describe(f"the state at {self._state_key} is corrupt "
-                                                      f"({type(exc).__name__}: {exc})")) from None
-            if new is not None:
-                ok, snap = self._cas(snap, new)
-                if ok and action == "not_needed":
-                    raise RendezvousNotNeeded(
-                        f"fsm rendezvous {self.run_id} at {self.endpoint}: round {st['round']} is complete with "
-                        f"max_nodes={self.max_nodes} nodes; this node is not needed and leaves")
+            remaining = deadline - time.monotonic()
+            reply = self._client.rendezvous(
+                "join", max(0.0, remaining), run=self.run_id, node=self.node_id, lease=self._alive_key, info=info,
+                min=self.min_nodes, max=self.max_nodes, last_call_timeout=s.last_call_timeout,
+                rejoin_timeout=s.rejoin_timeout, returned_round=self._returned_round)
+            status = reply.get("status")
+            if status == "ranked":
+                return self._finish(reply)
+            if status == "no_lease":  # this node's lease lapsed (a long stall): renew it, then join
+                self._hb_client.set(self._alive_key, self.node_id, ttl=self._keep_alive_timeout, ephemeral=True)
                 continue
-            snap_event, snap = snap.event_version, None
-            if action == "finish":
-                return self._finish(st)
-            if action == "closed":
+            if status == "not_needed":
+                raise RendezvousNotNeeded(
+                    f"fsm rendezvous {self.run_id} at {self.endpoint}: round {reply['round']} is complete with "
+                    f"max_nodes={self.max_nodes} nodes; this node is not needed and leaves")
+            if status == "closed":
                 raise RendezvousFailed(self._describe("the rendezvous is closed (set_closed() was called); "
                                                       "start a new job with another --rdzv-id"))
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._leave(remove_node=False)
-                joined = len(st["participants"]) if not st["complete"] else 0
+            if status == "timeout":
                 raise RendezvousFailed(self._describe(
-                    f"timed out after {s.join_timeout:g}s in round {st['round']}: {joined} node(s) joined, "
-                    f"{len(st['wait_list'])} waiting; need {self.min_nodes} (raise join_timeout or start more nodes)"))
-            # Joins do not wake waiting nodes (the joiner itself checks for completion next); the
-            # event key (round opened/completed, closed), a lease that ends, or the deadline do.
-            versions = {self._event_key: snap_event}
-            for n in st["nodes"]:
-                key = self._alive_prefix + n
-                versions[key] = listing.get(key, 0)
-            timeout = remaining if wait_s is None else min(wait_s, remaining)
-            if timeout > 0:
-                self._client.watch(versions, timeout)
+                    f"timed out after {s.join_timeout:g}s in round {reply['round']}: {reply['joined']} node(s) "
+                    f"joined, {reply['waiting']} waiting; need {self.min_nodes} "
+                    f"(raise join_timeout or start more nodes)"))
+            raise RendezvousFailed(self._describe(f"the store answered the join with {str(reply)[:120]!r}"))
 
-    def _finish(self, st: dict) -> RendezvousInfo:
-        parts = st["participants"]
-        rnd = st["round"]
-        master = st["master"]
+    def _finish(self, reply: dict) -> RendezvousInfo:
+        rnd, rank, world, master = int(reply["round"]), int(reply["rank"]), int(reply["world"]), reply["master"]
         self._returned_round = rnd
         with self._cv:
             self._gen += 1
-            self._round = _Round(rnd, list(parts))
-            self._lost, self._self_lost, self._waiting, self._store_error = set(), False, 0, None
+            self._round = _Round(rnd)
+            self._lost, self._self_lost, self._waiting, self._store_error = 0, False, 0, None
             self._drain()
             self._cv.notify_all()
-        try:
-            self._client.add(self._wake_key, 1)  # wakes the membership thread if it watches an older round
-        except StoreError:
-            pass
         store = PrefixStore(f"{self._base}/round/{rnd}", self._client)
         log.info("fsm rendezvous %s round %s complete: rank %s of %s, master %s:%s", self.run_id, rnd,
-                 parts[self.node_id], len(parts), master["addr"], master["port"])
-        return RendezvousInfo(store, parts[self.node_id], len(parts),
-                              RendezvousStoreInfo(master["addr"], int(master["port"])))
+                 rank, world, master["addr"], master["port"])
+        return RendezvousInfo(store, rank, world, RendezvousStoreInfo(master["addr"], int(master["port"])))
 
-    def _leave(self, remove_node: bool = True) -> None:
-        """Remove this node from the state (wait list, an incomplete round; ``remove_node``: everything)."""
-        while True:
-            snap = self._read()
-            st = snap.state
-            if snap.raw is None:
-                return
-            new = copy.deepcopy(st)
-            new["wait_list"].pop(self.node_id, None)
-            if not new["complete"]:
-                new["participants"].pop(self.node_id, None)
-            if remove_node:
-                new["nodes"].pop(self.node_id, None)
-                new["previous"] = [n for n in new["previous"] if n != self.node_id]
-            if new == st or self._cas(snap, new)[0]:
-                return
+    def _leave(self, forget: bool = True) -> None:
+        """Leave the wait list and an incomplete round; ``forget``: the run too (the store's ``leave``)."""
+        self._client.rendezvous("leave", run=self.run_id, node=self.node_id, forget=forget)
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting for a new round: another participant opened one, or nodes have waited
@@ -379,7 +288,7 @@ class FsmRendezvousHandler:
         """Participants of this node's round that are gone (lease expired or left); this node
         counts itself when its own lease lapsed, and the store counts when it became unreachable."""
         with self._cv:
-            lost = len(self._lost) + (1 if self._self_lost else 0)
+            lost = self._lost + (1 if self._self_lost else 0)
             return max(lost, 1) if self._store_error else lost
 
     def membership_fd(self) -> int:
@@ -389,22 +298,14 @@ class FsmRendezvousHandler:
 
     def is_closed(self) -> bool:
         try:
-            st = self._read().state
+            return bool(self._client.rendezvous("status", run=self.run_id)["closed"])
         except StoreError as exc:
             raise RendezvousFailed(self._describe(str(exc))) from None
-        return bool(st["closed"])
 
     def set_closed(self) -> None:
         """Close the rendezvous for every node of this run (no one can join it again)."""
         try:
-            while True:
-                snap = self._read()
-                if snap.state["closed"]:
-                    return
-                new = copy.deepcopy(snap.state)
-                new["closed"] = True
-                if self._cas(snap, new)[0]:
-                    return
+            self._client.rendezvous("close", run=self.run_id)
         except StoreError as exc:
             raise RendezvousFailed(self._describe(str(exc))) from None
 
@@ -425,7 +326,7 @@ class FsmRendezvousHandler:
         ok = True
         try:
             if self._started:
-                self._leave()
+                self._leave(forget=True)
                 for t in self._threads:
                     if t.name.startswith("fsm-rdzv-keep-alive"):
                         t.join(timeout=self.settings.handshake_timeout)
@@ -451,20 +352,11 @@ class FsmRendezvousHandler:
         return ok
 
     def _linger(self) -> None:
-        deadline = time.monotonic() + self.settings.linger_timeout
-        while True:
-            snap = self._read()
-            st, version, listing = snap.state, snap.state_version, snap.listing
-            others = [n for n in st["nodes"] if n != self.node_id and self._alive_prefix + n in listing]
-            remaining = deadline - time.monotonic()
-            if not others or remaining <= 0:
-                if others:
-                    log.warning("fsm rendezvous %s: the store host exits while %d node(s) still use the store",
-                                self.run_id, len(others))
-                return
-            versions = {self._state_key: version, **{self._alive_prefix + n: listing[self._alive_prefix + n]
-                                                      for n in others}}
-            self._client.watch(versions, remaining)
+        others = self._client.rendezvous("linger", self.settings.linger_timeout, run=self.run_id,
+                                         node=self.node_id)["others"]
+        if others:
+            log.warning("fsm rendezvous %s: the store host exits while %d node(s) still use the store",
+                        self.run_id, others)
 
     # -- background threads ---------------------------------------------------------------------------
     def _signal(self) -> None:  # holds self._cv
@@ -484,14 +376,13 @@ class FsmRendezvousHandler:
             pass
 
     def _heartbeat_loop(self) -> None:
-        s = self.settings
         c = self._hb_client
-        while not self._stop.wait(s.keep_alive_interval):
+        while not self._stop.wait(self._keep_alive_interval):
             try:
-                if not c.touch([self._alive_key], s.keep_alive_timeout)[0]:
+                if not c.touch([self._alive_key], self._keep_alive_timeout)[0]:
                     if self._stop.is_set():
                         return
-                    c.set(self._alive_key, self.node_id, ttl=s.keep_alive_timeout, ephemeral=True)
+                    c.set(self._alive_key, self.node_id, ttl=self._keep_alive_timeout, ephemeral=True)
                     log.warning("fsm rendezvous %s: this node's keep-alive lapsed; the others may count it lost",
                                 self.run_id)
                     with self._cv:
@@ -504,48 +395,27 @@ class FsmRendezvousHandler:
                 log.warning("fsm rendezvous %s: keep-alive to %s failed: %s", self.run_id, self.endpoint, exc)
 
     def _watch_loop(self) -> None:
+        """One blocked ``watch`` per node: the store answers when this node's round lost a
+        participant, another round opened, or nodes waited ``last_call_timeout`` to join."""
         c = self._watch_client
-        s = self.settings
         while not self._stop.is_set():
             with self._cv:
                 while self._round is None and not self._stop.is_set():
                     self._cv.wait()
                 if self._stop.is_set():
                     return
-                rnd, gen = self._round, self._gen
+                rnd, gen, lost, waiting = self._round, self._gen, self._lost, self._waiting
             try:
-                values, versions, listing, now = c.get_versioned([self._state_key, self._wake_key],
-                                                                 prefix=self._alive_prefix)
-                st = json.loads(values[0]) if values[0] is not None else None
-                alive = {k[len(self._alive_prefix):] for k in listing}
-                lost = {p for p in rnd.participants if p != self.node_id and p not in alive}
-                waiting, timeout, watch_nodes = 0, 3600.0, list(rnd.participants)
-                if not isinstance(st, dict) or st.get("round") != rnd.round:
-                    others = set((st or {}).get("participants", {})) | set((st or {}).get("wait_list", {}))
-                    waiting = max(1, len(others - {self.node_id}))
-                elif not st.get("closed"):
-                    live_parts = [p for p in st["participants"] if p in alive]
-                    waiters = {n: t for n, t in st["wait_list"].items() if n in alive}
-                    watch_nodes += list(waiters)
-                    if waiters and len(live_parts) < self.max_nodes:
-                        oldest = min(waiters.values())
-                        if now - oldest >= s.last_call_timeout:
-                            waiting = len(waiters)
-                        else:
-                            timeout = oldest + s.last_call_timeout - now
+                reply = c.rendezvous("watch", 3600.0, run=self.run_id, node=self.node_id, round=rnd.round,
+                                     lost=lost, waiting=waiting)
                 with self._cv:
                     if gen != self._gen:
                         continue
-                    self._lost |= lost
-                    self._waiting = waiting
+                    self._lost = max(self._lost, int(reply["lost"]))
+                    self._waiting = int(reply["waiting"])
                     if self._lost or self._waiting or self._self_lost:
                         self._signal()
-                watch = {self._state_key: versions[0], self._wake_key: versions[1]}
-                for n in watch_nodes:
-                    key = self._alive_prefix + n
-                    watch[key] = listing.get(key, 0)
-                c.watch(watch, timeout)
-            except Exception as exc:  # store gone, or state this code cannot read: redo the round
+            except Exception as exc:  # store gone, or a reply this code cannot read: redo the round
                 if self._stop.is_set():
                     return
                 log.warning("fsm rendezvous %s: lost the store at %s: %s", self.run_id, self.endpoint, exc)

@@ -14,6 +14,11 @@ from fsm_agent.hosts import is_loopback  # noqa: F401  (the handler's, re-export
 
 BACKEND = "fsm"
 DEFAULT_PORT = 29400
+#: Keep-alive renewals per second one store is asked for at most: with more than
+#: ``KEEP_ALIVE_RATE * keep_alive_interval`` nodes the interval (and the timeout) grow with
+#: ``max_nodes``, so keep-alive traffic stays bounded. A killed node is still seen at once (its
+#: lease ends with its connection); only a silent host takes the longer timeout.
+KEEP_ALIVE_RATE = 2000.0
 _TRUE = {"1", "true", "t", "yes", "y", "on"}
 _FALSE = {"0", "false", "f", "no", "n", "off"}
 
@@ -85,7 +90,8 @@ class FsmRendezvousSettings:
         rejoin_timeout: how long a round waits for live nodes of the previous round before it
             completes without them (60; above the default ``--shutdown-timeout`` of 30).
         keep_alive_interval / keep_alive_max_attempt: lease renewal period and how many may be
-            missed; a silent node is lost after their product (0.5 x 3 = 1.5).
+            missed; a silent node is lost after their product (0.5 x 3 = 1.5). Above 1,000
+            nodes the period grows with max_nodes (``keep_alive_for``; ``KEEP_ALIVE_RATE``).
         read_timeout: the round store's timeout for get/wait (torch's c10d key; 60).
         handshake_timeout: how long a peer on the endpoint gets to answer the store hello (3).
         linger_timeout: how long the store host's ``shutdown`` waits for other nodes to leave (5).
@@ -109,6 +115,13 @@ class FsmRendezvousSettings:
     @property
     def keep_alive_timeout(self) -> float:
         return self.keep_alive_interval * self.keep_alive_max_attempt
+
+    def keep_alive_for(self, max_nodes: int) -> tuple[float, float]:
+        """``(interval, timeout)`` in seconds for a job of ``max_nodes``: ``keep_alive_interval``
+        and ``keep_alive_timeout``, stretched so that all nodes together renew at most
+        ``KEEP_ALIVE_RATE`` leases per second."""
+        interval = max(self.keep_alive_interval, max_nodes / KEEP_ALIVE_RATE)
+        return interval, interval * self.keep_alive_max_attempt
 
     @classmethod
     def from_params(cls, params: Any) -> "FsmRendezvousSettings":

@@ -1,121 +1,259 @@
-"""The ``fsm`` rendezvous's planner: what one node does next, as a pure function of the shared state
-(``plan``), and the state's shape (``fresh_state``, ``rank_order``). No I/O: the handler reads the
-state, asks ``plan`` and writes its answer back with one compare-and-set."""
+"""The ``fsm`` rendezvous's planner: one run's rendezvous state and the operations on it
+(``Rendezvous``), with no I/O, no clock and no threads. The store server holds one per run and
+applies each client's request to it in its single serving thread, so every operation is atomic;
+``tests/property`` drives it through random interleavings and ``tests/model`` checks the same
+protocol as a Promela model.
+
+Cost: ``join``, ``leave``, ``lose`` and ``membership`` are O(1) (amortised) in the number of
+nodes; completing a round is O(N log N) once (the rank sort) and hands each participant O(1) bytes.
+Nothing is ever copied or serialised whole, so N joins cost O(N) in all (the JSON document that
+every join read and compare-and-set before made them O(N^2)).
+"""
 
 from __future__ import annotations
 
-import copy
+from dataclasses import dataclass, field
 
-SCHEMA = 1
 _INF = float("inf")
 
 
-# -- the state machine of one node, as a pure function ------------------------------------------------
-def fresh_state() -> dict:
-    return {"schema": SCHEMA, "round": 0, "complete": False, "closed": False, "seq": 0, "nodes": {},
-            "participants": {}, "previous": [], "wait_list": {}, "last_join": 0.0, "master": None}
+@dataclass
+class Node:
+    """A live node of the run. ``seq`` is its first-join order (ranks are stable across rounds);
+    ``rounds`` how many rounds it was ranked in (0: new to the run, which starts the settle window)."""
+
+    addr: str
+    port: int
+    host: bool = False
+    node_rank: int | None = None
+    seq: int = 0
+    rounds: int = 0
 
 
-def rank_order(state: dict, participants) -> list[str]:
-    """Participants in rank order: node_rank hint, then the store host, then join order."""
-    nodes = state["nodes"]
+@dataclass(frozen=True)
+class Joined:
+    """The answer to ``join``. ``status``: ``ranked`` (``rank``/``world`` of ``round`` hold),
+    ``wait`` (blocked until the round completes or seats free up), ``not_needed`` (the round is
+    complete with ``max_nodes`` live participants) or ``closed``."""
 
+    status: str
+    round: int
+    rank: int | None = None
+    world: int = 0
+
+
+@dataclass
+class Rendezvous:
+    """One run's rendezvous (torch's ``_RendezvousState``, but in the store and updated in place).
+
+    Rounds: a round completes when ``min_nodes <= n`` and one of: ``n == max_nodes``; no other
+    live node can still join and either no participant is new to the run or ``last_call_timeout``
+    passed since the last join (the settle window); or ``rejoin_timeout`` passed since the last
+    join. A participant of the last completed round that joins again opens the next round; the
+    live participants of the last round have reserved seats in it. Ranks: ``node_rank`` hint,
+    then the store host, then first-join order. All times are the store server's monotonic clock
+    (seconds).
+
+    Hot spares (issue #20) slot in at one place: ``join`` on a complete round with ``max_nodes``
+    live participants answers ``not_needed``; a standby would instead stay in ``wait_list`` (which
+    never counts towards ``n``, so it cannot complete, close or overfill a round) and ``_admit``
+    seats it when the next round opens with a free seat, after the reserved seats.
+    """
+
+    min_nodes: int
+    max_nodes: int
+    last_call_timeout: float = 0.5
+    rejoin_timeout: float = 60.0
+    round: int = 0
+    complete: bool = False
+    closed: bool = False
+    nodes: dict[str, Node] = field(default_factory=dict)
+    #: this round's participants in join order; their ranks once complete (else None)
+    participants: dict[str, int | None] = field(default_factory=dict)
+    #: live participants of the last completed round that have not joined this one (reserved seats)
+    reserved: set[str] = field(default_factory=set)
+    #: node -> server time it began waiting for a round with room
+    wait_list: dict[str, float] = field(default_factory=dict)
+    last_join: float = 0.0
+    master: tuple[str, int] | None = None
+    #: participants of the complete round that are gone (lease lapsed, killed, left)
+    lost: set[str] = field(default_factory=set)
+    _seq: int = 0
+    _new_in_round: int = 0  # participants with rounds == 0
+
+    # -- operations ----------------------------------------------------------------------------
+    def join(self, me: str, info: Node, now: float, returned_round: int | None) -> Joined:
+        """Node ``me`` asks for a rank; ``returned_round``: the round its last join returned (None: never)."""
+        if self.closed:
+            return Joined("closed", self.round)
+        node = self.nodes.get(me)
+        if node is None:
+            info.seq, info.rounds = self._seq, 0
+            self._seq += 1
+            node = self.nodes[me] = info
+        else:
+            node.port = info.port  # a fresh MASTER_PORT candidate each join
+        if self.complete:
+            if me in self.participants and me not in self.lost:
+                if self.round != returned_round:
+                    return self._ranked(me)
+                self._open(me, now)  # this node wants a new round (restart, lost node, joiners)
+                return Joined("wait", self.round)
+            if self._live_participants() >= self.max_nodes:
+                self._forget(me)
+                return Joined("not_needed", self.round)
+            self.wait_list.setdefault(me, now)
+            if self._live_participants() == 0:  # no one of the last round is left to open the next
+                self._open(None, now)
+            return Joined("wait", self.round)
+        if me not in self.participants:
+            if self._seats(me) <= 0:
+                self.wait_list.setdefault(me, now)
+                return Joined("wait", self.round)
+            self._seat(me, now)
+        return Joined("wait", self.round)
+
+    def leave(self, me: str, now: float, *, forget: bool = True) -> None:
+        """Node ``me`` leaves: the wait list and an incomplete round; ``forget``: the run too
+        (its next join counts as a new node). A participant of a complete round stays in it
+        unless forgotten (then it counts as lost)."""
+        if forget:
+            self._forget(me)
+        else:
+            self.wait_list.pop(me, None)
+            if not self.complete:
+                self._unseat(me)
+        if self.complete and self.wait_list and self._live_participants() == 0:
+            self._open(None, now)  # the last participant of the round is gone: the waiting nodes go on
+        self._admit(now)
+
+    def lose(self, me: str, now: float) -> None:
+        """Node ``me``'s lease ended (killed, silent for the keep-alive timeout): as ``leave``."""
+        self.leave(me, now, forget=True)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def tick(self, now: float) -> tuple[list[str], list[str]]:
+        """Complete the round if it is due at ``now`` (call after every operation and at
+        ``deadline()``): ``(ranked, turned_away)``, the participants in rank order and the waiting
+        nodes that leave with ``not_needed`` because the round is full; both empty: not yet."""
+        if self.closed or self.complete:
+            return [], []
+        n = len(self.participants)
+        if n < self.min_nodes or (n < self.max_nodes and now < self.deadline()):
+            return [], []
+        order = self._complete()
+        away = list(self.wait_list) if n >= self.max_nodes else []
+        for w in away:
+            self._forget(w)
+        return order, away
+
+    def deadline(self) -> float:
+        """When ``tick`` completes the incomplete round at the latest (inf: not while n < min)."""
+        if self.complete or self.closed or len(self.participants) < self.min_nodes:
+            return _INF
+        if self._joinable() == 0:
+            return self.last_join + (self.last_call_timeout if self._new_in_round else 0.0)
+        return self.last_join + self.rejoin_timeout
+
+    def membership(self, me: str, round_: int, now: float) -> tuple[int, int, float]:
+        """For a participant of ``round_``: ``(lost, waiting, recheck_at)`` (torch's
+        ``num_nodes_lost``/``num_nodes_waiting``). ``waiting``: nodes waiting for a new round
+        (another participant opened one, or nodes waited ``last_call_timeout`` to join a round
+        with room); ``recheck_at``: when ``waiting`` may change without any operation (inf: never)."""
+        if round_ != self.round:
+            others = len(self.participants) + len(self.wait_list) - (me in self.participants) - (me in self.wait_list)
+            return 0, max(1, others), _INF
+        due = self.waiting_due_at()
+        if now >= due:
+            return len(self.lost), len(self.wait_list), _INF
+        return len(self.lost), 0, due
+
+    def waiting_due_at(self) -> float:
+        """When the nodes waiting to join the complete round are reported (inf: none, or no room)."""
+        if self.closed or not self.complete or not self.wait_list or self._live_participants() >= self.max_nodes:
+            return _INF
+        return next(iter(self.wait_list.values())) + self.last_call_timeout  # insertion order is waiting order
+
+    def ranks(self) -> dict[str, int]:
+        return {p: r for p, r in self.participants.items() if r is not None}
+
+    # -- inside ------------------------------------------------------------------------------------
+    def _ranked(self, me: str) -> Joined:
+        return Joined("ranked", self.round, self.participants[me], len(self.participants))
+
+    def _live_participants(self) -> int:
+        return len(self.participants) - len(self.lost)
+
+    def _seats(self, me: str) -> int:
+        reserved = 0 if me in self.reserved else len(self.reserved)
+        return self.max_nodes - len(self.participants) - reserved
+
+    def _seat(self, me: str, now: float) -> None:
+        self.participants[me] = None
+        self.reserved.discard(me)
+        self.wait_list.pop(me, None)
+        if self.nodes[me].rounds == 0:
+            self._new_in_round += 1
+        self.last_join = now
+
+    def _unseat(self, me: str) -> None:
+        if me in self.participants:
+            del self.participants[me]
+            node = self.nodes.get(me)
+            if node is not None and node.rounds == 0:
+                self._new_in_round -= 1
+
+    def _forget(self, me: str) -> None:
+        self.wait_list.pop(me, None)
+        self.reserved.discard(me)
+        if self.complete:
+            if me in self.participants:
+                self.lost.add(me)
+        else:
+            self._unseat(me)
+        self.nodes.pop(me, None)
+
+    def _open(self, me: str | None, now: float) -> None:
+        """Open the next round (``me``: the participant that asked for it, seated first)."""
+        self.reserved = {p for p in self.participants if p not in self.lost and p != me}
+        self.round += 1
+        self.complete = False
+        self.participants, self.lost, self.master, self._new_in_round = {}, set(), None, 0
+        if me is not None:
+            self._seat(me, now)
+        self._admit(now)
+
+    def _admit(self, now: float) -> None:
+        """Seat waiting nodes, in waiting order, while the incomplete round has free seats."""
+        if self.complete or self.closed:
+            return
+        while self.wait_list and self._seats("") > 0:
+            self._seat(next(iter(self.wait_list)), now)
+
+    def _joinable(self) -> int:
+        pending = len(self.nodes) - len(self.participants)
+        return min(pending, self.max_nodes - len(self.participants))
+
+    def _complete(self) -> list[str]:
+        order = rank_order(self.nodes, self.participants)
+        self.participants = {p: i for i, p in enumerate(order)}
+        self.complete = True
+        self.reserved = set()
+        for p in order:
+            self.nodes[p].rounds += 1
+            self.wait_list.pop(p, None)
+        self._new_in_round = 0
+        first = self.nodes[order[0]]
+        self.master = (first.addr, first.port)
+        return order
+
+
+def rank_order(nodes: dict[str, Node], participants) -> list[str]:
+    """Participants in rank order: node_rank hint, then the store host, then first-join order."""
     def key(p: str):
         n = nodes[p]
-        hint = n.get("node_rank")
-        return (hint if hint is not None else _INF, 0 if n.get("host") else 1, n.get("seq", 0), p)
+        return (n.node_rank if n.node_rank is not None else _INF, 0 if n.host else 1, n.seq, p)
 
     return sorted(participants, key=key)
-
-
-def plan(state: dict, alive: set[str], me: str, me_info: dict, now: float, *, min_nodes: int, max_nodes: int,
-         last_call_timeout: float, rejoin_timeout: float, returned_round: int | None
-         ) -> tuple[dict | None, str, float | None]:
-    """One step of node ``me`` on the shared state: ``(new_state or None, action, wait_s)``.
-
-    ``new_state`` (when not None) is to be written with compare_set; then the caller re-reads and
-    calls again, except after ``not_needed`` (it raises once the write succeeded). Without a write,
-    ``action`` is ``finish`` (this round is ours), ``closed`` or ``wait`` (watch the state for at
-    most ``wait_s`` seconds; None: until it changes).
-    """
-    st = copy.deepcopy(state)
-    nodes, wl = st["nodes"], st["wait_list"]
-    changed = False
-    for n in list(nodes):  # nodes whose lease is gone have left or died
-        if n not in alive and n != me:
-            del nodes[n]
-            changed = True
-    for n in list(wl):
-        if n not in nodes:
-            del wl[n]
-            changed = True
-    if not st["complete"]:
-        for n in list(st["participants"]):
-            if n not in nodes:
-                del st["participants"][n]
-                changed = True
-    if st["closed"]:
-        return (st if changed else None), "closed", None
-    if me not in nodes:
-        nodes[me] = {**me_info, "seq": st["seq"], "rounds": 0}
-        st["seq"] += 1
-        changed = True
-    parts = st["participants"]
-
-    if st["complete"]:
-        live = [p for p in parts if p in nodes]
-        if me in parts:
-            if st["round"] != returned_round:
-                return (st if changed else None), "finish", None
-            # this node wants a new round (restart, lost node, joiners): open it
-            st["round"] += 1
-            st["complete"] = False
-            st["previous"] = sorted(live)
-            st["participants"] = {me: None}
-            st["master"] = None
-            nodes[me]["port"] = me_info["port"]
-            wl.pop(me, None)
-            st["last_join"] = now
-            return st, "wait", 0.0
-        if len(live) >= max_nodes:
-            del nodes[me]
-            wl.pop(me, None)
-            return st, "not_needed", None
-        if me not in wl:
-            wl[me] = now
-            changed = True
-        return (st if changed else None), "wait", None
-
-    if me not in parts:
-        reserved = [n for n in st["previous"] if n in nodes and n not in parts and n != me]
-        seats = max_nodes - len(parts) - (0 if me in st["previous"] else len(reserved))
-        if seats <= 0:
-            if me not in wl:
-                wl[me] = now
-                changed = True
-            return (st if changed else None), "wait", None
-        parts[me] = None
-        wl.pop(me, None)
-        nodes[me]["port"] = me_info["port"]
-        st["last_join"] = now
-        return st, "wait", 0.0
-
-    n = len(parts)
-    if n < min_nodes:
-        return (st if changed else None), "wait", None
-    pending = [x for x in nodes if x not in parts]
-    joinable = min(len(pending), max_nodes - n)
-    new_in_round = any(nodes[p].get("rounds", 0) == 0 for p in parts)
-    settle_at = st["last_join"] + (last_call_timeout if new_in_round else 0.0)
-    rejoin_at = st["last_join"] + rejoin_timeout
-    if n >= max_nodes or (joinable == 0 and now >= settle_at) or now >= rejoin_at:
-        order = rank_order(st, parts)
-        st["participants"] = {p: i for i, p in enumerate(order)}
-        st["complete"] = True
-        for p in order:
-            nodes[p]["rounds"] = nodes[p].get("rounds", 0) + 1
-            wl.pop(p, None)
-        st["master"] = {"addr": nodes[order[0]]["addr"], "port": nodes[order[0]]["port"]}
-        return st, "wait", 0.0
-    wake = settle_at if joinable == 0 else rejoin_at
-    return (st if changed else None), "wait", max(0.0, wake - now)

@@ -17,7 +17,7 @@ Protocol (one JSON object per line, UTF-8, in both directions; one reply per req
 
 Operations (``StoreClient`` method in brackets): set, get (blocks until the key exists), add
 (atomic counter), compare_set, multi_get (blocks until all exist), multi_set, check, wait,
-delete_key, num_keys, and for the rendezvous: get_versioned (values, versions, a prefix listing
+delete_key, num_keys, stats, and for the rendezvous: get_versioned (values, versions, a prefix listing
 and ``now`` in one round trip), watch (block until a key's version changes), touch (extend
 leases). Every mutation gives the key a new version (a server-wide counter); a missing key has
 version 0.
@@ -36,7 +36,9 @@ atomic without locks. ``python -m fsm_agent.store --host H --port P`` (a stable 
 
 from __future__ import annotations
 
+import array
 import base64
+import fcntl
 import heapq
 import itertools
 import json
@@ -44,6 +46,7 @@ import logging
 import os
 import selectors
 import socket
+import termios
 import threading
 import time
 from collections import deque
@@ -51,6 +54,7 @@ from datetime import timedelta
 from typing import Any, Iterable, Sequence
 
 from fsm_agent.errors import RendezvousFailed
+from fsm_agent.plugins.rendezvous_fsm.planner import Node, Rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +124,16 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not allowed")  # NaN/Infinity would break deadlines and leases
 
 
+def _unread(sock: socket.socket) -> bool:
+    """True when ``sock`` holds received bytes not read yet."""
+    buf = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf, True)
+    except OSError:
+        return False
+    return buf[0] > 0
+
+
 def _encode(obj: dict) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode("utf-8") + b"\n"
 
@@ -149,11 +163,26 @@ class _Conn:
 
 
 class _Waiter:
-    __slots__ = ("conn", "kind", "keys", "versions", "deadline", "done")
+    __slots__ = ("conn", "kind", "keys", "versions", "deadline", "done", "run", "req")
 
     def __init__(self, conn: _Conn, kind: str, keys: list[str], versions: dict[str, int] | None, deadline: float):
         self.conn, self.kind, self.keys, self.versions, self.deadline = conn, kind, keys, versions, deadline
         self.done = False
+        self.run: _Run | None = None  # rdzv_* waiters: their run, and the request they answer
+        self.req: dict = {}
+
+
+class _Run:
+    """One rendezvous run in the server: the planner's state and the requests blocked on it."""
+
+    __slots__ = ("run_id", "rdzv", "joins", "watchers", "lingers", "timer_at")
+
+    def __init__(self, run_id: str, rdzv: Rendezvous):
+        self.run_id, self.rdzv = run_id, rdzv
+        self.joins: dict[str, _Waiter] = {}  # node -> its blocked rdzv_join
+        self.watchers: dict[str, _Waiter] = {}  # node -> its blocked rdzv_watch
+        self.lingers: set[_Waiter] = set()
+        self.timer_at = float("inf")  # the earliest timer pushed for this run
 
 
 class StoreServer:
@@ -167,7 +196,7 @@ class StoreServer:
             EADDRINUSE, EADDRNOTAVAIL, ...).
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, backlog: int = 1024):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, backlog: int = 4096):
         self._host, self._req_port, self._backlog = host, port, backlog
         self._listener: socket.socket | None = None
         self._sel: selectors.BaseSelector | None = None
@@ -181,6 +210,10 @@ class StoreServer:
         self._expiries: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
         self._conns: set[_Conn] = set()
+        self._runs: dict[str, _Run] = {}
+        self._leases: dict[str, tuple[str, str]] = {}  # lease key -> (run, node) it keeps alive
+        self._timers: list[tuple[float, int, str]] = []  # (when, seq, run): a round may complete then
+        self._traffic = {"bytes_in": 0, "bytes_out": 0, "requests": 0}  # for the "stats" op (benchmarks)
         self.port = port
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -276,8 +309,10 @@ class StoreServer:
                 now = time.monotonic()
                 self._expire(now)
                 self._time_out_waiters(now)
+                self._run_timers(now)
                 nxt = min(self._deadlines[0][0] if self._deadlines else float("inf"),
-                          self._expiries[0][0] if self._expiries else float("inf"))
+                          self._expiries[0][0] if self._expiries else float("inf"),
+                          self._timers[0][0] if self._timers else float("inf"))
                 timeout = 3600.0 if nxt == float("inf") else min(3600.0, max(0.0, nxt - time.monotonic()))
                 for key, mask in sel.select(timeout):
                     if key.data == "wake":
@@ -323,6 +358,7 @@ class StoreServer:
         if not chunk:
             self._drop(conn)
             return
+        self._traffic["bytes_in"] += len(chunk)
         conn.inbuf += chunk
         while True:
             i = conn.inbuf.find(b"\n")
@@ -373,6 +409,7 @@ class StoreServer:
                 self._drop(conn)
                 return
             del conn.outbuf[:n]
+            self._traffic["bytes_out"] += n
         if conn.outbuf:
             self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
         else:
@@ -425,6 +462,13 @@ class StoreServer:
             entry.owner.owned.discard(key)
         next(self._clock)
         self._notify(key)
+        lease = self._leases.pop(key, None)
+        if lease is not None:  # a rendezvous node's lease ended: it is lost, at once
+            run_id, node = lease
+            self._rdzv_apply(run_id, lambda rdzv, now: rdzv.lose(node, now))
+            w = self._runs[run_id].joins.get(node) if run_id in self._runs else None
+            if w is not None:  # still alive and joining (its lease lapsed): it renews and joins again
+                self._finish(w, {"ok": True, "status": "no_lease"})
         return True
 
     def _version(self, key: str) -> int:
@@ -438,11 +482,19 @@ class StoreServer:
         heapq.heappush(self._expiries, (entry.expiry, next(self._seq), key))
 
     def _expire(self, now: float) -> None:
+        deferred = []
         while self._expiries and self._expiries[0][0] <= now:
             when, _, key = heapq.heappop(self._expiries)
             entry = self._data.get(key)
             if entry is not None and entry.expiry is not None and entry.expiry <= now:
+                if entry.owner is not None and _unread(entry.owner.sock):
+                    # A busy store, not a silent node: its renewal may be in the socket, unread.
+                    # Read first (select answers at once), then decide.
+                    deferred.append((when, next(self._seq), key))
+                    continue
                 self._delete(key)
+        for item in deferred:
+            heapq.heappush(self._expiries, item)
 
     # -- waiting ---------------------------------------------------------------------------------
     def _satisfied(self, w: _Waiter) -> bool:
@@ -477,6 +529,8 @@ class StoreServer:
         heapq.heappush(self._deadlines, (w.deadline, next(self._seq), w))
 
     def _timed_out(self, w: _Waiter) -> dict:
+        if w.run is not None:
+            return self._rdzv_timed_out(w)
         if w.kind == "watch":
             return {"ok": True, "now": time.monotonic(), "changed": {}}
         missing = [k for k in w.keys if k not in self._data]
@@ -484,6 +538,12 @@ class StoreServer:
 
     def _unregister(self, w: _Waiter) -> None:
         w.done = True
+        if w.run is not None:
+            node = w.req.get("node")
+            for table in (w.run.joins, w.run.watchers):
+                if table.get(node) is w:
+                    del table[node]
+            w.run.lingers.discard(w)
         for k in w.keys:
             s = self._waiting.get(k)
             if s is not None:
@@ -516,6 +576,7 @@ class StoreServer:
     def _handle(self, conn: _Conn, req: dict) -> None:
         op = req.get("op")
         now = time.monotonic()
+        self._traffic["requests"] += 1
         if op == "hello":
             self._reply(conn, {"ok": True, "proto": PROTO, "now": now})
         elif op == "set":
@@ -593,8 +654,148 @@ class StoreServer:
             self._reply(conn, {"ok": True, "values": found})
         elif op == "time":
             self._reply(conn, {"ok": True, "now": now})
+        elif op == "stats":
+            self._reply(conn, {"ok": True, **self._traffic, "connections": len(self._conns), "keys": len(self._data)})
+        elif op.startswith("rdzv_") if isinstance(op, str) else False:
+            self._rdzv_handle(conn, op, req, now)
         else:
             self._reply(conn, {"ok": False, "error": "bad_request", "message": f"unknown op {op!r}"})
+
+    # -- the rendezvous: planner.Rendezvous per run, applied in this thread (the handler is the client) --
+    def _rdzv_handle(self, conn: _Conn, op: str, req: dict, now: float) -> None:
+        run_id, node = str(req["run"]), str(req.get("node", ""))
+        run = self._runs.get(run_id)
+        if op == "rdzv_join":
+            lease = str(req["lease"])
+            if lease not in self._data:  # the lease lapsed before this join: the node renews it first
+                self._reply(conn, {"ok": True, "status": "no_lease"})
+                return
+            lo, hi = int(req["min"]), int(req["max"])
+            if run is None:
+                run = self._runs[run_id] = _Run(run_id, Rendezvous(lo, hi))
+            rdzv = run.rdzv
+            rdzv.min_nodes, rdzv.max_nodes = lo, hi
+            rdzv.last_call_timeout, rdzv.rejoin_timeout = float(req["last_call_timeout"]), float(req["rejoin_timeout"])
+            self._leases[lease] = (run_id, node)
+            info = req["info"]
+            me = Node(str(info["addr"]), int(info["port"]), bool(info.get("host")),
+                      None if info.get("node_rank") is None else int(info["node_rank"]))
+            returned = req.get("returned_round")
+
+            def join(rdzv: Rendezvous, now: float) -> None:
+                res = rdzv.join(node, me, now, None if returned is None else int(returned))
+                if res.status == "wait":
+                    self._rdzv_block(conn, run, "rdzv_join", req, run.joins)
+                else:
+                    self._reply(conn, self._rdzv_joined(rdzv, res.status, node))
+
+            self._rdzv_apply(run_id, join)
+        elif run is None:  # nothing joined this run yet (or the store restarted)
+            self._reply(conn, {"ok": True, "closed": False, "round": -1, "complete": False, "nodes": 0,
+                               "lost": 0, "waiting": 1 if op == "rdzv_watch" else 0, "others": 0})
+        elif op == "rdzv_leave":
+            self._rdzv_apply(run_id, lambda rdzv, now: rdzv.leave(node, now, forget=bool(req.get("forget", True))))
+            self._reply(conn, {"ok": True})
+        elif op == "rdzv_close":
+            self._rdzv_apply(run_id, lambda rdzv, now: rdzv.close())
+            self._reply(conn, {"ok": True})
+        elif op == "rdzv_status":
+            r = run.rdzv
+            self._reply(conn, {"ok": True, "closed": r.closed, "round": r.round, "complete": r.complete,
+                               "nodes": len(r.nodes), "participants": len(r.participants),
+                               "waiting": len(r.wait_list)})
+        elif op == "rdzv_watch":
+            lost, waiting, _ = run.rdzv.membership(node, int(req["round"]), now)
+            if (lost, waiting > 0) != (int(req["lost"]), int(req["waiting"]) > 0):
+                self._reply(conn, {"ok": True, "lost": lost, "waiting": waiting})
+            else:
+                self._rdzv_block(conn, run, "rdzv_watch", req, run.watchers)
+        elif op == "rdzv_linger":
+            others = len(run.rdzv.nodes) - (node in run.rdzv.nodes)
+            if others == 0:
+                self._reply(conn, {"ok": True, "others": 0})
+            else:
+                self._rdzv_block(conn, run, "rdzv_linger", req, None)
+        else:
+            self._reply(conn, {"ok": False, "error": "bad_request", "message": f"unknown op {op!r}"})
+
+    def _rdzv_block(self, conn: _Conn, run: _Run, kind: str, req: dict, table: dict | None) -> None:
+        w = _Waiter(conn, kind, [], None, time.monotonic() + min(max(0.0, float(req["timeout"])), 1e6))
+        w.run, w.req = run, req
+        conn.waiter = w
+        if table is None:
+            run.lingers.add(w)
+        else:
+            old = table.get(req["node"])
+            if old is not None and not old.done:  # the same node asked again on another connection
+                self._finish(old, {"ok": False, "error": "bad_request", "message": "superseded by a later request"})
+            table[req["node"]] = w
+        heapq.heappush(self._deadlines, (w.deadline, next(self._seq), w))
+
+    @staticmethod
+    def _rdzv_joined(rdzv: Rendezvous, status: str, node: str) -> dict:
+        reply = {"ok": True, "status": status, "round": rdzv.round}
+        if status == "ranked":
+            reply.update(rank=rdzv.participants[node], world=len(rdzv.participants),
+                         master={"addr": rdzv.master[0], "port": rdzv.master[1]})
+        return reply
+
+    def _rdzv_timed_out(self, w: _Waiter) -> dict:
+        rdzv, node = w.run.rdzv, w.req["node"]
+        if w.kind == "rdzv_watch":
+            lost, waiting, _ = rdzv.membership(node, int(w.req["round"]), time.monotonic())
+            return {"ok": True, "lost": lost, "waiting": waiting}
+        if w.kind == "rdzv_linger":
+            return {"ok": True, "others": len(rdzv.nodes) - (node in rdzv.nodes)}
+        reply = {"ok": True, "status": "timeout", "round": rdzv.round, "waiting": len(rdzv.wait_list),
+                 "joined": 0 if rdzv.complete else len(rdzv.participants)}
+        self._unregister(w)  # a node that gave up leaves the round it waited for (not the run)
+        self._rdzv_apply(w.run.run_id, lambda r, now: r.leave(node, now, forget=False))
+        return reply
+
+    def _rdzv_apply(self, run_id: str, change, timer: bool = False) -> None:
+        """Apply ``change(rdzv, now)`` to the run, then answer what it decided: ranks when the
+        round completed, membership changes to the watchers, and schedule the next deadline."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return
+        rdzv, now = run.rdzv, time.monotonic()
+        before = (rdzv.round, rdzv.closed, len(rdzv.lost), len(rdzv.nodes))
+        change(rdzv, now)
+        ranked, away = rdzv.tick(now)
+        for p in ranked:
+            w = run.joins.get(p)
+            if w is not None:
+                self._finish(w, self._rdzv_joined(rdzv, "ranked", p))
+        for p in away:
+            w = run.joins.get(p)
+            if w is not None:
+                self._finish(w, self._rdzv_joined(rdzv, "not_needed", p))
+        if rdzv.closed and not before[1]:
+            for w in list(run.joins.values()):
+                self._finish(w, self._rdzv_joined(rdzv, "closed", w.req["node"]))
+        if (rdzv.round, len(rdzv.lost)) != (before[0], before[2]) or (timer and now >= rdzv.waiting_due_at()):
+            for w in list(run.watchers.values()):
+                lost, waiting, _ = rdzv.membership(w.req["node"], int(w.req["round"]), now)
+                if (lost, waiting > 0) != (int(w.req["lost"]), int(w.req["waiting"]) > 0):
+                    self._finish(w, {"ok": True, "lost": lost, "waiting": waiting})
+        if len(rdzv.nodes) != before[3]:
+            for w in list(run.lingers):
+                if len(rdzv.nodes) - (w.req["node"] in rdzv.nodes) == 0:
+                    self._finish(w, {"ok": True, "others": 0})
+        due = rdzv.waiting_due_at()
+        at = min(rdzv.deadline(), due if due > now else float("inf"))
+        if at < run.timer_at:
+            run.timer_at = at
+            heapq.heappush(self._timers, (at, next(self._seq), run_id))
+
+    def _run_timers(self, now: float) -> None:
+        while self._timers and self._timers[0][0] <= now:
+            when, _, run_id = heapq.heappop(self._timers)
+            run = self._runs.get(run_id)
+            if run is not None and when >= run.timer_at:
+                run.timer_at = float("inf")
+                self._rdzv_apply(run_id, lambda rdzv, now: None, timer=True)
 
 
 # -- client ------------------------------------------------------------------------------------------
@@ -927,6 +1128,20 @@ class StoreClient:
 
     def server_time(self) -> float:
         return float(self._request({"op": "time"})["now"])
+
+    def stats(self) -> dict[str, int]:
+        """The server's traffic since it started: ``bytes_in``, ``bytes_out``, ``requests``, and
+        its ``connections`` and ``keys`` now (what ``benchmarks/rendezvous_scale.py`` reports)."""
+        reply = self._request({"op": "stats"})
+        return {k: int(reply[k]) for k in ("bytes_in", "bytes_out", "requests", "connections", "keys")}
+
+    def rendezvous(self, op: str, wait: float | None = None, **fields: Any) -> dict:
+        """One ``rdzv_<op>`` request of the ``fsm`` rendezvous (see ``StoreServer._rdzv_handle``);
+        ``wait``: how long the server may block it (seconds). Returns the reply object."""
+        req = {"op": f"rdzv_{op}", **fields}
+        if wait is not None:
+            req["timeout"] = max(0.0, float(wait))
+        return self._request(req, wait)
 
 
 class PrefixStore:

@@ -1,0 +1,312 @@
+#!/usr/bin/env python3
+"""Rendezvous at scale: N participants against one store, fsm-agent's ``fsm`` backend beside
+torch's c10d (``DynamicRendezvousHandler`` on a ``TCPStore``).
+
+    python benchmarks/rendezvous_scale.py --markdown /tmp/scale.md            # N = 64, 256, 1024, 4096
+    python benchmarks/rendezvous_scale.py --sizes 64,256 --c10d-sizes 16,64    # a subset
+
+What is real and what is simulated:
+
+- The store is its own process: ``python -m fsm_agent.store`` for ``fsm``; a ``TCPStore`` master
+  for c10d. Its CPU seconds (user + system), peak RSS (VmHWM) and the bytes it read and wrote
+  (``/proc/PID/io`` rchar + wchar, i.e. every socket byte) are measured from the moment the
+  participants are told to go until the last one has its rank.
+- A participant is one real rendezvous handler (``FsmRendezvousHandler`` / torch's
+  ``DynamicRendezvousHandler``: the product's own protocol code, imported, not a copy), each with
+  its own store connections and keep-alive thread, as an agent would have. What is simulated is
+  the node: participants are threads, spread over ``--procs`` processes on this one machine, all
+  on loopback, and no workers are started. One round, ``--nnodes N:N``, default settings.
+- Time until all ranked: the harness stamps ``time.time()`` and tells every process to go at
+  once (one line on each stdin); each participant stamps the moment its ``next_rendezvous``
+  returned; the row shows the last stamp minus the go stamp. The processes have created their
+  handlers (no connection yet) before go.
+- Every participant holds 3 connections to the store (fsm), so the harness raises
+  ``RLIMIT_NOFILE`` (soft and hard, for itself and the processes it starts) to 262144, and says so
+  in the output. The listen backlog is capped by ``net.core.somaxconn`` (left as it is).
+- c10d runs at the sizes given by ``--c10d-sizes`` with ``--c10d-limit`` seconds each; a size
+  that does not finish in time is shown as "not done in N s" (its limit).
+
+Every process started is killed at the end of its row (by pid); nothing is found by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import select
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+NOFILE = 262144
+
+
+# -- a participants process ---------------------------------------------------------------------------
+def fsm_handlers(args) -> list:
+    from fsm_agent.plugins.rendezvous_fsm import FsmRendezvousHandler, FsmRendezvousSettings
+
+    settings = FsmRendezvousSettings(is_host=False, join_timeout=args.join_timeout,
+                                     keep_alive_interval=args.keep_alive_interval)
+    return [FsmRendezvousHandler(args.run_id, f"127.0.0.1:{args.port}", args.nodes, args.nodes,
+                                 local_addr="127.0.0.1", settings=settings) for _ in range(args.count)]
+
+
+def c10d_handlers(args) -> list:
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    out = []
+    for _ in range(args.count):
+        params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{args.port}", run_id=args.run_id,
+                                      min_nodes=args.nodes, max_nodes=args.nodes, local_addr="127.0.0.1",
+                                      join_timeout=str(int(args.join_timeout)))
+        store = TCPStore("127.0.0.1", args.port, is_master=False, timeout=timedelta(seconds=args.join_timeout),
+                         wait_for_workers=False)
+        out.append(create_handler(store, C10dRendezvousBackend(store, args.run_id), params))
+    return out
+
+
+def participants_main(args) -> int:
+    # The simulated nodes share this machine's cores with the store; in a job each has its own
+    # machine. At nice 10 they do not starve the store, the process being measured.
+    os.nice(10)
+    handlers = (fsm_handlers if args.backend == "fsm" else c10d_handlers)(args)
+    done: list = [None] * len(handlers)
+    go = threading.Event()
+
+    def run(i, h):
+        go.wait()
+        try:
+            info = h.next_rendezvous()
+            rank = info.rank
+            done[i] = {"t": time.time(), "rank": rank}
+        except BaseException as exc:  # noqa: BLE001 - reported to the harness
+            done[i] = {"t": time.time(), "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+    threads = [threading.Thread(target=run, args=(i, h), daemon=True) for i, h in enumerate(handlers)]
+    for t in threads:
+        t.start()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    go.set()
+    for t in threads:
+        t.join()
+    print(json.dumps({"done": done, "torch": "torch" in sys.modules}), flush=True)
+    sys.stdin.readline()  # the harness reads everyone's results before the connections close
+    os._exit(0)
+
+
+# -- the harness --------------------------------------------------------------------------------------
+def raise_nofile() -> str:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, max(hard, NOFILE)))
+    except (ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    now = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return f"RLIMIT_NOFILE raised from {soft}/{hard} to {now[0]}/{now[1]} (soft/hard)"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_stats(pid: int, backend: str, port: int) -> dict:
+    """The store process's CPU seconds, peak RSS and (fsm) the bytes and requests it served."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / ticks
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    hwm = int(status["VmHWM"].split()[0]) * 1024
+    io, requests = None, None
+    if backend == "fsm":  # the server counts its socket bytes (recv/send are not in /proc/PID/io)
+        from fsm_agent.plugins.rendezvous_fsm.store import StoreClient
+
+        c = StoreClient("127.0.0.1", port, connect_timeout=30)
+        try:
+            stats = c.stats()
+        finally:
+            c.close()
+        io, requests = stats["bytes_in"] + stats["bytes_out"], stats["requests"]
+    return {"cpu": cpu, "io": io, "requests": requests, "hwm": hwm}
+
+
+def start_store(backend: str, port: int, env: dict) -> subprocess.Popen:
+    if backend == "fsm":
+        cmd = [sys.executable, "-m", "fsm_agent.store", "--host", "127.0.0.1", "--port", str(port)]
+    else:
+        code = ("import sys, time; from datetime import timedelta; from torch.distributed import TCPStore; "
+                f"s = TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False, "
+                "timeout=timedelta(seconds=900)); print('listening', flush=True); sys.stdin.read()")
+        cmd = [sys.executable, "-c", code]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    proc.stdout.readline()  # "fsm store listening ..." / "listening"
+    return proc
+
+
+def readline(proc: subprocess.Popen, deadline: float) -> str | None:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0 or not select.select([proc.stdout], [], [], remaining)[0]:
+        return None
+    return proc.stdout.readline()
+
+
+def one_row(backend: str, n: int, procs: int, limit: float, env: dict, keep_alive_interval: float) -> dict:
+    port, run_id = free_port(), f"scale-{uuid.uuid4().hex[:8]}"
+    store = start_store(backend, port, env)
+    workers: list[subprocess.Popen] = []
+    try:
+        p = max(1, min(procs, n))
+        counts = [n // p + (1 if i < n % p else 0) for i in range(p)]
+        for count in counts:
+            workers.append(subprocess.Popen(
+                [sys.executable, __file__, "--participants", backend, "--port", str(port), "--run-id", run_id,
+                 "--nodes", str(n), "--count", str(count), "--join-timeout", str(int(limit) + 60),
+                 "--keep-alive-interval", str(keep_alive_interval)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+        setup_deadline = time.monotonic() + 300
+        for w in workers:
+            if readline(w, setup_deadline) != "ready\n":
+                return {"backend": backend, "n": n, "error": "a participants process did not start"}
+        before = proc_stats(store.pid, backend, port)
+        t0 = time.time()
+        for w in workers:
+            w.stdin.write("go\n")
+            w.stdin.flush()
+        deadline = time.monotonic() + limit
+        results, torch_loaded = [], []
+        for w in workers:
+            line = readline(w, deadline)
+            if line is None:
+                row = {"backend": backend, "n": n, "timeout": limit}
+                if backend == "fsm":  # where it stood: for the report
+                    from fsm_agent.plugins.rendezvous_fsm.store import StoreClient
+
+                    c = StoreClient("127.0.0.1", port, connect_timeout=30, handshake_timeout=30)
+                    try:
+                        row["state"] = {**c.rendezvous("status", run=run_id), **c.stats()}
+                    finally:
+                        c.close()
+                    row["store_cpu_s"] = proc_stats(store.pid, "", port)["cpu"] - before["cpu"]
+                return row
+            out = json.loads(line)
+            results += out["done"]
+            torch_loaded.append(out["torch"])
+        after = proc_stats(store.pid, backend, port)
+        errors = [r["error"] for r in results if "error" in r]
+        ranks = sorted(r["rank"] for r in results if "rank" in r)
+        return {"backend": backend, "n": n, "procs": p, "seconds": max(r["t"] for r in results) - t0,
+                "store_cpu_s": after["cpu"] - before["cpu"], "store_peak_rss": after["hwm"],
+                "bytes_per_participant": None if after["io"] is None else (after["io"] - before["io"]) / n,
+                "requests_per_participant": None if after["io"] is None else (after["requests"] - before["requests"]) / n,
+                "errors": errors[:3],
+                "n_errors": len(errors), "ranks_ok": ranks == list(range(n)),
+                "torch_in_participants": any(torch_loaded)}
+    finally:
+        for w in workers:
+            w.kill()
+        for w in [*workers, store]:
+            if w is store:
+                w.kill()
+            w.wait()
+
+
+def fmt_row(row: dict) -> list[str]:
+    if "timeout" in row:
+        state = row.get("state")
+        where = (f" (store: {state['participants']} joined, {state['nodes']} live, {state['requests']} requests "
+                 f"served, {row['store_cpu_s']:.1f} s CPU)") if state else ""
+        return [row["backend"], str(row["n"]), f"not done in {row['timeout']:g} s{where}"]
+    if "error" in row:
+        return [row["backend"], str(row["n"]), row["error"]]
+    ok = "yes" if row["ranks_ok"] and not row["n_errors"] else f"no ({row['n_errors']} errors: {row['errors'][:1]})"
+    return [row["backend"], str(row["n"]), f"{row['seconds']:.2f} s", f"{row['store_cpu_s']:.2f} s",
+            f"{row['store_cpu_s'] / row['n'] * 1000:.2f} ms", f"{row['store_peak_rss'] / 2**20:.0f} MiB",
+            "-" if row["bytes_per_participant"] is None else f"{row['bytes_per_participant']:.0f} B",
+            "-" if row["requests_per_participant"] is None else f"{row['requests_per_participant']:.1f}", ok]
+
+
+HEADER = ["backend", "N", "all ranked after", "store CPU", "store CPU per participant", "store peak RSS",
+          "store bytes per participant", "store requests per participant", "ranks 0..N-1, no error"]
+
+
+def markdown(rows: list[dict], command: str, notes: list[str]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    for row in rows:
+        cells = fmt_row(row)
+        cells += [""] * (len(HEADER) - len(cells))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join([f"`{command}`", "", *[f"- {n}" for n in notes], "", *lines, ""])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="64,256,1024,4096", help="N for the fsm backend (comma-separated)")
+    parser.add_argument("--c10d-sizes", default="16,64,256", help="N for torch's c10d ('' for none)")
+    parser.add_argument("--c10d-limit", type=float, default=120.0, help="seconds c10d gets per size")
+    parser.add_argument("--limit", type=float, default=120.0, help="seconds fsm gets per size")
+    parser.add_argument("--procs", type=int, default=8, help="participant processes per row")
+    parser.add_argument("--keep-alive-interval", type=float, default=5.0,
+                        help="fsm keep_alive_interval (s; the product's default is 0.5): thousands of simulated "
+                             "nodes share this machine's cores, and a starved keep-alive thread is a silent node")
+    parser.add_argument("--markdown", help="write the table to this file too")
+    parser.add_argument("--json", help="write the rows as JSON to this file")
+    # participants mode (started by the harness)
+    parser.add_argument("--participants", choices=["fsm", "c10d"], help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--run-id", help=argparse.SUPPRESS)
+    parser.add_argument("--nodes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--join-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    nofile = raise_nofile()
+    if args.participants:
+        args.backend = args.participants
+        return participants_main(args)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    command = "python " + " ".join([str(Path(sys.argv[0]).relative_to(REPO) if Path(sys.argv[0]).is_absolute()
+                                        else sys.argv[0]), *sys.argv[1:]])
+    load = os.getloadavg()
+    notes = [nofile, f"{platform.node()}: {os.cpu_count()} CPUs, load average {load[0]:.1f} at start "
+                     f"(other work shares the machine: the numbers are pessimistic)",
+             f"participants: threads in {args.procs} processes, each a real rendezvous handler with its own "
+             f"store connections and keep-alive; the store in its own process; loopback only",
+             "participant processes run at nice 10 (the store at 0): in a real job each node has its own "
+             "machine, so the simulated nodes should not take the store's CPU",
+             f"fsm: --rdzv-conf keep_alive_interval={args.keep_alive_interval:g} (x3 attempts) for the simulated nodes, "
+             f"whose keep-alive threads share the machine's cores; every other setting is the default"]
+    rows = []
+    plan = [("fsm", int(n), args.limit) for n in args.sizes.split(",") if n] + \
+           [("c10d", int(n), args.c10d_limit) for n in args.c10d_sizes.split(",") if n]
+    for backend, n, limit in plan:
+        row = one_row(backend, n, args.procs, limit, env, args.keep_alive_interval)
+        rows.append(row)
+        print(" | ".join(fmt_row(row)), flush=True)
+    text = markdown(rows, command, notes + [f"load average {os.getloadavg()[0]:.1f} at the end"])
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
