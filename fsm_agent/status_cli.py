@@ -95,8 +95,10 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
     """(label, value) lines of the summary."""
     members = doc.get("membership", {})
     agent = doc.get("agent", {})
+    standby = doc.get("standby")
     return [
-        ("state", f"{doc['state']} for {doc.get('time_in_state_s', 0):.1f}s"),
+        ("state", f"{doc['state']} for {doc.get('time_in_state_s', 0):.1f}s" + (" (standby)" if standby else "")),
+        *([("standby", standby)] if standby else []),
         ("restarts", f"{doc.get('restart_count')} used, {doc.get('remaining_restarts')} left "
                      f"(max {doc.get('max_restarts')})"),
         ("rendezvous round", _text(doc.get("rendezvous_round"))),
