@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fsm_agent.errors import ConfigError, RendezvousFailed, RendezvousNotNeeded
+from fsm_agent.errors import ConfigError, RendezvousFailed
 from fsm_agent.plugins import rendezvous_fsm
 from fsm_agent.plugins.registry import BackendRegistry
 from fsm_agent.plugins.rendezvous_fsm import (FsmRendezvousHandler, FsmRendezvousSettings, Joined, Node, Rendezvous,
