@@ -562,7 +562,7 @@ class Bench:
         # rebuild a process group after a restart ((c), (g); (i): see there) use torch's own opt-out.
         self.torchrun_restart_env = {} if args.torchrun_shared_store else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         if self.torchrun_restart_env:
-            self.notes.append("(c), (g) and (i): torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (workers host "
+            self.notes.append("(c), (g), (i) and (j): torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (workers host "
                               "a fresh store per attempt); with torch's default shared store the restarted gloo "
                               "group fails to connect (stale keys, pytorch/pytorch#135712) — see "
                               "--torchrun-shared-store")
