@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """fsm-agent vs torchrun, side by side: startup, teardown, restarts, signals, idle cost, rendezvous,
-node loss and hang detection (scenarios a-h; see benchmarks/README.md).
+node loss, hang detection and hot spares (scenarios a-j; see benchmarks/README.md).
 
     python benchmarks/run.py                      # the full suite (< 40 min on 2 cores)
     python benchmarks/run.py --quick              # CI: every scenario once, small; no timing asserted
@@ -64,7 +64,7 @@ WORKERS = HERE / "workers"
 PLAIN = str(WORKERS / "plain.py")
 TORCH_WORKER = str(WORKERS / "torch_worker.py")
 FSM, TR = "fsm-agent", "torchrun"
-SCENARIOS = "abcdefghi"
+SCENARIOS = "abcdefghij"
 #: Seconds fsm-agent's cgroup keepers get to end by themselves before a sweep kills them.
 KEEPER_GRACE_S = 15.0
 TITLES = {
@@ -77,6 +77,7 @@ TITLES = {
     "g": "node loss (--nnodes 2:3)",
     "h": "hung worker",
     "i": "node loss, idle workers (--nnodes 1:2)",
+    "j": "node loss with a hot spare (--nnodes 2:2, 3 agents)",
 }
 
 
@@ -563,7 +564,7 @@ class Bench:
         # rebuild a process group after a restart ((c), (g); (i): see there) use torch's own opt-out.
         self.torchrun_restart_env = {} if args.torchrun_shared_store else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         if self.torchrun_restart_env:
-            self.notes.append("(c), (g) and (i): torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (workers host "
+            self.notes.append("(c), (g), (i) and (j): torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (workers host "
                               "a fresh store per attempt); with torch's default shared store the restarted gloo "
                               "group fails to connect (stale keys, pytorch/pytorch#135712) — see "
                               "--torchrun-shared-store")
@@ -1301,11 +1302,7 @@ def scenario_i(bench: Bench) -> list[Row]:
                 # store publishes no MASTER_ADDR for the next round (agent1 times out waiting for it)
                 host = t.launch(who, argv, "agent0", restarts_pg=True)
                 if backend != "etcd-v3":  # agent0 hosts the rendezvous store: the victim is agent1
-                    deadline = time.monotonic() + sz.trial_timeout_s
-                    while not listening_on(host.pid, port):
-                        if time.monotonic() > deadline or host.popen.poll() is not None:
-                            raise TrialError("agent0 never listened on the rendezvous port" + t.tails())
-                        time.sleep(0.05)
+                    wait_listening(t, host, port, sz.trial_timeout_s)
                 victim = t.launch(who, argv, "agent1", restarts_pg=True)
                 t.poll_events(lambda ev: len({e["group_rank"] for e in by_event(ev, "started", world_size=2)}) == 2,
                               sz.trial_timeout_s, "two workers in a world of 2")
@@ -1331,6 +1328,111 @@ def scenario_i(bench: Bench) -> list[Row]:
     return list(made.values())
 
 
+def wait_listening(t: "Trial", host: Proc, port: int, timeout: float) -> None:
+    """Wait until ``host`` listens on the rendezvous ``port`` (it hosts the store)."""
+    deadline = time.monotonic() + timeout
+    while not listening_on(host.pid, port):
+        if time.monotonic() > deadline or host.popen.poll() is not None:
+            raise TrialError(f"{host.name} never listened on the rendezvous port" + t.tails())
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------------------------
+# (j) node loss with a hot spare: the spare takes the lost node's seat, world size kept
+# ------------------------------------------------------------------------------------------------
+
+
+def spares_waiting(backend: str, port: int, run_id: str) -> int:
+    """Nodes of run ``run_id`` waiting beyond MAX: the fsm store's wait list, torch's redundancy list (c10d)."""
+    if backend == "fsm":
+        from fsm_agent.plugins.rendezvous_fsm.store import StoreClient
+
+        client = StoreClient("127.0.0.1", port, timeout=10)
+        try:
+            return int(client.rendezvous("status", run=run_id)["waiting"])
+        finally:
+            client.close()
+    import pickle
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    state = C10dRendezvousBackend(TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)),
+                                  run_id).get_state()
+    return len(pickle.loads(state[0]).redundancy_list) if state else 0
+
+
+def scenario_j(bench: Bench) -> list[Row]:
+    """Three agents for ``--nnodes 2:2`` (torch workers, all_reduce every 50 ms); the third waits as
+    a standby; the active agent that does not host the store is SIGKILLed with its workers; timed:
+    kill → every rank of the full world (2 nodes) done with its first all_reduce again (and
+    started). fsm-agent on ``fsm`` and ``c10d``; torchrun on ``c10d``, whose survivor's restart
+    meets the spare and fails in ``init_process_group`` (DistStoreError: its shared store)."""
+    sz = bench.sizes
+    conf, cutoff, nproc = sz.idle_loss_rdzv_conf, sz.node_loss_cutoff_s, sz.node_loss_nproc
+    world = 2 * nproc
+    rdzv = bench.backends.get("rendezvous", [])
+    backends = [b for b in ("fsm", "c10d") if not rdzv or b in rdzv]
+    made = {}
+    for backend in backends:
+        row = Row("j", f"hot spare, --nnodes 2:2 + 1 standby, {nproc} torch worker(s)/agent, fsm-agent --rdzv-backend "
+                       f"{backend} vs torchrun c10d: SIGKILL agent+workers → full world ({world} ranks, 2 nodes) "
+                       f"all_reduce done again", "s")
+        row.never = f"never (watched {cutoff:g} s)"
+        row.notes.append(f"c10d runs (both launchers): --rdzv-conf {conf}")
+        made[backend] = row
+    variants = [(TR, "c10d")] + [(FSM, b) for b in backends]
+    for i, who, backend, targets in variant_trials(sz.idle_loss_trials, variants, made):
+        def measure(who=who, backend=backend):
+            with bench.trial(f"j_{who}_{backend}") as t:
+                port, run_id = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
+                finish = t.dir / "finish"  # made just before the kill: the spare's world then ends the job
+                argv = [*multi_node_args(backend, port, run_id, "2:2"), "--nproc-per-node", nproc,
+                        "--max-restarts", 3, "--monitor-interval", 0.1]
+                if backend != "fsm":
+                    argv += ["--rdzv-conf", conf]
+                argv += [TORCH_WORKER, "spare", finish]
+                host = t.launch(who, argv, "agent0", restarts_pg=True)
+                wait_listening(t, host, port, sz.trial_timeout_s)
+                victim = t.launch(who, argv, "agent1", restarts_pg=True)
+                t.poll_events(lambda ev: len({e["rank"] for e in by_event(ev, "allreduce_done", world_size=world)})
+                              >= world, sz.trial_timeout_s + 60, f"{world} workers in one world")
+                spare = t.launch(who, argv, "agent2", restarts_pg=True)
+                deadline = time.monotonic() + sz.trial_timeout_s
+                while spares_waiting(backend, port, run_id) < 1:
+                    if time.monotonic() > deadline or spare.popen.poll() is not None:
+                        raise TrialError("agent2 never waited as a standby" + t.tails())
+                    time.sleep(0.1)
+                time.sleep(bench.rng.uniform(0.2, 1.2))  # a random moment relative to keep-alives
+                workers = [e["pid"] for e in by_event(t.events(), "started", world_size=world)
+                           if psutil is not None and _parent(e["pid"]) == victim.pid]
+                finish.touch()
+                t_kill = time.time()
+                os.kill(victim.pid, signal.SIGKILL)
+                for pid in workers:
+                    kill_pid(pid)
+                wait_exits([victim], 10)
+                wait_exits([host, spare], cutoff)
+                ev = t.events()
+                values = []
+                for name in ("allreduce_done", "started"):
+                    try:
+                        values.append(all_ranks_t(ev, name, world, after=t_kill, world_size=world) - t_kill)
+                    except TrialError:
+                        values.append(None)
+                after = [e for e in ev if e["t"] > t_kill and e.get("event") == "started"]
+                info = dict(started_s=values[1], attempts=sorted({e["attempt"] for e in after}),
+                            exit_codes=[p.rc for p in (host, spare)])
+                for row in targets:
+                    row.add(who, values[0], **info)
+                show = lambda v: f"{v:.3f} s" if v is not None else f"never (watched {cutoff:g} s)"  # noqa: E731
+                log(f"  (j) #{i + 1} {who} {backend}: full world all_reduce again {show(values[0])}, started "
+                    f"{show(values[1])}, restart counts {info['attempts']}, exit codes {info['exit_codes']}")
+        attempt(measure, targets, who, "j")
+    return list(made.values())
+
+
 def _parent(pid: int) -> int | None:
     try:
         return psutil.Process(pid).ppid()
@@ -1339,7 +1441,7 @@ def _parent(pid: int) -> int | None:
 
 
 RUNNERS = {"a": scenario_a, "b": scenario_b, "c": scenario_c, "d": scenario_d, "e": scenario_e,
-           "f": scenario_f, "g": scenario_g, "h": scenario_h, "i": scenario_i}
+           "f": scenario_f, "g": scenario_g, "h": scenario_h, "i": scenario_i, "j": scenario_j}
 
 
 # ------------------------------------------------------------------------------------------------

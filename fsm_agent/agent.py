@@ -186,6 +186,10 @@ class ElasticAgent:
         self.config = config
         self.hostname = socket.getfqdn()
         self._rdzv_handler = rdzv_handler
+        #: the rendezvous's message while this node waits as a hot spare (None: not a standby)
+        self.standby: str | None = None
+        if hasattr(rdzv_handler, "on_standby"):  # a backend that keeps nodes beyond MAX as standbys (fsm)
+            rdzv_handler.on_standby = self._on_standby
         self._launcher = launcher
         self._logs = logs
         self.events_path = events_path or (
@@ -807,6 +811,7 @@ class ElasticAgent:
 
         info, ((base_global, world, base_role, role_world), job_restart_count) = self._interruptible_call(
             "rendezvous", join, drainable=True)
+        self.standby = None  # ranked: a standby's seat, or it never was one
         if job_restart_count is not None:  # one job, one count: adopt the highest of the round
             self.restart_count = max(self.restart_count, job_restart_count)
         group.store, group.group_rank, group.group_world_size = info.store, info.rank, info.world_size
@@ -822,6 +827,14 @@ class ElasticAgent:
                  [w.global_rank for w in group.workers])
         self._broadcast("fsm_agent_rendezvous_completed", worker_group=group,
                         duration_s=time.monotonic() - started)
+
+    def _on_standby(self, message: str) -> None:
+        """The rendezvous made this node a hot spare (called from inside ``next_rendezvous``; the
+        group stays in INIT, or STOPPED after a restart, running no workers): log it, record a
+        ``standby`` event and show it in ``/status`` until the node takes a seat."""
+        self.standby = message
+        log.warning("[%s] %s", self.spec.role, message)
+        self._broadcast("fsm_agent_record_event", event=self._event("standby", message=message))
 
     def _host_worker_store(self) -> None:
         """Group rank 0 hosts a new, empty TCPStore for this attempt's workers (see rendezvous_c10d)."""

@@ -100,8 +100,10 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
                 + ("" if drain.get("checkpointed") is None else
                    f", {'checkpointed' if drain['checkpointed'] else 'not every worker checkpointed'}"))]
               if isinstance(drain, dict) else [])
+    standby = doc.get("standby")
     return [
-        ("state", f"{doc['state']} for {doc.get('time_in_state_s', 0):.1f}s"),
+        ("state", f"{doc['state']} for {doc.get('time_in_state_s', 0):.1f}s" + (" (standby)" if standby else "")),
+        *([("standby", standby)] if standby else []),
         ("restarts", f"{doc.get('restart_count')} used, {doc.get('remaining_restarts')} left "
                      f"(max {doc.get('max_restarts')})"),
         *drains,

@@ -9,6 +9,10 @@
                                            all_reduce every 50 ms until a collective fails
                                            ("collective_failed", exit 1); once the world has
                                            shrunk (a node was lost) finish normally
+    torch_worker.py spare FILE             as loop, but the world keeps its size (a hot spare takes
+                                           the lost node's seat): loop while FILE does not exist (the
+                                           harness makes it just before it kills a node); once it
+                                           does, finish normally
 
 Events go to $FSMBENCH_EVENTS (see _emit.py).
 """
@@ -44,7 +48,7 @@ if mode == "crash" and ATTEMPT == 0:
         emit("crash")
         os._exit(1)
     sleep_forever()
-elif mode == "loop" and WORLD_SIZE >= int(sys.argv[2]):
+elif (mode == "loop" and WORLD_SIZE >= int(sys.argv[2])) or (mode == "spare" and not os.path.exists(sys.argv[2])):
     while True:
         try:
             dist.all_reduce(value)
@@ -53,7 +57,7 @@ elif mode == "loop" and WORLD_SIZE >= int(sys.argv[2]):
             print(f"rank {RANK}: collective failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             os._exit(1)
         time.sleep(0.05)
-elif mode not in ("allreduce", "crash", "loop"):
+elif mode not in ("allreduce", "crash", "loop", "spare"):
     sys.exit(f"torch_worker.py: unknown mode {mode!r}")
 
 dist.destroy_process_group()

@@ -282,6 +282,8 @@ class LiveStatus:
                 "max_restarts": spec.max_restarts,
                 "remaining_restarts": max(0, spec.max_restarts - restart_count),
                 "rendezvous_round": self._round,
+                # a hot spare waiting for a seat (the rendezvous's message), else None
+                "standby": getattr(agent, "standby", None),
                 "membership": {
                     "run_id": _run_id(agent),
                     "role": spec.role,

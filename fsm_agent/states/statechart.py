@@ -32,6 +32,19 @@ from fsm_agent.states.table import AUTO_TRIGGERS, INITIAL, STATES, TERMINAL, TRA
 FORMATS = ("mermaid", "markdown", "json")
 TITLE = "fsm-agent worker-group statechart"
 REGENERATE_COMMAND = "fsm-agent statechart --format markdown > docs/statechart.md"
+#: Hand-written paragraphs of docs/statechart.md on states that no row shows by itself.
+STATE_NOTES = (
+    "A hot spare (standby) sits in INIT: with more nodes than `MAX` (`--nnodes MIN:MAX`), the "
+    "rendezvous keeps the extra ones waiting inside `_rendezvous`, the `before` step of `start`, "
+    "so they run no workers and fire no transition (the `fsm` backend tells the agent, which "
+    "logs \"standby: the job has MAX nodes\", records a `standby` event and shows `standby` in "
+    "`/status`; `c10d` and `etcd-v3` keep them in torch's redundancy list). A node lost or excluded "
+    "from the running round lets one standby take its seat in the next round: `start` fires on "
+    "the standby, while the survivors go HEALTHY -> STOPPED by `membership_changed` and back by "
+    "`restart`, not counted against `--max-restarts`. A standby whose job ended (every "
+    "participant left) leaves by `rendezvous_not_needed` (INIT -> SUCCEEDED, exit 0). A node "
+    "that restarts (STOPPED) and finds every seat taken waits in STOPPED the same way.",
+)
 
 #: The hooks each step named in the table fires, in the order it fires them. Every step of the
 #: table must be listed, even one that fires none (``hook_map_problems`` checks this and the
@@ -213,6 +226,7 @@ def render_markdown(transitions: Sequence[Row] | None = None) -> str:
         f"terminal. The run loop fires {auto} by itself; every other trigger is a fact reported by "
         f"the launcher, the rendezvous, a signal or an error.",
         "",
+        *(line for note in STATE_NOTES for line in (note, "")),
         "## Transitions",
         "",
         "One line per row of the table, in table order. A guard `x` means `conditions=\"x\"`, `!x` means "

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCENARIOS = "abcdefghi"
+SCENARIOS = "abcdefghij"
 #: A cell with a result: a median, or "never"/"not ..." for an event that did not happen in time.
 RESULT = re.compile(r"\d|never|not ")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_quick_mode_runs_every_scenario_with_both_launchers(tmp_path):
     markdown = tmp_path / "bench.md"
     done = subprocess.run(
@@ -28,7 +28,7 @@ def test_quick_mode_runs_every_scenario_with_both_launchers(tmp_path):
         # made under tmp_path, so nothing of it stays in /tmp even if the bench dies before removing it.
         [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--markdown", str(markdown),
          "--tmp-dir", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=840,
+        cwd=REPO, capture_output=True, text=True, timeout=1140,
     )
     report = f"stdout:\n{done.stdout[-6000:]}\nstderr:\n{done.stderr[-6000:]}"
     assert done.returncode == 0, report

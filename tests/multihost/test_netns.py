@@ -5,7 +5,9 @@
     (``membership_changed``), re-rendezvous as 2 nodes and finish; the recovery time is measured;
 (c) a node that joins a running 2-node job causes exactly one re-rendezvous, not counted as a restart;
 (d) a node whose cable is pulled (no FIN, no RST: a partition) is found lost by the keep-alive;
-(e) c10d: a node SIGKILLed, or SIGTERMed (it leaves), is noticed by the survivors themselves.
+(e) c10d: a node SIGKILLed, or SIGTERMed (it leaves), is noticed by the survivors themselves;
+(f) fsm hot spare: ``--nnodes 2:2`` on three hosts; the third waits as a standby and takes the seat
+    of a SIGKILLed node, the world kept at 2 nodes, no restart counted.
 """
 
 from __future__ import annotations
@@ -260,3 +262,39 @@ def test_c10d_survivors_notice_a_lost_or_departed_node(netns_hosts, record_prope
                    and e["trigger"] == "membership_changed"]
         assert {e.get("failure_class") for e in changes} == {"node_lost"}, changes
         assert all(e["restart_count"] == 0 for e in agent.events_list())
+
+
+# -- (f) a hot spare takes a dead node's seat ------------------------------------------------------------
+
+
+def test_fsm_hot_spare_takes_the_seat_of_a_killed_node(netns_hosts, record_property):
+    """h2 runs 2 workers per node, h0 and h1 one: the first world has 2 ranks (its workers wait),
+    the world with the spare 3 (its workers finish); the job has 2 nodes throughout."""
+    hosts = netns_hosts
+    flags = fsm_flags(hosts, "2:2")
+    active = [hosts.start_agent(i, *flags, final_world=3) for i in range(2)]
+    hosts.wait_for(lambda: hosts_with(hosts, "reduced", 2) == {"h0", "h1"}, JOB_TIMEOUT_S,
+                   "h0 and h1's workers to reduce in a world of 2", expect_running=active)
+    spare = hosts.start_agent(2, *flags, "--nproc-per-node", "2", final_world=3)
+    hosts.wait_for(lambda: any(e["kind"] == "standby" for e in spare.events_list()), JOB_TIMEOUT_S,
+                   "h2 to wait as a standby", expect_running=[*active, spare])
+    assert spare.transitions() == []  # in INIT
+    assert all(r["host"] != "h2" for r in hosts.records("start"))  # a standby runs no workers
+
+    killed_at = hosts.kill_node(active[1])
+    survivors = [active[0], spare]
+    for agent in survivors:
+        assert agent.wait(JOB_TIMEOUT_S) == 0, hosts.diagnostics()
+    records = records_of_world(hosts, "reduced", 3)
+    assert sorted(r["host"] for r in records) == ["h0", "h2", "h2"], records
+    assert all(r["ok"] for r in records) and sorted(r["pg_rank"] for r in records) == [0, 1, 2]
+    assert {r["env"]["GROUP_WORLD_SIZE"] for r in records} == {"2"}  # MAX nodes, the spare in the dead one's seat
+    assert {r["env"]["TORCHELASTIC_RESTART_COUNT"] for r in records} == {"0"}
+    assert {r["env"]["MASTER_ADDR"] for r in records} == {hosts.addrs[0]}
+    assert transitions_since(active[0], killed_at) == AFTER_LOSS, active[0].output()
+    assert spare.transitions() == [("INIT", "HEALTHY", "start"), ("HEALTHY", "SUCCEEDED", "workers_succeeded")]
+    assert all(e["restart_count"] == 0 for agent in survivors for e in agent.events_list())
+    restarted = max(r["ts"] for r in records_of_world(hosts, "start", 3))
+    record_property("spare_running_s", round(restarted - killed_at, 3))
+    print(f"\nkill -> the spare's world of 2 nodes running: {restarted - killed_at:.3f}s")
+    assert restarted - killed_at < RECOVERY_BOUND_S

@@ -19,7 +19,7 @@ Protocol (O(1) requests and bytes per node per join, keep-alive and round comple
     requests to it in its one serving thread, so each is atomic without any compare-and-set
     retry. A node sends ``rdzv_join`` (its address, rank hint, MASTER_PORT candidate, lease key)
     and the store answers when the round completes, with the node's rank, the world size and the
-    master address; it answers ``not_needed`` or ``closed`` at once when so. ``rdzv_watch``
+    master address; it answers ``closed`` at once when so, ``standby`` once to a hot spare. ``rdzv_watch``
     blocks until this node's round lost a participant, another round opened, or nodes waited
     ``last_call_timeout`` to join (each event answers each watcher once). ``rdzv_leave``,
     ``rdzv_close``, ``rdzv_status`` and ``rdzv_linger`` do what they say. All times are the store
@@ -43,8 +43,21 @@ Rounds
     that are alive but do not come). A participant that calls ``next_rendezvous`` again opens the
     next round; live participants of the last round have reserved seats in it, so a new node
     never pushes one of them out. Ranks: by ``node_rank`` hint, then the store host, then join
-    order (stable across rounds). A node that finds the round complete with ``max`` live
-    participants leaves at once with ``RendezvousNotNeeded``.
+    order (stable across rounds).
+
+Hot spares
+    A node that finds no seat (the round complete with ``max`` live participants, or every seat
+    taken or reserved) waits as a standby (torch's redundancy list): the store answers its join
+    ``standby`` once (the handler calls ``on_standby``: the agent logs "standby: the job has MAX
+    nodes", records a ``standby`` event, ``/status`` shows it), then the node joins again with
+    ``standby`` set and blocks, without ``join_timeout``. A standby never counts towards a round
+    and never makes the participants re-rendezvous. When a participant is lost or leaves, the
+    survivors' next round seats the standby (world size kept at ``max``, a membership change for
+    them). Reserved seats of the last round's live participants come first, for at most
+    ``rejoin_timeout`` (a slow survivor keeps its seat, a hung one loses it). When every
+    participant has left the job is over: the store answers the standbys ``done`` and they
+    leave with ``RendezvousNotNeeded`` (exit 0; torch ends its redundancy list on a closed
+    rendezvous the same way).
 
 Membership
     ``membership_fd()`` becomes readable (and stays so until the next ``next_rendezvous``) when a

@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from fsm_agent.errors import ConfigError, RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.plugins.rendezvous_fsm.params import BACKEND, FsmRendezvousSettings, free_port, is_loopback, parse_endpoint
@@ -116,6 +116,11 @@ class FsmRendezvousHandler:
         os.set_blocking(self._fd_w, False)
         self._signalled = False
         self._threads: list[threading.Thread] = []
+        #: called with a one-line message when this node becomes a standby (the agent logs it,
+        #: records a ``standby`` event and shows it in ``fsm-agent status``); None: log only
+        self.on_standby: Callable[[str], None] | None = None
+        #: this node waits as a hot spare (its join found no seat); False once ranked
+        self.standby = False
 
     # -- hosting -------------------------------------------------------------------------------------
     @property
@@ -194,8 +199,11 @@ class FsmRendezvousHandler:
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round; blocks until it completes (at most ``join_timeout``).
 
+        A node that finds the round full (``max`` live nodes) waits as a standby (``on_standby``
+        is called once) until a seat frees up, without ``join_timeout``.
+
         Raises:
-            RendezvousNotNeeded: the round is full (``max`` live nodes) and this node is not in it.
+            RendezvousNotNeeded: a standby's job ended (its nodes have all left).
             RendezvousFailed: closed, timed out, or the store is unreachable (the message says which).
         """
         if self._shut:
@@ -234,15 +242,23 @@ class FsmRendezvousHandler:
         s = self.settings
         deadline = time.monotonic() + s.join_timeout
         info = {"addr": self.addr, "host": self.hosts_store, "node_rank": s.node_rank, "port": free_port()}
+        self.standby = False
         while True:
-            remaining = deadline - time.monotonic()
+            # A standby waits for a seat as long as the job runs (torch's redundancy list: no join_timeout).
+            remaining = s.join_timeout if self.standby else deadline - time.monotonic()
             reply = self._client.rendezvous(
                 "join", max(0.0, remaining), run=self.run_id, node=self.node_id, lease=self._alive_key, info=info,
                 min=self.min_nodes, max=self.max_nodes, last_call_timeout=s.last_call_timeout,
-                rejoin_timeout=s.rejoin_timeout, returned_round=self._returned_round)
+                rejoin_timeout=s.rejoin_timeout, returned_round=self._returned_round, standby=self.standby)
             status = reply.get("status")
             if status == "ranked":
+                if self.standby:
+                    log.info("fsm rendezvous %s: this standby takes a seat in round %s", self.run_id, reply["round"])
+                self.standby = False
                 return self._finish(reply)
+            if status in ("standby", "done") or (status == "timeout" and self.standby):
+                self._standby_reply(reply)
+                continue
             if status == "no_lease":  # this node's lease lapsed (a long stall): renew it, then join
                 self._hb_client.set(self._alive_key, self.node_id, ttl=self._keep_alive_timeout, ephemeral=True)
                 continue
@@ -259,6 +275,25 @@ class FsmRendezvousHandler:
                     f"joined, {reply['waiting']} waiting; need {self.min_nodes} "
                     f"(raise join_timeout or start more nodes)"))
             raise RendezvousFailed(self._describe(f"the store answered the join with {str(reply)[:120]!r}"))
+
+    def _standby_reply(self, reply: dict) -> None:
+        """A hot spare's answers: ``standby`` (tell the agent, then wait), ``done`` (the job's
+        nodes have all left: leave as not needed, torch's graceful exit of its redundancy list),
+        ``timeout`` (a standby's wait ran ``join_timeout``: wait again).
+
+        Raises:
+            RendezvousNotNeeded: ``done``.
+        """
+        status = reply["status"]
+        if status == "done":
+            raise RendezvousNotNeeded(
+                f"fsm rendezvous {self.run_id} at {self.endpoint}: standby: the job's nodes have all left "
+                f"(round {reply['round']}); this standby is not needed and leaves")
+        if status == "standby":
+            self.standby = True
+            message = (f"standby: the job has {self.max_nodes} nodes (fsm rendezvous {self.run_id} round "
+                       f"{reply['round']}); this node waits, running no workers, to take the seat of a lost node")
+            (self.on_standby or log.warning)(message)
 
     def _finish(self, reply: dict) -> RendezvousInfo:
         rnd, rank, world, master = int(reply["round"]), int(reply["rank"]), int(reply["world"]), reply["master"]

@@ -54,10 +54,14 @@ class Rendezvous:
     then the store host, then first-join order. All times are the store server's monotonic clock
     (seconds).
 
-    Hot spares (issue #20) slot in at one place: ``join`` on a complete round with ``max_nodes``
-    live participants answers ``not_needed``; a standby would instead stay in ``wait_list`` (which
-    never counts towards ``n``, so it cannot complete, close or overfill a round) and ``_admit``
-    seats it when the next round opens with a free seat, after the reserved seats.
+    Hot spares (``hot_spares``, torch's redundancy list): a node that finds no seat (the round
+    complete with ``max_nodes`` live participants, or open with every seat taken or reserved)
+    stays in ``wait_list`` as a standby (``is_standby``) instead of leaving with ``not_needed``.
+    ``wait_list`` never counts towards ``n``, so a standby cannot complete, close or overfill a
+    round; ``_admit`` seats it when a round has a free seat, after the reserved seats of the last
+    round's live participants, which are held ``rejoin_timeout`` at most when a standby waits
+    (``_release_reserved``). Once every participant of the complete round left or was lost the job
+    has ``ended`` and its standbys leave (as torch's closed rendezvous ends its redundancy list).
     """
 
     min_nodes: int
@@ -75,6 +79,10 @@ class Rendezvous:
     #: node -> server time it began waiting for a round with room
     wait_list: dict[str, float] = field(default_factory=dict)
     last_join: float = 0.0
+    #: nodes beyond max_nodes wait as standbys (False: they leave with not_needed)
+    hot_spares: bool = True
+    #: server time the incomplete round opened (reserved seats are held from then)
+    opened_at: float = 0.0
     master: tuple[str, int] | None = None
     #: participants of the complete round that are gone (lease lapsed, killed, left)
     lost: set[str] = field(default_factory=set)
@@ -99,7 +107,7 @@ class Rendezvous:
                     return self._ranked(me)
                 self._open(me, now)  # this node wants a new round (restart, lost node, joiners)
                 return Joined("wait", self.round)
-            if self._live_participants() >= self.max_nodes:
+            if self._live_participants() >= self.max_nodes and not self.hot_spares:
                 self._forget(me)
                 return Joined("not_needed", self.round)
             self.wait_list.setdefault(me, now)
@@ -140,17 +148,22 @@ class Rendezvous:
         nodes that leave with ``not_needed`` because the round is full; both empty: not yet."""
         if self.closed or self.complete:
             return [], []
+        self._release_reserved(now)
         n = len(self.participants)
         if n < self.min_nodes or (n < self.max_nodes and now < self.deadline()):
             return [], []
         order = self._complete()
-        away = list(self.wait_list) if n >= self.max_nodes else []
+        away = list(self.wait_list) if n >= self.max_nodes and not self.hot_spares else []
         for w in away:
             self._forget(w)
         return order, away
 
     def deadline(self) -> float:
-        """When ``tick`` completes the incomplete round at the latest (inf: not while n < min)."""
+        """When ``tick`` completes the incomplete round, or releases reserved seats to a standby,
+        at the latest (inf: neither)."""
+        return min(self._completes_at(), self._reserved_until())
+
+    def _completes_at(self) -> float:
         if self.complete or self.closed or len(self.participants) < self.min_nodes:
             return _INF
         if self._joinable() == 0:
@@ -175,6 +188,34 @@ class Rendezvous:
         if self.closed or not self.complete or not self.wait_list or self._live_participants() >= self.max_nodes:
             return _INF
         return next(iter(self.wait_list.values())) + self.last_call_timeout  # insertion order is waiting order
+
+    # -- hot spares -------------------------------------------------------------------------------
+    def is_standby(self, me: str) -> bool:
+        """Node ``me`` waits with no seat for it: the complete round has ``max_nodes`` live
+        participants, or the open round's seats are all taken or reserved."""
+        if me not in self.wait_list or self.closed:
+            return False
+        if self.complete:
+            return self._live_participants() >= self.max_nodes
+        return self._seats(me) <= 0
+
+    def ended(self) -> bool:
+        """The complete round's participants have all left or been lost: no one will open another
+        round, so the nodes still waiting (standbys) are not needed."""
+        return self.complete and bool(self.participants) and self._live_participants() == 0
+
+    def _reserved_until(self) -> float:
+        if self.complete or self.closed or not self.reserved or not self.wait_list:
+            return _INF
+        return self.opened_at + self.rejoin_timeout
+
+    def _release_reserved(self, now: float) -> None:
+        """A live participant of the last round that has not come back ``rejoin_timeout`` after
+        the round opened loses its reserved seat to a waiting standby (a slow survivor is waited
+        for, a hung one is replaced)."""
+        if now >= self._reserved_until():
+            self.reserved = set()
+            self._admit(now)
 
     def ranks(self) -> dict[str, int]:
         return {p: r for p, r in self.participants.items() if r is not None}
@@ -221,6 +262,7 @@ class Rendezvous:
         self.round += 1
         self.complete = False
         self.participants, self.lost, self.master, self._new_in_round = {}, set(), None, 0
+        self.opened_at = now
         if me is not None:
             self._seat(me, now)
         self._admit(now)

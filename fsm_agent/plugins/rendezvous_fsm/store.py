@@ -684,10 +684,11 @@ class StoreServer:
 
             def join(rdzv: Rendezvous, now: float) -> None:
                 res = rdzv.join(node, me, now, None if returned is None else int(returned))
-                if res.status == "wait":
+                status = self._rdzv_spare_status(rdzv, node, req) if res.status == "wait" else res.status
+                if status == "wait":
                     self._rdzv_block(conn, run, "rdzv_join", req, run.joins)
                 else:
-                    self._reply(conn, self._rdzv_joined(rdzv, res.status, node))
+                    self._reply(conn, self._rdzv_joined(rdzv, status, node))
 
             self._rdzv_apply(run_id, join)
         elif run is None:  # nothing joined this run yet (or the store restarted)
@@ -740,6 +741,27 @@ class StoreServer:
                          master={"addr": rdzv.master[0], "port": rdzv.master[1]})
         return reply
 
+    # -- hot spares (planner.Rendezvous.is_standby): told once, then their join blocks ----------------
+    @staticmethod
+    def _rdzv_spare_status(rdzv: Rendezvous, node: str, req: dict) -> str:
+        """What a waiting join answers: ``standby`` once to a node that became a standby (it logs
+        that and joins again with ``standby`` set, which blocks); to such a node ``done`` once the
+        job ``ended`` (no participant left to open a round); else ``wait`` (block)."""
+        if not req.get("standby"):
+            return "standby" if rdzv.is_standby(node) else "wait"
+        return "done" if rdzv.ended() else "wait"
+
+    def _rdzv_tell_spares(self, run: _Run) -> None:
+        """After a round completed (or the job ended): answer the blocked joins of the waiting
+        nodes that this made standbys (or not needed). O(waiting nodes), once per round."""
+        rdzv = run.rdzv
+        for p in list(rdzv.wait_list):
+            w = run.joins.get(p)
+            if w is not None and not w.done:
+                status = self._rdzv_spare_status(rdzv, p, w.req)
+                if status != "wait":
+                    self._finish(w, self._rdzv_joined(rdzv, status, p))
+
     def _rdzv_timed_out(self, w: _Waiter) -> dict:
         rdzv, node = w.run.rdzv, w.req["node"]
         if w.kind == "rdzv_watch":
@@ -767,6 +789,8 @@ class StoreServer:
             w = run.joins.get(p)
             if w is not None:
                 self._finish(w, self._rdzv_joined(rdzv, "ranked", p))
+        if ranked or rdzv.ended():
+            self._rdzv_tell_spares(run)
         for p in away:
             w = run.joins.get(p)
             if w is not None:

@@ -14,6 +14,7 @@ import uuid
 import pytest
 
 from fsm_agent.testing.node_loss import NodeLossJob
+from fsm_agent.testing.processes import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -72,3 +73,43 @@ def test_survivor_goes_on_alone_when_its_peer_is_lost(job, etcd_server, sig, kee
     if sig == signal.SIGTERM:
         assert loss.agent(victim).returncode == 128 + signal.SIGTERM
         assert detect < keep_alive_s - 5  # before torch's keep-alive could have dropped it (>= 10 s)
+
+
+def redundancy_list(etcd_server, run_id: str) -> set:
+    """torch's redundancy list of ``run_id``, read through this plugin's backend."""
+    import pickle
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from fsm_agent_etcd import create_backend
+
+    backend, _ = create_backend(RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 2))
+    state = backend.get_state()
+    return set(pickle.loads(state[0]).redundancy_list) if state else set()
+
+
+def test_standby_takes_the_seat_of_a_lost_node(job, etcd_server):
+    """Hot spares on etcd-v3 as on c10d (torch's redundancy list, one handler): three agents,
+    ``--nnodes 1:2``; c waits as a standby; when b is SIGKILLed, c joins a's next round (world kept
+    at 2) and nobody counts a restart."""
+    flags = etcd_flags(etcd_server, "keep_alive_interval=1,keep_alive_max_attempt=5")
+    run_id = flags[flags.index("--rdzv-id") + 1]
+    loss = job(flags)
+    loss.start("a")
+    loss.start("b")
+    loss.wait_for_world(2, {"a", "b"})
+    loss.start("c")
+    assert wait_until(lambda: len(redundancy_list(etcd_server, run_id)) == 1, timeout=60), loss.diagnostics()
+    loss.finish_next_world()
+    victim = next(r["name"] for r in loss.records() if r["group_rank"] == 1)  # either a or b: etcd is not an agent
+    survivor = "ab".replace(victim, "")
+    lost_at = loss.lose(victim, signal.SIGKILL)
+    restarted = loss.wait_for_world(2, {survivor, "c"}, since=lost_at, running={survivor, "c"})
+    for name in (survivor, "c"):
+        assert loss.agent(name).wait(60) == 0, loss.diagnostics()
+    print(f"\nSIGKILL -> etcd-v3 standby promoted, world of 2 running again: {restarted - lost_at:.2f}s")
+    assert restarted - lost_at < 5 + 1 + MARGIN_S
+    assert loss.transitions(survivor, since=lost_at) == AFTER_LOSS, loss.diagnostics()
+    assert loss.transitions("c") == [("INIT", "HEALTHY", "start"), ("HEALTHY", "SUCCEEDED", "workers_succeeded")]
+    after = sorted((r["name"], r["group_world"], r["restart_count"]) for r in loss.records() if r["ts"] >= lost_at)
+    assert after == sorted([(survivor, 2, 0), ("c", 2, 0)])
