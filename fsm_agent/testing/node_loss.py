@@ -149,11 +149,13 @@ class NodeLossJob:
         watched = names if running is None else running
 
         def ready() -> bool:
+            if names <= self.names_in_world(world, since):  # first: a worker of that world may end the job at once
+                return True
             ended = {n: self.procs[n].poll() for n in watched if self.procs[n].poll() is not None}
-            if ended:
+            if ended and not names <= self.names_in_world(world, since):
                 raise AssertionError(f"waiting for a world of {world} with {sorted(names)}: agents ended {ended}\n"
                                      f"{self.diagnostics()}")
-            return names <= self.names_in_world(world, since)
+            return False
 
         if not wait_until(ready, timeout=timeout):
             raise AssertionError(f"no world of {world} with {sorted(names)} within {timeout:.0f}s "

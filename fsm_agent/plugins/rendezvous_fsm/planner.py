@@ -60,8 +60,11 @@ class Rendezvous:
     ``wait_list`` never counts towards ``n``, so a standby cannot complete, close or overfill a
     round; ``_admit`` seats it when a round has a free seat, after the reserved seats of the last
     round's live participants, which are held ``rejoin_timeout`` at most when a standby waits
-    (``_release_reserved``). Once every participant of the complete round left or was lost the job
-    has ``ended`` and its standbys leave (as torch's closed rendezvous ends its redundancy list).
+    (``_release_reserved``). Once every participant of the complete round is gone, the last one
+    decides: if it left (the job finished or was stopped) the job has ``ended`` and its standbys
+    and late nodes leave (as torch's closed rendezvous ends its redundancy list); if it was lost
+    (killed, silent) the waiting nodes open the next round, so spares replace a job whose every
+    active node died.
     """
 
     min_nodes: int
@@ -88,6 +91,8 @@ class Rendezvous:
     lost: set[str] = field(default_factory=set)
     _seq: int = 0
     _new_in_round: int = 0  # participants with rounds == 0
+    #: the complete round's last live participant left (not lost): the job ended, see ``ended``
+    _left_at_end: bool = False
 
     # -- operations ----------------------------------------------------------------------------
     def join(self, me: str, info: Node, now: float, returned_round: int | None) -> Joined:
@@ -110,6 +115,9 @@ class Rendezvous:
             if self._live_participants() >= self.max_nodes and not self.hot_spares:
                 self._forget(me)
                 return Joined("not_needed", self.round)
+            if self.ended():  # a late node: the job it would join is over
+                self._forget(me)
+                return Joined("not_needed", self.round)
             self.wait_list.setdefault(me, now)
             if self._live_participants() == 0:  # no one of the last round is left to open the next
                 self._open(None, now)
@@ -121,23 +129,31 @@ class Rendezvous:
             self._seat(me, now)
         return Joined("wait", self.round)
 
-    def leave(self, me: str, now: float, *, forget: bool = True) -> None:
+    def leave(self, me: str, now: float, *, forget: bool = True, lost: bool = False) -> None:
         """Node ``me`` leaves: the wait list and an incomplete round; ``forget``: the run too
         (its next join counts as a new node). A participant of a complete round stays in it
-        unless forgotten (then it counts as lost)."""
+        unless forgotten (then it counts as lost).
+
+        When the last live participant of a complete round is gone, ``lost`` decides what the
+        waiting nodes (standbys, late joiners) do: a lost one (killed, silent) leaves them to open
+        the next round themselves, so spares replace a job whose every active node died; one that
+        left (the job ended, or was stopped) has ``ended`` the job and they are not needed."""
         if forget:
             self._forget(me)
         else:
             self.wait_list.pop(me, None)
             if not self.complete:
                 self._unseat(me)
-        if self.complete and self.wait_list and self._live_participants() == 0:
-            self._open(None, now)  # the last participant of the round is gone: the waiting nodes go on
+        if self.complete and self.participants and self._live_participants() == 0:
+            self._left_at_end = not lost
+            if lost and self.wait_list:
+                self._open(None, now)
         self._admit(now)
 
     def lose(self, me: str, now: float) -> None:
-        """Node ``me``'s lease ended (killed, silent for the keep-alive timeout): as ``leave``."""
-        self.leave(me, now, forget=True)
+        """Node ``me``'s lease ended (killed, silent for the keep-alive timeout): as ``leave``,
+        lost."""
+        self.leave(me, now, forget=True, lost=True)
 
     def close(self) -> None:
         self.closed = True
@@ -200,9 +216,9 @@ class Rendezvous:
         return self._seats(me) <= 0
 
     def ended(self) -> bool:
-        """The complete round's participants have all left or been lost: no one will open another
-        round, so the nodes still waiting (standbys) are not needed."""
-        return self.complete and bool(self.participants) and self._live_participants() == 0
+        """The complete round's participants are all gone and the last one left rather than being
+        lost: the job is over, so the nodes still waiting (standbys) and late ones are not needed."""
+        return self.complete and self._left_at_end and self._live_participants() == 0
 
     def _reserved_until(self) -> float:
         if self.complete or self.closed or not self.reserved or not self.wait_list:
@@ -260,7 +276,7 @@ class Rendezvous:
         """Open the next round (``me``: the participant that asked for it, seated first)."""
         self.reserved = {p for p in self.participants if p not in self.lost and p != me}
         self.round += 1
-        self.complete = False
+        self.complete, self._left_at_end = False, False
         self.participants, self.lost, self.master, self._new_in_round = {}, set(), None, 0
         self.opened_at = now
         if me is not None:
