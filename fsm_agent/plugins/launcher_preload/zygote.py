@@ -6,18 +6,26 @@ where FD is its end of a ``SOCK_SEQPACKET`` socket pair. One JSON object per pac
 - agent -> zygote: ``{"op": "spawn", "local_rank", "argv", "env", "cwd", "mode", "cgroup"}`` with two
   fds (stdout, stderr) attached by SCM_RIGHTS; ``mode`` is ``script`` | ``module`` | ``exec``;
   ``cgroup`` is the directory of the workers' cgroup (``fsm_agent.plugins.containment``) or null.
-- zygote -> agent: ``{"spawned": local_rank, "pid": pid}`` and, when a worker ends,
-  ``{"exited": pid, "code": exitcode}`` (``-N`` for death by signal N, as subprocess).
+- agent -> zygote: ``{"op": "store", "addr", "port"}``: fork a store host, a process holding a
+  fresh torch ``TCPStore`` server at ``addr:port`` (the workers' store in torch's agent-store mode,
+  ``TORCHELASTIC_USE_AGENT_STORE=True``); answered once it listens. ``{"op": "store_stop"}``: end
+  the store host (killed and reaped before the answer, so the port is free again).
+- zygote -> agent: first ``{"ready": true, "import_s": seconds, "torch": bool}`` once the modules
+  are imported (``torch``: whether ``torch.distributed`` is among them, so a store host is cheap) (or ``{"ready": false, "module", "error"}``); ``{"spawned": local_rank, "pid": pid}`` and, when a
+  worker ends, ``{"exited": pid, "code": exitcode}`` (``-N`` for death by signal N, as subprocess);
+  ``{"store": port, "pid": pid}`` or ``{"store_error": message}``; ``{"store_stopped": true}``.
 
 The zygote is single-threaded (forking a threaded process can deadlock the child): one
 selector loop on the socket and on a SIGCHLD wakeup pipe. It has ``PR_SET_PDEATHSIG`` set, and
 so does each worker (towards the zygote), so the chain dies with the agent. The zygote itself
 stays out of the workers' cgroup (it outlives attempts); each worker enters it right after fork.
+The store host stays out too: it belongs to the attempt's rendezvous, not to its workers, and it
+runs the TCPStore's server threads in a process of its own so that the zygote never forks with
+threads running.
 """
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import io
 import json
@@ -27,19 +35,27 @@ import selectors
 import signal
 import socket
 import sys
+import time
 
+from fsm_agent._early_zygote import parent_death_signal
+from fsm_agent.env import listen_on
 from fsm_agent.plugins.containment import enter_cgroup
 
-_PR_SET_PDEATHSIG = 1
 MAX_FDS = 2
-
-
-def _pdeathsig() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+_pdeathsig = parent_death_signal
 
 
 def _send(sock: socket.socket, message: dict) -> None:
     sock.send(json.dumps(message).encode())
+
+
+def _threads_from_env() -> None:
+    """torch's intra-op threads as the worker's own OMP_NUM_THREADS says: OpenMP read the variable
+    when the zygote imported torch, maybe before the agent set it (torchrun's default of 1)."""
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
 
 
 def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
@@ -57,6 +73,7 @@ def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    _threads_from_env()
     argv, mode = request["argv"], request["mode"]
     if mode == "exec":
         os.execvpe(argv[0], argv, request["env"])
@@ -85,6 +102,59 @@ def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
     return code
 
 
+def _host_store(addr: str, port: int, ready_fd: int) -> None:
+    """In the forked store host: serve a fresh TCPStore at ``addr:port`` until killed.
+
+    Writes ``ok`` (or the error) to ``ready_fd`` once the server listens. Mirrors the store torch's
+    agent hosts for its workers (``TCPStore(is_master=True, wait_for_workers=False)``)."""
+    os.setsid()  # out of the zygote's process group: signals meant for the agent's group are not for it
+    _pdeathsig()  # towards the zygote: the store host ends with it
+    try:
+        from torch.distributed import TCPStore
+
+        listener = listen_on(addr, port)
+        store = TCPStore(host_name=addr, port=port, is_master=True, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
+    except BaseException as exc:
+        os.write(ready_fd, f"{type(exc).__name__}: {exc}".encode()[:4000])
+        os._exit(1)
+    os.write(ready_fd, b"ok")
+    os.close(ready_fd)
+    while store is not None:  # the server runs on its own threads; this one only waits to be killed
+        signal.pause()
+
+
+def _start_store_host(request: dict, close_in_child: list) -> dict:
+    """Fork the store host; return the answer for the agent once it listens (or failed)."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        for closing in close_in_child:
+            closing()
+        os.close(ready_r)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        _host_store(request["addr"], int(request["port"]), ready_w)
+        os._exit(0)
+    os.close(ready_w)
+    with os.fdopen(ready_r, "rb") as ready:
+        answer = ready.read().decode(errors="replace")
+    if answer != "ok":
+        _stop_store_host(pid)
+        return {"store_error": answer or "the store host died before it listened"}
+    return {"store": int(request["port"]), "pid": pid}
+
+
+def _stop_store_host(pid: int | None) -> None:
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
 def serve(sock: socket.socket) -> None:
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -93,6 +163,7 @@ def serve(sock: socket.socket) -> None:
     selector = selectors.DefaultSelector()
     selector.register(sock, selectors.EVENT_READ, "sock")
     selector.register(wake_r, selectors.EVENT_READ, "child")
+    store_pid: int | None = None
     while True:
         for key, _ in selector.select():
             if key.data == "child":
@@ -104,12 +175,29 @@ def serve(sock: socket.socket) -> None:
                         break
                     if pid == 0:
                         break
+                    if pid == store_pid:  # died by itself: the agent learns it from the workers' failures
+                        store_pid = None
+                        continue
                     _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
                 continue
             data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 20, MAX_FDS)
             if not data:
+                _stop_store_host(store_pid)
                 return  # the agent closed the socket: it is gone or done
             request = json.loads(data)
+            if request["op"] in ("store", "store_stop"):
+                for fd in fds:
+                    os.close(fd)
+                _stop_store_host(store_pid)
+                store_pid = None
+                if request["op"] == "store_stop":
+                    _send(sock, {"store_stopped": True})
+                    continue
+                answer = _start_store_host(request, [selector.close, sock.close, lambda: os.close(wake_r),
+                                                     lambda: os.close(wake_w)])
+                store_pid = answer.get("pid")
+                _send(sock, answer)
+                continue
             out_fd, err_fd = (list(fds) + [-1, -1])[:2]
             pid = os.fork()
             if pid == 0:
@@ -127,13 +215,15 @@ def serve(sock: socket.socket) -> None:
 def main() -> None:
     _pdeathsig()
     sock = socket.socket(fileno=int(sys.argv[2]))
+    started = time.monotonic()
     for name in filter(None, sys.argv[1].split(",") if len(sys.argv) > 1 else []):
         try:
             importlib.import_module(name)
         except Exception as exc:  # told to the agent, which ends with one line naming the module
             _send(sock, {"ready": False, "module": name, "error": f"{type(exc).__name__}: {exc}"})
             return
-    _send(sock, {"ready": True})
+    # With torch imported, a store host is one fork away: the agent may then host the workers' store.
+    _send(sock, {"ready": True, "import_s": time.monotonic() - started, "torch": "torch.distributed" in sys.modules})
     serve(sock)
 
 
