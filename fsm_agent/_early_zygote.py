@@ -64,10 +64,22 @@ def take(modules: str) -> tuple[subprocess.Popen, socket.socket] | None:
     started_with, zygote, sock = early
     if started_with == modules and zygote.poll() is None:
         return zygote, sock
+    _end(zygote, sock)
+    return None
+
+
+def discard() -> None:
+    """End the zygote ``install`` started, if nobody took it (the run uses another launcher)."""
+    global _early
+    early, _early = _early, None
+    if early is not None:
+        _end(*early[1:])
+
+
+def _end(zygote: subprocess.Popen, sock: socket.socket) -> None:
     sock.close()
     zygote.kill()
     zygote.wait()
-    return None
 
 
 def install() -> None:

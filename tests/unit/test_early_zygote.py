@@ -68,3 +68,17 @@ def test_a_program_that_imports_fsm_agent_starts_no_zygote():
     done = subprocess.run([sys.executable, "-c", "import fsm_agent._early_zygote as e, fsm_agent; print(e._early)",
                            "--launcher", "preload"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr
+
+
+def test_discard_ends_a_zygote_nobody_took():
+    """What the preload plugin's configure hook does when the run's launcher is another one."""
+    code = textwrap.dedent("""
+        import sys
+        sys.argv = ["fsm-agent", "run", "--launcher", "preload", "--preload-modules", "json", "w.py"]
+        import fsm_agent._early_zygote as early, fsm_agent
+        zygote = early._early[1]
+        early.discard()
+        print(zygote.returncode is not None, early.take("json") is None)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["True", "True"], done.stderr

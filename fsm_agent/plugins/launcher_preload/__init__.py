@@ -54,6 +54,12 @@ def fsm_agent_addoption(options):
                 help="comma-separated modules the preload launcher's zygote imports once (default: torch)")
 
 
+@hookimpl
+def fsm_agent_configure(config, agent):
+    if getattr(config, "launcher", "preload") != "preload":
+        _early_zygote.discard()  # argv looked like --launcher preload, but the run uses another launcher
+
+
 class _ForkedHandle(_Handle):
     """A worker forked by the zygote: its exit code arrives as a message, not from waitpid."""
 
@@ -156,9 +162,11 @@ class PreloadLauncher(SubprocessLauncher):
         """Whether this launcher can host the workers' TCPStore (``host_worker_store``): once the
         zygote has imported ``torch.distributed``, a store host is one fork away. Waits for the
         zygote's imports; False where they failed (``start`` then says why)."""
-        if self._zygote is None:
-            self._spawn_zygote()
-        return bool(self._await_ready().get("torch"))
+        try:
+            self._ensure_zygote()  # a zygote that died after it was ready is replaced first
+        except ConfigError:
+            return False
+        return bool(self._ready.get("torch"))
 
     def host_worker_store(self, master_addr: str, master_port: int) -> None:
         """Host a fresh TCPStore for this attempt's workers at ``master_addr:master_port``, listening
