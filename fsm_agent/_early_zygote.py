@@ -9,7 +9,8 @@ says preload, the zygote is started at once and its import overlaps the agent's 
 rendezvous. The launcher takes it (``take``) when the modules it was configured with are the same,
 else it ends it and starts its own. A zygote nobody takes dies with the agent (parent-death signal).
 
-Only the standard library here: this runs before anything else of fsm-agent is imported.
+Only the standard library here: this runs before anything else of fsm-agent is imported, and
+the zygote loads this file by itself (``parent_death_signal``, ``listen_on``) before its imports.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import socket
 import subprocess
 import sys
 
-from fsm_agent._early_signals import _is_agent_command, _option
-
 _PR_SET_PDEATHSIG = 1
 DEFAULT_MODULES = "torch"
+#: The zygote's program, run as a file (see its docstring).
+ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins", "launcher_preload", "zygote.py")
 
 _early: tuple[str, subprocess.Popen, socket.socket] | None = None
 
@@ -33,6 +34,22 @@ def parent_death_signal(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send ``sig`` (default SIGKILL) to this process when its parent dies (Linux only)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def listen_on(addr: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``addr:port`` (the address MASTER_ADDR names, not all interfaces),
+    for a workers' TCPStore server (``TCPStore(master_listen_fd=...)``; torch's server alone would
+    listen on every interface): the agent's (``agent_hosts_worker_store``) and the zygote's store host.
+
+    Raises:
+        OSError: the address cannot be bound (e.g. the port is taken).
+    """
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(sockaddr)
+    listener.listen(1024)
+    return listener
 
 
 def spawn(modules: str) -> tuple[subprocess.Popen, socket.socket]:
@@ -45,7 +62,7 @@ def spawn(modules: str) -> tuple[subprocess.Popen, socket.socket]:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         zygote = subprocess.Popen(
-            [sys.executable, "-m", "fsm_agent.plugins.launcher_preload.zygote", modules, str(theirs.fileno())],
+            [sys.executable, ZYGOTE, modules, str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), preexec_fn=parent_death_signal, stdin=subprocess.DEVNULL)
     except BaseException:
         ours.close()
@@ -84,6 +101,8 @@ def _end(zygote: subprocess.Popen, sock: socket.socket) -> None:
 
 def install() -> None:
     """Start the zygote when this process is the agent command with ``--launcher preload``."""
+    from fsm_agent._early_signals import _is_agent_command, _option
+
     global _early
     argv, orig = list(sys.argv), list(getattr(sys, "orig_argv", []))
     if _early is not None or not _is_agent_command(argv, orig) or sys.platform != "linux":

@@ -28,7 +28,8 @@ import pluggy
 
 from fsm_agent import errorfile
 from fsm_agent._early_signals import note_stop
-from fsm_agent.env import listen_on, worker_env
+from fsm_agent._early_zygote import listen_on
+from fsm_agent.env import worker_env
 from fsm_agent.errors import FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.hang import HangDetector, announce_stack_dump, dump_stacks
 from fsm_agent.logs import LogsLayout, WorkerLogs

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 from fsm_agent.errors import PluginError
 from fsm_agent.worker import Worker, WorkerGroup
@@ -94,18 +93,3 @@ def substitute_local_rank(args: tuple, local_rank: int) -> tuple:
     """Replace ``${local_rank}`` in str args, as torch's ``macros.substitute``."""
     return tuple(a.replace("${local_rank}", str(local_rank)) if isinstance(a, str) else a for a in args)
 
-
-def listen_on(addr: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``addr:port`` (the address MASTER_ADDR names, not all interfaces),
-    for the workers' TCPStore server (``TCPStore(master_listen_fd=...)``; torch's server alone
-    would listen on every interface).
-
-    Raises:
-        OSError: the address cannot be bound (e.g. the port is taken).
-    """
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, proto)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(sockaddr)
-    listener.listen(1024)
-    return listener

@@ -1,7 +1,10 @@
 """The preload launcher's zygote: a process that imports heavy modules once, then forks workers.
 
-Started by ``fsm_agent.plugins.launcher_preload`` as ``python -m fsm_agent.plugins.launcher_preload.zygote MODULES FD``
-where FD is its end of a ``SOCK_SEQPACKET`` socket pair. One JSON object per packet:
+Started (``fsm_agent._early_zygote.spawn``) as ``python .../launcher_preload/zygote.py MODULES FD``, where FD
+is its end of a ``SOCK_SEQPACKET`` socket pair: a file, not ``-m``, so that the preload modules are
+the first thing it imports (``-m`` would import the ``fsm_agent`` packages first, a few tenths of
+a second on the first start's path); the two fsm-agent modules it needs, both standard library
+only, are loaded by their files. One JSON object per packet:
 
 - agent -> zygote: ``{"op": "spawn", "local_rank", "argv", "env", "cwd", "mode", "cgroup"}`` with two
   fds (stdout, stderr) attached by SCM_RIGHTS; ``mode`` is ``script`` | ``module`` | ``exec``;
@@ -27,6 +30,7 @@ threads running.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import io
 import json
 import os
@@ -37,12 +41,21 @@ import socket
 import sys
 import time
 
-from fsm_agent._early_zygote import parent_death_signal
-from fsm_agent.env import listen_on
-from fsm_agent.plugins.containment import enter_cgroup
-
 MAX_FDS = 2
-_pdeathsig = parent_death_signal
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_helpers: dict = {}  # "boot": fsm_agent/_early_zygote.py, "containment": fsm_agent/plugins/containment.py
+
+
+def _load(name: str, path: str):
+    """The module in ``path``, without importing the ``fsm_agent`` package around it."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pdeathsig() -> None:
+    _helpers["boot"].parent_death_signal()
 
 
 def _send(sock: socket.socket, message: dict) -> None:
@@ -62,7 +75,7 @@ def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
     """In the forked child: become the worker. Returns the exit code (never returns for exec)."""
     os.setsid()  # first: the launcher signals the worker's process group as soon as it knows the pid
     if request.get("cgroup"):
-        enter_cgroup(request["cgroup"])
+        _helpers["containment"].enter_cgroup(request["cgroup"])
     _pdeathsig()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
@@ -83,6 +96,7 @@ def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
     sys.argv = list(argv)
     try:
         if mode == "module":
+            sys.path.insert(0, os.getcwd())  # as ``python -m``: the working directory first
             runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
         else:
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
@@ -112,7 +126,7 @@ def _host_store(addr: str, port: int, ready_fd: int) -> None:
     try:
         from torch.distributed import TCPStore
 
-        listener = listen_on(addr, port)
+        listener = _helpers["boot"].listen_on(addr, port)
         store = TCPStore(host_name=addr, port=port, is_master=True, wait_for_workers=False,
                          master_listen_fd=listener.detach())
     except BaseException as exc:
@@ -213,6 +227,9 @@ def serve(sock: socket.socket) -> None:
 
 
 def main() -> None:
+    if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+        del sys.path[0]  # run as a file: its directory is no import root (the workers inherit sys.path)
+    _helpers["boot"] = _load("_fsm_agent_early_zygote", os.path.join(_HERE, "..", "..", "_early_zygote.py"))
     _pdeathsig()
     sock = socket.socket(fileno=int(sys.argv[2]))
     started = time.monotonic()
@@ -222,6 +239,7 @@ def main() -> None:
         except Exception as exc:  # told to the agent, which ends with one line naming the module
             _send(sock, {"ready": False, "module": name, "error": f"{type(exc).__name__}: {exc}"})
             return
+    _helpers["containment"] = _load("_fsm_agent_containment", os.path.join(_HERE, "..", "containment.py"))
     # With torch imported, a store host is one fork away: the agent may then host the workers' store.
     _send(sock, {"ready": True, "import_s": time.monotonic() - started, "torch": "torch.distributed" in sys.modules})
     serve(sock)
