@@ -276,10 +276,10 @@ class PreloadLauncher(SubprocessLauncher):
         self.close()
 
     def close(self) -> None:
-        if self._zygote is not None:
-            self._not_ours.add(self._zygote.pid)  # the sweep spares the zygote between attempts
-        if self._store_pid is not None:
-            self._not_ours.add(self._store_pid)
+        if self._zygote is not None:  # the sweep spares the zygote, its store host and its standbys
+            self._not_ours.add(self._zygote.pid)
+            if self._cgroup is None:  # else the sweep is the cgroup's, and none of them is in it
+                self._not_ours |= _children(self._zygote.pid) - {h.pid for h in self._handles.values()}
         super().close()
 
     def _end_zygote(self) -> None:
@@ -299,6 +299,16 @@ class PreloadLauncher(SubprocessLauncher):
         """End the zygote, then remove the workers' cgroup (called when the agent is done)."""
         self._end_zygote()
         super().shutdown()
+
+
+def _children(pid: int) -> set[int]:
+    """The direct children of ``pid`` (empty if it is gone)."""
+    import psutil
+
+    try:
+        return {child.pid for child in psutil.Process(pid).children()}
+    except psutil.Error:
+        return set()
 
 
 def _command(entrypoint: str, args: tuple) -> tuple[list[str], str]:
