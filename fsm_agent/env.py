@@ -92,4 +92,3 @@ def _visible_device(local_rank: int) -> str:
 def substitute_local_rank(args: tuple, local_rank: int) -> tuple:
     """Replace ``${local_rank}`` in str args, as torch's ``macros.substitute``."""
     return tuple(a.replace("${local_rank}", str(local_rank)) if isinstance(a, str) else a for a in args)
-
