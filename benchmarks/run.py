@@ -96,7 +96,8 @@ class Sizes:
     restart_intervals: list[float]  # (b) --monitor-interval values
     torch_restart_p: int           # (c)
     torch_restart_intervals: list[float]
-    torch_restart_trials: int      # (c)
+    torch_restart_trials: int
+    torch_restarts_n: int          # (c) restarts in one run, for the preload launcher's p50/p90      # (c)
     sigterm_p: int                 # (d)
     idle_p: int                    # (e)
     idle_s: float                  # (e) measured window
@@ -126,7 +127,7 @@ IDLE_LOSS_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attem
 
 FULL = Sizes(
     trials=5, startup_p=[1, 4, 8], startup_torch_p=[1, 4, 8], startup_torch_trials=3, restart_p=4, restart_intervals=[0.1, 5.0],
-    torch_restart_p=4, torch_restart_intervals=[0.1], torch_restart_trials=3, sigterm_p=4,
+    torch_restart_p=4, torch_restart_intervals=[0.1], torch_restart_trials=3, torch_restarts_n=20, sigterm_p=4,
     idle_p=4, idle_s=20.0, idle_trials=3, rdzv_k=[2, 4, 8, 16], rdzv_trials=3, node_loss_nproc=1,
     node_loss_trials_fsm=10, node_loss_trials_torchrun=3, node_loss_trials_etcd=5, node_loss_cutoff_s=90.0, node_loss_goal_s=10.0,
     node_loss_rdzv_conf="", hang_p=4, hang_timeout_s=3.0, hang_grace_s=10.0, hang_trials_torchrun=2,
@@ -134,7 +135,7 @@ FULL = Sizes(
 )
 QUICK = Sizes(
     trials=1, startup_p=[4], startup_torch_p=[1], startup_torch_trials=1, restart_p=2, restart_intervals=[0.1],
-    torch_restart_p=1, torch_restart_intervals=[0.1], torch_restart_trials=1, sigterm_p=2,
+    torch_restart_p=1, torch_restart_intervals=[0.1], torch_restart_trials=1, torch_restarts_n=2, sigterm_p=2,
     idle_p=2, idle_s=3.0, idle_trials=1, rdzv_k=[2], rdzv_trials=1, node_loss_nproc=1,
     node_loss_trials_fsm=1, node_loss_trials_torchrun=1, node_loss_trials_etcd=1, node_loss_cutoff_s=20.0, node_loss_goal_s=10.0,
     # torch's defaults (keep-alive 5 s x 3, last call 30 s) cost >= 41 s per node-loss trial;
@@ -779,19 +780,28 @@ def scenario_a(bench: Bench) -> list[Row]:
             proc_exit = Row("a", f"teardown, torch workers, P={p}: last worker process exited → launcher exited", "s")
             proc_exit.notes.append("a torch worker's own interpreter exit after returning takes seconds here; "
                                    "this row leaves it out (worker exits seen on pidfds)")
+            # The same startup with a launcher that imports torch once for all workers (preload).
+            pre = list(bench.preimport) if kind == "torch" and bench.preimport else None
+            reduced_pre = Row("a", f"startup, torch workers, P={p}: launch → all_reduce done "
+                                   f"(fsm-agent: {shlex.join(pre or [])})", "s")
             if kind == "plain" and p == 4:
                 running.goal, running.check = "≤ 0.35", ratio_le(0.35)
             if p == 4 and kind == "plain":
                 exited.goal, exited.check = "≤ 0.2", ratio_le(0.2)
             if p == 4 and kind == "torch":  # "returned" there includes the worker's own seconds-long exit
                 proc_exit.goal, proc_exit.check = "≤ 0.2", ratio_le(0.2)
+                reduced_pre.goal, reduced_pre.check = "≤ 0.4", ratio_le(0.4)
             group = [running, exited] + ([reduced, proc_exit] if kind == "torch" else [])
+            variants = [(FSM, None), *([(FSM, pre)] if pre else []), (TR, None)]
             for i in range(sz.trials if kind == "plain" else sz.startup_torch_trials):
-                for who in interleaved(i, [FSM, TR]):
-                    def measure(who=who, p=p, kind=kind):
+                for who, extra in interleaved(i, variants):
+                    targets = [reduced_pre] if extra else group + ([reduced_pre] if pre and who == TR else [])
+
+                    def measure(who=who, p=p, kind=kind, extra=extra):
                         script = [PLAIN, "exit"] if kind == "plain" else [TORCH_WORKER, "allreduce"]
-                        with bench.trial(f"a_{kind}_p{p}_{who}") as t:
-                            proc = t.launch(who, [*bench.single(who), "--nproc-per-node", p, *script])
+                        name = f"a_{kind}_p{p}_{who}" + ("_pre" if extra else "")
+                        with bench.trial(name) as t:
+                            proc = t.launch(who, [*bench.single(who), *(extra or []), "--nproc-per-node", p, *script])
                             worker_exits = {}
                             if kind == "torch":  # torch workers take seconds to start: their pids are seen in time
                                 worker_exits = watch_worker_exits(t, proc, sz.trial_timeout_s)
@@ -802,12 +812,19 @@ def scenario_a(bench: Bench) -> list[Row]:
                             ev = t.events()
                             r = all_ranks_t(ev, "started", p) - proc.t_launch
                             x = proc.t_exit - all_ranks_t(ev, "returning", p)
+                            line = f"running {r:.3f} s, exit after return {x:.3f} s"
+                            ar = all_ranks_t(ev, "allreduce_done", p) - proc.t_launch if kind == "torch" else None
+                            if extra:  # the preload variant feeds its own row only
+                                reduced_pre.add(who, ar)
+                                log(f"  (a) {kind} P={p} #{i + 1} {who} {shlex.join(extra)}: {line}, "
+                                    f"all_reduce done {ar:.3f} s")
+                                return
                             running.add(who, r)
                             exited.add(who, x)
-                            line = f"running {r:.3f} s, exit after return {x:.3f} s"
                             if kind == "torch":
-                                ar = all_ranks_t(ev, "allreduce_done", p) - proc.t_launch
                                 reduced.add(who, ar)
+                                if pre and who == TR:
+                                    reduced_pre.add(who, ar)
                                 line += f", all_reduce done {ar:.3f} s"
                                 if len(worker_exits) == p and None not in worker_exits.values():
                                     pe = proc.t_exit - max(worker_exits.values())
@@ -816,8 +833,8 @@ def scenario_a(bench: Bench) -> list[Row]:
                                 else:
                                     proc_exit.fail(who, "a worker exited before its pid was seen")
                             log(f"  (a) {kind} P={p} #{i + 1} {who}: {line}")
-                    attempt(measure, group, who, "a")
-            rows += group
+                    attempt(measure, targets, who, "a")
+            rows += group + ([reduced_pre] if pre else [])
     return rows
 
 
@@ -891,7 +908,57 @@ def scenario_b(bench: Bench) -> list[Row]:
 
 def scenario_c(bench: Bench) -> list[Row]:
     sz = bench.sizes
-    return restart_rows(bench, "c", "torch", sz.torch_restart_p, sz.torch_restart_intervals, sz.torch_restart_trials)
+    rows = restart_rows(bench, "c", "torch", sz.torch_restart_p, sz.torch_restart_intervals, sz.torch_restart_trials)
+    if bench.preimport:
+        rows += repeated_restart_rows(bench, sz.torch_restart_p, sz.torch_restart_intervals[0], sz.torch_restarts_n)
+    return rows
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between the closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    low = int(k)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
+
+
+def repeated_restart_rows(bench: Bench, p: int, mi: float, n: int) -> list[Row]:
+    """One run per launcher with N restarts (rank p-1 crashes 0.3 s after each attempt's all_reduce):
+    crash of attempt k → attempt k+1's all_reduce done, every k; p50 and p90 over the N restarts."""
+    sz, pre = bench.sizes, list(bench.preimport)
+    head = f"restart, torch workers, P={p}, --monitor-interval {mi:g}, {n} restarts in one run: " \
+           f"crash → next attempt all_reduce done"
+    p50 = Row("c", f"{head}, every restart (median = p50) (fsm-agent: {shlex.join(pre)})", "s")
+    p90 = Row("c", f"{head}, p90 (fsm-agent: {shlex.join(pre)})", "s")
+    p90.goal = "p90 ≤ 0.15 s and ≤ 0.1"
+    p90.check = lambda r: (r.median(FSM) is not None and r.median(FSM) <= 0.15 and r.ratio() is not None
+                           and r.ratio() <= 0.1)
+    for who, extra in interleaved(0, [(FSM, pre), (TR, [])]):
+        def measure(who=who, extra=extra):
+            with bench.trial(f"c_repeated_{who}") as t:
+                proc = t.launch(who, [*bench.single(who), *extra, "--nproc-per-node", p, "--max-restarts", n,
+                                      "--monitor-interval", mi, TORCH_WORKER, "crashes", n, p - 1, 0.3],
+                                restarts_pg=True)
+                limit = sz.trial_timeout_s * (1 + n / 4)
+                if not wait_exits([proc], limit):
+                    raise TrialError(f"still running after {limit:g} s" + t.tails())
+                if proc.rc != 0:
+                    raise TrialError(f"exit code {proc.rc}" + t.tails())
+                ev = t.events()
+                values = []
+                for k in range(n):
+                    crash = by_event(ev, "crash", attempt=k)
+                    if len(crash) != 1:
+                        raise TrialError(f"attempt {k}: expected one crash event, got {len(crash)}" + t.tails())
+                    values.append(all_ranks_t(ev, "allreduce_done", p, attempt=k + 1) - crash[0]["t"])
+                for value in values:
+                    p50.add(who, value)
+                p90.add(who, percentile(values, 90))
+                log(f"  (c) repeated {who}: {n} restarts, p50 {percentile(values, 50):.3f} s, "
+                    f"p90 {percentile(values, 90):.3f} s, max {max(values):.3f} s")
+        attempt(measure, [p50, p90], who, "c")
+    return [p50, p90]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1558,7 +1625,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Sizes]:
     floats = lambda s: [float(x) for x in s.split(",") if x.strip()]  # noqa: E731
     for name, kind in (("trials", int), ("startup_p", ints), ("startup_torch_p", ints), ("startup_torch_trials", int), ("restart_p", int),
                        ("restart_intervals", floats), ("torch_restart_p", int), ("torch_restart_intervals", floats),
-                       ("torch_restart_trials", int), ("sigterm_p", int), ("idle_p", int), ("idle_s", float),
+                       ("torch_restart_trials", int), ("torch_restarts_n", int), ("sigterm_p", int), ("idle_p", int), ("idle_s", float),
                        ("idle_trials", int), ("rdzv_k", ints), ("rdzv_trials", int), ("node_loss_nproc", int),
                        ("node_loss_trials_fsm", int), ("node_loss_trials_torchrun", int), ("node_loss_trials_etcd", int),
                        ("node_loss_cutoff_s", float), ("node_loss_goal_s", float), ("node_loss_rdzv_conf", str),

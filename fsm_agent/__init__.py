@@ -11,6 +11,10 @@ from fsm_agent import _early_signals
 
 _early_signals.install()  # first: the agent command handles signals from its first milliseconds on
 
+from fsm_agent import _early_zygote  # noqa: E402
+
+_early_zygote.install()  # then --launcher preload's zygote starts importing torch while the agent starts
+
 from fsm_agent.config import LaunchConfig
 from fsm_agent.heartbeat import heartbeat
 from fsm_agent.plugins import hookimpl

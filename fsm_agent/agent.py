@@ -29,6 +29,7 @@ import pluggy
 
 from fsm_agent import errorfile
 from fsm_agent._early_signals import note_stop, take_early_drain
+from fsm_agent._early_zygote import listen_on
 from fsm_agent.env import worker_env
 from fsm_agent.errors import FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.hang import HangDetector, announce_stack_dump, dump_stacks
@@ -91,16 +92,6 @@ class TransitionRecord:
     restart_count: int
     duration_s: float
     error: str | None = None
-
-
-def _listen_on(addr: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``addr:port`` (the address MASTER_ADDR names, not all interfaces)."""
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, proto)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(sockaddr)
-    listener.listen(1024)
-    return listener
 
 
 def _classify_rendezvous_error(exc: BaseException) -> str | None:
@@ -845,23 +836,44 @@ class ElasticAgent:
 
             # torch's TCPStore server listens on every interface; bind MASTER_ADDR's address only.
             # The store takes ownership of the socket's fd.
-            listener = _listen_on(group.master_addr, group.master_port)
+            listener = listen_on(group.master_addr, group.master_port)
             self._worker_store = TCPStore(host_name=group.master_addr, port=group.master_port, is_master=True,
                                           multi_tenant=True, wait_for_workers=False,
                                           master_listen_fd=listener.detach())
+        elif group.group_rank == 0 and self._launcher_hosts_worker_store:
+            self._launcher.host_worker_store(group.master_addr, group.master_port)
 
     @property
     def _agent_hosts_worker_store(self) -> bool:
         return bool(getattr(self._rdzv_handler, "agent_hosts_worker_store", False))
 
     @property
+    def _launcher_hosts_worker_store(self) -> bool:
+        """Where the workers' rank 0 would host their store, a launcher that can (the preload
+        launcher's store host, torch already imported) hosts it instead, listening before any
+        worker starts; this process still never imports torch."""
+        if self._agent_hosts_worker_store or getattr(self._rdzv_handler, "use_agent_store", False):
+            return False
+        return bool(getattr(self._launcher, "can_host_worker_store", lambda: False)())
+
+    @property
     def _use_agent_store(self) -> bool:
         if self._agent_hosts_worker_store:
             return True
-        return bool(getattr(self._rdzv_handler, "use_agent_store", False))
+        return bool(getattr(self._rdzv_handler, "use_agent_store", False)) or self._launcher_hosts_worker_store
 
     def _close_worker_store(self) -> None:
         self._worker_store = None  # dropping the last reference shuts the server down
+        getattr(self._launcher, "close_worker_store", lambda: None)()
+
+    def _report_launcher_timings(self) -> None:
+        """What the launcher spent outside the agent's own steps (e.g. the preload launcher's
+        ``preload_import_s``), once: metrics ``fsm_agent.launcher.<name>`` and a ``launcher_timings`` event."""
+        timings = getattr(self._launcher, "take_timings", lambda: {})()
+        for name, seconds in timings.items():
+            self._put_metric("fsm_agent", f"launcher.{name}", seconds)
+        if timings:
+            self._broadcast("fsm_agent_record_event", event=self._event("launcher_timings", **timings))
 
     def _backoff(self, event=None) -> None:
         """Wait the restart policy's backoff delay; a stop signal cuts it short."""
@@ -895,6 +907,7 @@ class ElasticAgent:
         pids = self._launcher.start(spec, envs, self._worker_logs, self._logs.filtered_paths(self.restart_count))
         for worker in group.workers:
             worker.id = pids[worker.local_rank]
+        self._report_launcher_timings()
         self._next_tick = time.monotonic() + (self._tick_interval or 0.0)
         self._broadcast("fsm_agent_workers_started", worker_group=group, pids=dict(pids))
 

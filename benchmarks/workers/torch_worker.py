@@ -5,6 +5,8 @@
     torch_worker.py crash RANK DELAY       as allreduce; then in attempt 0, RANK sleeps DELAY s,
                                            records "crash" and exits 1 while the others block;
                                            later attempts finish normally
+    torch_worker.py crashes N RANK DELAY   as crash, in every attempt before attempt N (N restarts in
+                                           one run); attempt N finishes normally
     torch_worker.py loop INITIAL_WORLD     as allreduce; then while WORLD_SIZE >= INITIAL_WORLD,
                                            all_reduce every 50 ms until a collective fails
                                            ("collective_failed", exit 1); once the world has
@@ -42,9 +44,13 @@ if int(value.item()) != dist.get_world_size():
     sys.exit(f"all_reduce gave {value.item()}, expected {dist.get_world_size()}")
 emit("allreduce_done")
 
-if mode == "crash" and ATTEMPT == 0:
-    if RANK == int(sys.argv[2]):
-        time.sleep(float(sys.argv[3]))
+if mode == "crashes":  # crashes N RANK DELAY: the crash of mode crash, in attempts 0 .. N-1
+    mode, last_crash, crash_args = "crash", int(sys.argv[2]) - 1, sys.argv[3:]
+else:
+    last_crash, crash_args = 0, sys.argv[2:]
+if mode == "crash" and ATTEMPT <= last_crash:
+    if RANK == int(crash_args[0]):
+        time.sleep(float(crash_args[1]))
         emit("crash")
         os._exit(1)
     sleep_forever()

@@ -269,7 +269,8 @@ def fsm_agent_put_metric(metric_group: str, metric_name: str, metric_value: floa
     Args:
         metric_group: ``"torchelastic"`` for torch's names, ``"fsm_agent"`` for fsm-agent's own.
         metric_name: torch's dotted names, e.g. ``workers.default.remaining_restarts``;
-            fsm-agent adds ``state.<STATE>.duration_s``.
+            fsm-agent adds ``state.<STATE>.duration_s`` and, from a launcher
+            that reports them, ``launcher.<name>`` (e.g. ``launcher.preload_import_s``, seconds).
         metric_value: the value.
 
     Returns:

@@ -182,6 +182,29 @@ def test_an_agent_that_never_imports_torch_still_does_not(tmp_path):
     assert done.stdout.split() == ["False", "True", "3"]
 
 
+def test_a_preload_agent_never_imports_torch_and_hosts_the_store_before_the_workers(tmp_path):
+    """--launcher preload with torch preloaded: the zygote imports torch and its store host listens at
+    MASTER_ADDR:MASTER_PORT before any worker starts (agent-store mode); the agent process itself never
+    imports torch."""
+    script = write(tmp_path / "probe.py", """
+        import json, sys
+        from fsm_agent import LaunchConfig, launch_agent
+        check = ("import json, os, socket; a, p = os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']); "
+                 "socket.create_connection((a, p), timeout=5).close(); "
+                 "print(json.dumps([os.environ['TORCHELASTIC_USE_AGENT_STORE'], 'torch' in __import__('sys').modules]))")
+        config = LaunchConfig(nproc_per_node=2, rdzv_backend="fsm", rdzv_endpoint="127.0.0.1:0", run_id="pre",
+                              launcher="preload")
+        assert launch_agent(config, sys.executable, ["-c", check]) == {0: None, 1: None}
+        print("agent-torch", "torch" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split("\n")
+    # ``-c`` runs exec'd (not forked): no torch in the workers, but the store is up for them.
+    assert lines.count('["True", false]') == 2, done.stdout
+    assert "agent-torch False" in lines, done.stdout
+
+
 def test_in_process_launch_is_a_subreaper_only_while_workers_run(tmp_path):
     """A worker's orphan is adopted (and reaped) during the launch; afterwards the caller is as before."""
     import psutil

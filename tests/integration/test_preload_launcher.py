@@ -81,3 +81,21 @@ def test_python_with_interpreter_options_runs_as_given(tmp_path, agents):
                         sys.executable, "-c", "open('c_ran', 'w').close()")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and (tmp_path / "c_ran").exists(), err
+
+
+def test_the_import_is_reported_apart_from_the_agent(tmp_path, agents):
+    """The zygote's import time: one ``launcher_timings`` event (after the first start, before HEALTHY)
+    and the metrics ``fsm_agent.launcher.preload_import_s`` / ``preload_wait_s``."""
+    script = write(tmp_path / "w.py", "import os, sys\nsys.exit(3 if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' else 0)\n")
+    events = tmp_path / "e.jsonl"
+    proc = agents.start("--standalone", "--max-restarts", "1", "--launcher", "preload", "--preload-modules", "json",
+                        "--events-file", str(events), script, env={"LOGLEVEL": "INFO"})
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    records = [json.loads(line) for line in events.read_text().splitlines()]
+    timings = [r for r in records if r["kind"] == "launcher_timings"]
+    assert len(timings) == 1, "one zygote, one import: a restart reports nothing new"
+    assert timings[0]["preload_import_s"] >= 0 and timings[0]["preload_wait_s"] >= 0
+    assert timings[0]["restart_count"] == 0 and timings[0]["state"] == "INIT"
+    assert "[metric][fsm_agent]: launcher.preload_import_s=" in err
+    assert "[metric][fsm_agent]: launcher.preload_wait_s=" in err

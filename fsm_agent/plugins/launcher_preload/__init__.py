@@ -1,8 +1,16 @@
 """Built-in launcher ``preload``: workers forked from a zygote that has already imported torch.
 
-``--launcher preload`` starts one helper process (``fsm_agent.plugins.launcher_preload.zygote``) that imports the modules
-of ``--preload-modules`` (default ``torch``) once; each worker of each attempt is then a fork
-of it running the script with ``runpy``, so a restarted worker skips ``import torch``. The
+``--launcher preload`` starts one helper process (``fsm_agent.plugins.launcher_preload.zygote``) as soon as
+the launcher is built, before the rendezvous, so that importing the modules of ``--preload-modules``
+(default ``torch``) once is paid while the nodes gather; each worker of each attempt, the first
+included, is then a fork of it running the script with ``runpy``: no worker imports torch itself.
+With torch preloaded, the zygote also forks a store host that serves each attempt's workers' TCPStore
+at MASTER_ADDR:MASTER_PORT before any worker starts (torch's agent-store mode,
+``TORCHELASTIC_USE_AGENT_STORE=True``, on the node of group rank 0), so no worker of rank > 0 waits
+for rank 0 to listen; the agent process itself still never imports torch. Every node of a job runs
+the same launcher and ``--preload-modules`` (the workers' store mode must agree).
+The import's seconds are reported apart from the agent's own (metric ``fsm_agent.launcher.preload_import_s``,
+event ``launcher_timings``). The
 worker sees what ``python -u script.py`` would: ``sys.argv``, ``__main__``, the environment,
 the working directory, its own session and process group. ``--no-python`` binaries are exec'd.
 Exits are seen through the worker's pidfd and the zygote's report of the exit code.
@@ -22,12 +30,13 @@ import sys
 import time
 from typing import Any
 
+from fsm_agent import _early_zygote
 from fsm_agent.env import substitute_local_rank
 from fsm_agent.errors import ConfigError
 from fsm_agent.logs import WorkerLogs
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.launcher_subprocess import (
-    SubprocessLauncher, _Handle, _killpg, _TeeReader, set_parent_death_signal,
+    SubprocessLauncher, _Handle, _killpg, _TeeReader,
 )
 
 PLUGIN_NAME = "launcher-preload"
@@ -43,6 +52,12 @@ def fsm_agent_register_backends(registry):
 def fsm_agent_addoption(options):
     options.add("modules", type=str, default="torch", flag="--preload-modules", env="FSM_AGENT_PRELOAD_MODULES",
                 help="comma-separated modules the preload launcher's zygote imports once (default: torch)")
+
+
+@hookimpl
+def fsm_agent_configure(config, agent):
+    if getattr(config, "launcher", "preload") != "preload":
+        _early_zygote.discard()  # argv looked like --launcher preload, but the run uses another launcher
 
 
 class _ForkedHandle(_Handle):
@@ -63,24 +78,50 @@ class PreloadLauncher(SubprocessLauncher):
         self._modules = options.get("modules") or "torch"
         self._zygote: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
+        self._ready: dict | None = None  # the zygote's first message, once read
         self._pending_exits: dict[int, int] = {}
+        self._store_pid: int | None = None
+        self._timings: dict[str, float] = {}
+        if agent is not None:  # an agent's launcher: the import starts now, overlapped with the rendezvous
+            self._spawn_zygote()
 
     # -- the zygote -------------------------------------------------------------------------------
+    def _spawn_zygote(self) -> None:
+        # The one the agent command started in its first milliseconds (fsm_agent._early_zygote), if it fits.
+        self._zygote, self._sock = _early_zygote.take(self._modules) or _early_zygote.spawn(self._modules)
+        self._ready = None
+
+    def _await_ready(self) -> dict:
+        """The zygote's first message (waiting for its imports if need be); ``{}`` when it never came."""
+        if self._ready is None:
+            waited = time.monotonic()
+            while self._ready is None:
+                message = self._receive(ZYGOTE_START_TIMEOUT)
+                if message is None:
+                    self._ready = {}
+                elif "ready" in message:
+                    self._ready = message
+            if self._ready.get("ready"):
+                self._timings = {"preload_import_s": float(self._ready.get("import_s", 0.0)),
+                                 "preload_wait_s": time.monotonic() - waited}
+        return self._ready
+
     def _ensure_zygote(self) -> None:
-        if self._zygote is not None and self._zygote.poll() is None:
-            return
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._zygote = subprocess.Popen(
-            [sys.executable, "-m", "fsm_agent.plugins.launcher_preload.zygote", self._modules, str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), preexec_fn=set_parent_death_signal, stdin=subprocess.DEVNULL)
-        theirs.close()
-        self._sock = ours
-        ready = self._receive(ZYGOTE_START_TIMEOUT)
-        if ready and ready.get("module"):
+        """A zygote that has imported the modules: the one started with the launcher, or a new one
+        where that one died after it was ready.
+
+        Raises:
+            ConfigError: a module of ``--preload-modules`` could not be imported, or the zygote did not start.
+        """
+        if self._zygote is None or (self._ready and self._ready.get("ready") and self._zygote.poll() is not None):
+            self._end_zygote()
+            self._spawn_zygote()
+        ready = self._await_ready()
+        if ready.get("module"):
             raise ConfigError(f"--preload-modules: the preload launcher's zygote could not import {ready['module']!r} "
                               f"({ready.get('error')}); name importable modules (default: torch) or use "
                               "--launcher subprocess")
-        if not ready or not ready.get("ready"):
+        if not ready.get("ready"):
             raise ConfigError(f"--launcher preload: the zygote did not start (importing {self._modules!r} failed?); "
                               "use --launcher subprocess")
 
@@ -91,6 +132,19 @@ class PreloadLauncher(SubprocessLauncher):
         data = self._sock.recv(1 << 16)
         return json.loads(data) if data else None
 
+    def _ask(self, request: dict, answered: Any, fds: list[int] = ()) -> dict:
+        """Send one request and return the zygote's answer (the first message ``answered`` accepts);
+        exit reports that come first are kept for ``poll``."""
+        socket.send_fds(self._sock, [json.dumps(request).encode()], list(fds))
+        while True:
+            message = self._receive(ZYGOTE_START_TIMEOUT)
+            if message is None:
+                raise RuntimeError("the preload zygote stopped answering")
+            if "exited" in message:
+                self._pending_exits[message["exited"]] = message["code"]
+            elif answered(message):
+                return message
+
     def _drain(self) -> None:
         """Read every message waiting on the socket (exit reports) without blocking."""
         while self._sock is not None:
@@ -99,7 +153,53 @@ class PreloadLauncher(SubprocessLauncher):
                 return
             if "exited" in message:
                 self._pending_exits[message["exited"]] = message["code"]
+            elif "ready" in message and self._ready is None:
+                self._ready = message
         # attach exit codes to handles (an exit can be reported before we know the pid's handle)
+
+    # -- the workers' store (torch's agent-store mode) --------------------------------------------
+    def can_host_worker_store(self) -> bool:
+        """Whether this launcher can host the workers' TCPStore (``host_worker_store``): once the
+        zygote has imported ``torch.distributed``, a store host is one fork away. Waits for the
+        zygote's imports; False where they failed (``start`` then says why)."""
+        try:
+            self._ensure_zygote()  # a zygote that died after it was ready is replaced first
+        except ConfigError:
+            return False
+        return bool(self._ready.get("torch"))
+
+    def host_worker_store(self, master_addr: str, master_port: int) -> None:
+        """Host a fresh TCPStore for this attempt's workers at ``master_addr:master_port``, listening
+        before any worker starts (so no worker waits on another's listen), in a process the zygote
+        forks. The workers then run in torch's agent-store mode (``TORCHELASTIC_USE_AGENT_STORE=True``:
+        every rank is a client), as under torchrun's c10d agent. Replaces the previous attempt's store.
+
+        Raises:
+            RuntimeError: the store could not listen there (e.g. the port is taken) or the zygote is gone.
+        """
+        self.close_worker_store()
+        answer = self._ask({"op": "store", "addr": master_addr, "port": int(master_port)},
+                           lambda m: "store" in m or "store_error" in m)
+        if "store_error" in answer:
+            raise RuntimeError(f"the workers' store at {master_addr}:{master_port} did not start: "
+                               f"{answer['store_error']}")
+        self._store_pid = answer["pid"]
+        self._not_ours.add(self._store_pid)
+
+    def close_worker_store(self) -> None:
+        """End the store ``host_worker_store`` started (idempotent; the zygote reaps it at once)."""
+        if self._store_pid is None or self._sock is None or (self._zygote and self._zygote.poll() is not None):
+            self._store_pid = None
+            return
+        self._store_pid = None
+        self._ask({"op": "store_stop"}, lambda m: "store_stopped" in m)
+
+    def take_timings(self) -> dict[str, float]:
+        """Seconds not yet reported: ``preload_import_s`` (the zygote importing ``--preload-modules``,
+        paid once per run, overlapped with the rendezvous) and ``preload_wait_s`` (how long the first
+        start or store waited for that import after the rendezvous)."""
+        timings, self._timings = self._timings, {}
+        return timings
 
     def _settle(self) -> None:
         self._drain()
@@ -131,17 +231,11 @@ class PreloadLauncher(SubprocessLauncher):
                 fds.append(os.dup(index + 1))  # inherit the agent's stdout/stderr
         request = {"op": "spawn", "local_rank": local_rank, "argv": argv, "env": env, "cwd": os.getcwd(), "mode": mode,
                    "cgroup": self._cgroup_path}
-        socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
-        for fd in fds:
-            os.close(fd)
-        while True:  # exit reports of earlier workers may come first
-            message = self._receive(ZYGOTE_START_TIMEOUT)
-            if message is None:
-                raise RuntimeError("the preload zygote stopped answering")
-            if "exited" in message:
-                self._pending_exits[message["exited"]] = message["code"]
-            elif message.get("spawned") == local_rank:
-                break
+        try:
+            message = self._ask(request, lambda m: m.get("spawned") == local_rank, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
         pid = message["pid"]
         try:
             wait_fd = os.pidfd_open(pid)  # wakes the agent at the exit; the code comes as a message
@@ -182,22 +276,39 @@ class PreloadLauncher(SubprocessLauncher):
         self.close()
 
     def close(self) -> None:
-        if self._zygote is not None:
-            self._not_ours.add(self._zygote.pid)  # the sweep spares the zygote between attempts
+        if self._zygote is not None:  # the sweep spares the zygote, its store host and its standbys
+            self._not_ours.add(self._zygote.pid)
+            if self._cgroup is None:  # else the sweep is the cgroup's, and none of them is in it
+                self._not_ours |= _children(self._zygote.pid) - {h.pid for h in self._handles.values()}
         super().close()
 
-    def shutdown(self) -> None:
-        """End the zygote, then remove the workers' cgroup (called when the agent is done)."""
+    def _end_zygote(self) -> None:
+        """Close the zygote's socket: it ends its store host and exits; reap it."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self._store_pid = None
         if self._zygote is not None:
             try:
                 self._zygote.wait(5)
             except subprocess.TimeoutExpired:
                 self._zygote.kill()
                 self._zygote.wait()
+
+    def shutdown(self) -> None:
+        """End the zygote, then remove the workers' cgroup (called when the agent is done)."""
+        self._end_zygote()
         super().shutdown()
+
+
+def _children(pid: int) -> set[int]:
+    """The direct children of ``pid`` (empty if it is gone)."""
+    import psutil
+
+    try:
+        return {child.pid for child in psutil.Process(pid).children()}
+    except psutil.Error:
+        return set()
 
 
 def _command(entrypoint: str, args: tuple) -> tuple[list[str], str]:

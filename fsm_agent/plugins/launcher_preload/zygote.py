@@ -1,24 +1,40 @@
 """The preload launcher's zygote: a process that imports heavy modules once, then forks workers.
 
-Started by ``fsm_agent.plugins.launcher_preload`` as ``python -m fsm_agent.plugins.launcher_preload.zygote MODULES FD``
-where FD is its end of a ``SOCK_SEQPACKET`` socket pair. One JSON object per packet:
+Started (``fsm_agent._early_zygote.spawn``) as ``python .../launcher_preload/zygote.py MODULES FD``, where FD
+is its end of a ``SOCK_SEQPACKET`` socket pair: a file, not ``-m``, so that the preload modules are
+the first thing it imports (``-m`` would import the ``fsm_agent`` packages first, a few tenths of
+a second on the first start's path); the two fsm-agent modules it needs, both standard library
+only, are loaded by their files. One JSON object per packet:
 
 - agent -> zygote: ``{"op": "spawn", "local_rank", "argv", "env", "cwd", "mode", "cgroup"}`` with two
   fds (stdout, stderr) attached by SCM_RIGHTS; ``mode`` is ``script`` | ``module`` | ``exec``;
   ``cgroup`` is the directory of the workers' cgroup (``fsm_agent.plugins.containment``) or null.
-- zygote -> agent: ``{"spawned": local_rank, "pid": pid}`` and, when a worker ends,
-  ``{"exited": pid, "code": exitcode}`` (``-N`` for death by signal N, as subprocess).
+- agent -> zygote: ``{"op": "store", "addr", "port"}``: start a store host, a process holding a
+  fresh torch ``TCPStore`` server at ``addr:port`` (the workers' store in torch's agent-store mode,
+  ``TORCHELASTIC_USE_AGENT_STORE=True``); answered once it listens. ``{"op": "store_stop"}``: end
+  the store host (killed; reaped later: a new one waits for the port if it is the same).
+- zygote -> agent: first ``{"ready": true, "import_s": seconds, "torch": bool}`` once the modules
+  are imported (``torch``: whether ``torch.distributed`` is among them, so a store host is cheap) (or ``{"ready": false, "module", "error"}``); ``{"spawned": local_rank, "pid": pid}`` and, when a
+  worker ends, ``{"exited": pid, "code": exitcode}`` (``-N`` for death by signal N, as subprocess);
+  ``{"store": port, "pid": pid}`` or ``{"store_error": message}``; ``{"store_stopped": true}``.
 
 The zygote is single-threaded (forking a threaded process can deadlock the child): one
 selector loop on the socket and on a SIGCHLD wakeup pipe. It has ``PR_SET_PDEATHSIG`` set, and
 so does each worker (towards the zygote), so the chain dies with the agent. The zygote itself
 stays out of the workers' cgroup (it outlives attempts); each worker enters it right after fork.
+Workers and the store host are standbys made ahead of need: forks of the zygote, kept ready while
+it is idle (``REFILL_DELAY_S`` after its last request), each waiting for the one request that makes
+it a worker or the store host, so a restart costs a message per worker instead of a fork of a
+process that imported torch. The store host stays out of the cgroup too: it belongs to the attempt's rendezvous, not to its workers, and it
+runs the TCPStore's server threads in a process of its own so that the zygote never forks with
+threads running.
 """
 
 from __future__ import annotations
 
-import ctypes
+import errno
 import importlib
+import importlib.util
 import io
 import json
 import os
@@ -27,26 +43,45 @@ import selectors
 import signal
 import socket
 import sys
+import time
 
-from fsm_agent.plugins.containment import enter_cgroup
-
-_PR_SET_PDEATHSIG = 1
 MAX_FDS = 2
+#: Seconds a store host waits for its port while the one before it, killed, is still exiting.
+STORE_PORT_WAIT_S = 5.0
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_helpers: dict = {}  # "boot": fsm_agent/_early_zygote.py, "containment": fsm_agent/plugins/containment.py
+
+
+def _load(name: str, path: str):
+    """The module in ``path``, without importing the ``fsm_agent`` package around it."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _pdeathsig() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    _helpers["boot"].parent_death_signal()
 
 
 def _send(sock: socket.socket, message: dict) -> None:
     sock.send(json.dumps(message).encode())
 
 
+def _threads_from_env() -> None:
+    """torch's intra-op threads as the worker's own OMP_NUM_THREADS says: OpenMP read the variable
+    when the zygote imported torch, maybe before the agent set it (torchrun's default of 1)."""
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
 def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
     """In the forked child: become the worker. Returns the exit code (never returns for exec)."""
     os.setsid()  # first: the launcher signals the worker's process group as soon as it knows the pid
     if request.get("cgroup"):
-        enter_cgroup(request["cgroup"])
+        _helpers["containment"].enter_cgroup(request["cgroup"])
     _pdeathsig()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
@@ -57,6 +92,7 @@ def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    _threads_from_env()
     argv, mode = request["argv"], request["mode"]
     if mode == "exec":
         os.execvpe(argv[0], argv, request["env"])
@@ -66,6 +102,7 @@ def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
     sys.argv = list(argv)
     try:
         if mode == "module":
+            sys.path.insert(0, os.getcwd())  # as ``python -m``: the working directory first
             runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
         else:
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
@@ -85,55 +122,230 @@ def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
     return code
 
 
-def serve(sock: socket.socket) -> None:
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd is written
-    selector = selectors.DefaultSelector()
-    selector.register(sock, selectors.EVENT_READ, "sock")
-    selector.register(wake_r, selectors.EVENT_READ, "child")
-    while True:
-        for key, _ in selector.select():
-            if key.data == "child":
-                os.read(wake_r, 4096)
-                while True:
-                    try:
-                        pid, status = os.waitpid(-1, os.WNOHANG)
-                    except ChildProcessError:
-                        break
-                    if pid == 0:
-                        break
-                    _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
-                continue
-            data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 20, MAX_FDS)
-            if not data:
-                return  # the agent closed the socket: it is gone or done
-            request = json.loads(data)
-            out_fd, err_fd = (list(fds) + [-1, -1])[:2]
-            pid = os.fork()
+def _host_store(addr: str, port: int, link: socket.socket) -> None:
+    """In a standby become the store host: serve a fresh TCPStore at ``addr:port`` until killed.
+
+    Sends ``ok`` (or the error) on ``link`` once the server listens. Mirrors the store torch's
+    agent hosts for its workers (``TCPStore(is_master=True, wait_for_workers=False)``)."""
+    os.setsid()  # out of the zygote's process group: signals meant for the agent's group are not for it
+    try:
+        from torch.distributed import TCPStore
+
+        deadline = time.monotonic() + STORE_PORT_WAIT_S
+        while True:
+            try:
+                listener = _helpers["boot"].listen_on(addr, port)
+                break
+            except OSError as exc:  # e.g. the previous attempt's store host, killed, still exiting
+                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+        store = TCPStore(host_name=addr, port=port, is_master=True, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
+    except BaseException as exc:
+        link.send(f"{type(exc).__name__}: {exc}".encode()[:4000])
+        os._exit(1)
+    link.send(b"ok")
+    link.close()
+    while store is not None:  # the server runs on its own threads; this one only waits to be killed
+        signal.pause()
+
+
+def _standby(link: socket.socket) -> int:
+    """In a standby (a fork of the zygote made ahead of need): wait for the one request that makes
+    it a worker or the store host. Returns the exit code."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the agent's group is not for an idle fork
+    data, fds, _flags, _addr = socket.recv_fds(link, 1 << 20, MAX_FDS)
+    if not data:
+        return 0  # the zygote is ending
+    request = json.loads(data)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if request["op"] == "store":
+        _host_store(request["addr"], int(request["port"]), link)
+        return 0
+    link.close()
+    out_fd, err_fd = (list(fds) + [-1, -1])[:2]
+    return _run_worker(request, out_fd, err_fd)
+
+
+def _stop_store_host(pid: int | None, wait: bool = True) -> None:
+    """SIGKILL the store host; reap it unless ``wait`` is False (its exit, tearing down a process
+    that imported torch, takes tens of ms: a restart does not wait for it, the SIGCHLD loop reaps it)."""
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        if wait:
+            os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+#: Seconds after the last request before the zygote forks standbys again (the workers it just
+#: started get the CPU first). A fork of a process that imported torch takes 10-70 ms here: made
+#: ahead of need, the next attempt's workers and store host are a message away, not P+1 forks.
+REFILL_DELAY_S = 0.1
+
+
+class _Zygote:
+    """The selector loop: requests from the agent, SIGCHLD, and standbys kept ready when idle."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd is written
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(sock, selectors.EVENT_READ, "sock")
+        self.selector.register(self.wake_r, selectors.EVENT_READ, "child")
+        self.standbys: dict[int, socket.socket] = {}  # pid -> the zygote's end of its link, not yet used
+        self.store_pid: int | None = None
+        self.stopped: set[int] = set()  # store hosts killed, not reaped yet
+        self.wanted = {"workers": 0, "store": 0}  # how many standbys each kind of request used, at most
+        self.refill_at = 0.0
+
+    # -- standbys ---------------------------------------------------------------------------------
+    def _fork_standby(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:  # nothing of the zygote's stays open in a standby
+            self.selector.close()
+            self.sock.close()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            for link in (ours, *self.standbys.values()):
+                link.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.set_wakeup_fd(-1)
+            _pdeathsig()  # towards the zygote: the chain dies with the agent
+            os._exit(_standby(theirs))
+        theirs.close()
+        self.standbys[pid] = ours
+
+    def _activate(self, request: dict, fds: list[int]) -> tuple[int, socket.socket]:
+        """Give ``request`` (and ``fds``, closed here) to a standby, forked now if none is ready."""
+        try:
+            while True:
+                if not self.standbys:
+                    self._fork_standby()
+                pid, link = self.standbys.popitem()
+                try:
+                    socket.send_fds(link, [json.dumps(request).encode()], fds)
+                    return pid, link
+                except OSError:  # it died meanwhile (its exit is reaped as a standby's): the next one
+                    link.close()
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _refill(self) -> float | None:
+        """Fork one standby when the zygote has been idle long enough; the select timeout until the next."""
+        if len(self.standbys) >= sum(self.wanted.values()):
+            return None
+        wait = self.refill_at - time.monotonic()
+        if wait > 0:
+            return wait
+        self._fork_standby()
+        return 0.0
+
+    # -- requests ---------------------------------------------------------------------------------
+    def _store(self, request: dict) -> dict:
+        if self.store_pid is not None:
+            _stop_store_host(self.store_pid, wait=False)
+            self.stopped.add(self.store_pid)
+            self.store_pid = None
+        if request["op"] == "store_stop":
+            return {"store_stopped": True}
+        self.wanted["store"] = 1
+        pid, link = self._activate(request, [])
+        with link:
+            answer = link.recv(4096).decode(errors="replace")
+        if answer != "ok":
+            _stop_store_host(pid)
+            return {"store_error": answer or "the store host died before it listened"}
+        self.store_pid = pid
+        return {"store": int(request["port"]), "pid": pid}
+
+    def _spawn(self, request: dict, fds: list[int]) -> dict:
+        self.wanted["workers"] = max(self.wanted["workers"], int(request["local_rank"]) + 1)
+        pid, link = self._activate(request, fds)
+        link.close()
+        return {"spawned": request["local_rank"], "pid": pid}
+
+    def _reap(self) -> None:
+        os.read(self.wake_r, 4096)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
             if pid == 0:
-                selector.close()
-                sock.close()
-                os.close(wake_r)
-                os.close(wake_w)
-                os._exit(_run_worker(request, out_fd, err_fd))
-            for fd in (out_fd, err_fd):
-                if fd >= 0:
-                    os.close(fd)
-            _send(sock, {"spawned": request["local_rank"], "pid": pid})
+                return
+            if pid in self.standbys:  # an unused standby died (e.g. swept): never a worker
+                self.standbys.pop(pid).close()
+            elif pid in self.stopped:
+                self.stopped.discard(pid)
+            elif pid == self.store_pid:  # died by itself: the agent learns it from the workers' failures
+                self.store_pid = None
+            else:
+                _send(self.sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    def serve(self) -> None:
+        while True:
+            events = self.selector.select(self._refill())
+            for key, _ in events:
+                if key.data == "child":
+                    self._reap()
+                    continue
+                data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 20, MAX_FDS)
+                if not data:
+                    self._end()
+                    return  # the agent closed the socket: it is gone or done
+                request = json.loads(data)
+                if request["op"] in ("store", "store_stop"):
+                    for fd in fds:
+                        os.close(fd)
+                    answer = self._store(request)
+                else:
+                    answer = self._spawn(request, list(fds))
+                _send(self.sock, answer)
+                self.refill_at = time.monotonic() + REFILL_DELAY_S
+
+    def _end(self) -> None:
+        """The store host killed, each standby told to exit (its link closed), all reaped."""
+        _stop_store_host(self.store_pid)
+        for pid in self.stopped:
+            _stop_store_host(pid)
+        for pid, link in list(self.standbys.items()):
+            link.close()
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        self.standbys.clear()
+
+
+def serve(sock: socket.socket) -> None:
+    _Zygote(sock).serve()
 
 
 def main() -> None:
+    if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+        del sys.path[0]  # run as a file: its directory is no import root (the workers inherit sys.path)
+    _helpers["boot"] = _load("_fsm_agent_early_zygote", os.path.join(_HERE, "..", "..", "_early_zygote.py"))
     _pdeathsig()
     sock = socket.socket(fileno=int(sys.argv[2]))
+    started = time.monotonic()
     for name in filter(None, sys.argv[1].split(",") if len(sys.argv) > 1 else []):
         try:
             importlib.import_module(name)
         except Exception as exc:  # told to the agent, which ends with one line naming the module
             _send(sock, {"ready": False, "module": name, "error": f"{type(exc).__name__}: {exc}"})
             return
-    _send(sock, {"ready": True})
+    _helpers["containment"] = _load("_fsm_agent_containment", os.path.join(_HERE, "..", "containment.py"))
+    # With torch imported, a store host is one fork away: the agent may then host the workers' store.
+    _send(sock, {"ready": True, "import_s": time.monotonic() - started, "torch": "torch.distributed" in sys.modules})
     serve(sock)
 
 
