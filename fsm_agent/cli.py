@@ -158,31 +158,33 @@ def run_main(argv: Sequence[str] | None = None) -> None:
         AgentFailedError, SignalException, ConfigError, PluginError: as ``fsm_agent.launch_agent``.
     """
     try:
-        config, entrypoint, entrypoint_args = _parse_run(list(sys.argv[1:] if argv is None else argv))
+        config, entrypoint, entrypoint_args, pm = _parse_run(list(sys.argv[1:] if argv is None else argv))
     except FsmAgentError as exc:
         raise SystemExit(_report(exc, "fsm-agent run")) from None
     from fsm_agent.launch import launch_agent  # lazy: the CLI must answer --help without the agent
 
-    launch_agent(config, entrypoint, entrypoint_args)
+    launch_agent(config, entrypoint, entrypoint_args, plugin_manager=pm)
 
 
 def _parse_run(argv: list[str], prog: str = "fsm-agent run") -> tuple[LaunchConfig, str | Callable[..., Any],
-                                                                      tuple[str, ...]]:
+                                                                      tuple[str, ...], Any]:
     """``argv`` parsed like torchrun (plus env vars, the config file and plugin options): the config,
-    the entrypoint and its arguments. Raises ConfigError / PluginError for bad input."""
+    the entrypoint, its arguments and the plugin manager that was loaded to read the plugins'
+    options (handed down, so the plugins load once per process). Raises ConfigError / PluginError
+    for bad input."""
     resolved = resolve_run_args(argv, prog)
     config, entrypoint, entrypoint_args = config_from_args(resolved.args)
     check_rdzv_conf(resolved, config)
-    return config, entrypoint, entrypoint_args
+    return config, entrypoint, entrypoint_args, resolved.plugin_manager
 
 
 def run_command(argv: list[str], prog: str = "fsm-agent run") -> int:
     """Parse ``argv`` like torchrun (plus env vars, the config file and plugin options), launch
     this node's agent and return its exit code."""
-    config, entrypoint, entrypoint_args = _parse_run(argv, prog)
+    config, entrypoint, entrypoint_args, pm = _parse_run(argv, prog)
     from fsm_agent.launch import run_agent  # lazy: the CLI must answer --help without the agent
 
-    return run_agent(config, entrypoint, entrypoint_args).exit_code
+    return run_agent(config, entrypoint, entrypoint_args, plugin_manager=pm).exit_code
 
 
 def _dispatch(argv: list[str]) -> int:

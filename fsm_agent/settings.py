@@ -54,9 +54,10 @@ def env_name(*parts: str) -> str:
     return "FSM_AGENT_" + "_".join(p.upper().replace("-", "_") for p in parts)
 
 
-def bool_word(text: str) -> bool | None:
-    """``text`` as one of the boolean words (``TRUE_WORDS``/``FALSE_WORDS``, any case), else None."""
-    lowered = text.strip().lower()
+def bool_word(value: object) -> bool | None:
+    """``str(value)`` as one of the boolean words (``TRUE_WORDS``/``FALSE_WORDS``, any case, blanks
+    around ignored): True, False, or None for any other text."""
+    lowered = str(value).strip().lower()
     return True if lowered in TRUE_WORDS else False if lowered in FALSE_WORDS else None
 
 

@@ -10,18 +10,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from fsm_agent.errors import ConfigError
-
+from fsm_agent.settings import bool_word
 
 BACKEND = "fsm"
 DEFAULT_PORT = 29400
-_TRUE = {"1", "true", "t", "yes", "y", "on"}
-_FALSE = {"0", "false", "f", "no", "n", "off"}
-
-
-def bool_word(value: object) -> bool | None:
-    """True for 1/true/yes/on (and t, y), False for 0/false/no/off (and f, n), None otherwise."""
-    text = str(value).strip().lower()
-    return True if text in _TRUE else False if text in _FALSE else None
 
 
 # -- parameters (torch's RendezvousParameters, without torch) -----------------------------------------
