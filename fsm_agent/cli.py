@@ -72,7 +72,7 @@ def config_command(argv: list[str]) -> int:
         sys.stdout.write(configuration_reference())
         return 0
     resolved = resolve_run_args(argv, "fsm-agent config", for_config=True)
-    config, _, _ = config_from_args(resolved.args, set_omp_num_threads=False)
+    config, _, _ = config_from_args(resolved.args, set_omp_num_threads=False, registry=resolved.registry)
     check_rdzv_conf(resolved, config)
     rows = effective_rows(resolved, config)
     if resolved.args.json:
@@ -173,7 +173,7 @@ def _parse_run(argv: list[str], prog: str = "fsm-agent run") -> tuple[LaunchConf
     options (handed down, so the plugins load once per process). Raises ConfigError / PluginError
     for bad input."""
     resolved = resolve_run_args(argv, prog)
-    config, entrypoint, entrypoint_args = config_from_args(resolved.args)
+    config, entrypoint, entrypoint_args = config_from_args(resolved.args, registry=resolved.registry)
     check_rdzv_conf(resolved, config)
     return config, entrypoint, entrypoint_args, resolved.plugin_manager
 

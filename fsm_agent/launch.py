@@ -38,11 +38,14 @@ def _configure_logging() -> None:
     logging.getLogger("transitions").setLevel(logging.WARNING)  # one line per callback is noise
 
 
-def build_spec(config: LaunchConfig, entrypoint: str | Callable, args: tuple) -> WorkerSpec:
+def build_spec(config: LaunchConfig, entrypoint: str | Callable, args: tuple,
+               conf_keys: frozenset[str] | None = None) -> WorkerSpec:
+    """The ``WorkerSpec`` for ``config``; ``conf_keys``: the ``--rdzv-conf`` keys the rendezvous backend
+    declared in the registry (None: not declared)."""
     rdzv = RendezvousSpec(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
                           min_nodes=config.min_nodes, max_nodes=config.max_nodes,
                           config=dict(config.rdzv_configs), local_addr=config.local_addr,
-                          node_rank=config.node_rank)
+                          node_rank=config.node_rank, conf_keys=conf_keys)
     return WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
                       args=tuple(args), rendezvous=rdzv, max_restarts=config.max_restarts,
                       monitor_interval=config.monitor_interval, shutdown_timeout=config.shutdown_timeout,
@@ -83,7 +86,7 @@ def create_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple, 
     registry = build_registry(pm)
     rdzv_creator = registry.get("rendezvous", config.rdzv_backend)
     launcher_factory = registry.get("launcher", config.launcher)
-    spec = build_spec(config, entrypoint, args)
+    spec = build_spec(config, entrypoint, args, registry.conf_keys(config.rdzv_backend))
     logs = _logs_layout(config)
     try:
         try:

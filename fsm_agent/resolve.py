@@ -15,6 +15,7 @@ torch is imported lazily, only to count devices for ``--nproc-per-node gpu|xpu|a
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import shutil
@@ -27,6 +28,7 @@ import attrs
 
 from fsm_agent.config import ConfigFile, FileValues, LaunchConfig, OptionRegistry, find_config_file, load_file_values, raw_disabled_plugins
 from fsm_agent.errors import ConfigError, PluginError
+from fsm_agent.plugins.registry import BackendRegistry
 from fsm_agent.run_parser import cli_given, get_run_parser, launcher_flags, prescan
 from fsm_agent.scheduler import apply_discovery, discover
 from fsm_agent.settings import (BY_KEY, DEFAULT_MASTER_PORT, DEFAULT_SHUTDOWN_TIMEOUT_S, KEYS, SHUTDOWN_TIMEOUT_ENV,
@@ -87,15 +89,12 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
-#: Backends whose endpoint torch's ``parse_rendezvous_endpoint`` reads (``HOST[:PORT]``).
-_HOST_PORT_BACKENDS = ("static", "c10d")
-
-
-def check_rdzv_endpoint(backend: str, endpoint: str) -> None:
+def check_rdzv_endpoint(endpoint: str) -> None:
     """Raise ConfigError for a ``--rdzv-endpoint HOST:PORT`` whose port is not 0..65535, for the
-    backends that read it with torch's ``parse_rendezvous_endpoint`` (its ValueError, one line)."""
+    backends that read it with torch's ``parse_rendezvous_endpoint`` (its ValueError, one line;
+    a backend says so with ``registry.add_rendezvous(..., host_port_endpoint=True)``)."""
     text = endpoint.strip()
-    if backend not in _HOST_PORT_BACKENDS or not text or (text.startswith("[") and text.endswith("]")):
+    if not text or (text.startswith("[") and text.endswith("]")):
         return
     host, sep, port = text.rpartition(":")
     if sep and port_number(port) is None:
@@ -114,13 +113,24 @@ def _warn_missing_local_ranks(shown: frozenset[int] | None, nproc_per_node: int)
                     nproc_per_node - 1, hidden)
 
 
+@functools.cache
+def _builtin_registry() -> BackendRegistry:
+    """The built-in backends' registry, for a namespace parsed without ``resolve_run_args``."""
+    from fsm_agent.plugins.manager import build_registry, get_plugin_manager
+
+    return build_registry(get_plugin_manager(load_entry_points=False))
+
+
 def config_from_args(args: argparse.Namespace, *, set_omp_num_threads: bool = True,
+                     registry: BackendRegistry | None = None,
                      ) -> tuple[LaunchConfig, str | Callable[..., Any], tuple[str, ...]]:
     """Build the launch from ``get_run_parser()``'s namespace, with torchrun's semantics.
 
     ``resolve_run_args`` adds what the file and plugins set: ``args.rdzv_conf_file`` (rendezvous
     options from the file; ``--rdzv-conf`` wins per option) and ``args.plugin_options``.
     ``set_omp_num_threads=False`` skips the OMP_NUM_THREADS side effect below (``fsm-agent config``).
+    ``registry``: the loaded backends (``ResolvedRun.registry``), which declare what they do with
+    ``--node-rank`` and their endpoint; None: the built-in backends.
 
     Returns:
         (config, entrypoint, entrypoint_args): the entrypoint is the Python interpreter
@@ -145,16 +155,20 @@ def config_from_args(args: argparse.Namespace, *, set_omp_num_threads: bool = Tr
             raise
         flag = f"--nproc-per-node {args.nproc_per_node!r}: "
         raise ConfigError(f"{var}={args.nproc_per_node!r}: {str(exc).removeprefix(flag)}; fix or unset it") from None
+    registry = registry if registry is not None else _builtin_registry()
     rdzv_backend, rdzv_endpoint, run_id = _rendezvous(args, max_nodes, min_nodes)
+    if rdzv_backend == args.rdzv_backend and registry.host_port_endpoint(rdzv_backend):
+        check_rdzv_endpoint(args.rdzv_endpoint)  # not the standalone or MASTER_ADDR:MASTER_PORT one
     rdzv_configs: dict[str, Any] = {**getattr(args, "rdzv_conf_file", {}), **parse_rdzv_conf(args.rdzv_conf)}
-    if rdzv_backend == "static":
+    node_rank_use = registry.node_rank_use(rdzv_backend)
+    if node_rank_use == "rank":  # torch's static backend: this node's rank
         if not 0 <= args.node_rank < max_nodes:
             raise ConfigError(f"--node-rank {args.node_rank}: with --nnodes {args.nnodes} the node ranks are "
                               f"0..{max_nodes - 1}; give each node its own rank in that range")
         rdzv_configs["rank"] = args.node_rank  # an int, as torch's static handler expects
-    elif args.node_rank != 0 and rdzv_backend != "fsm":  # fsm: a rank hint (docs/schedulers.md)
-        log.warning("--node-rank %s is only used by the static and fsm rendezvous backends; ignored for %s",
-                    args.node_rank, rdzv_backend)
+    elif args.node_rank != 0 and node_rank_use is None:  # "hint": the fsm backend's (docs/schedulers.md)
+        log.warning("--node-rank %s is only used by the rendezvous backends %s; ignored for %s",
+                    args.node_rank, ", ".join(registry.node_rank_backends()), rdzv_backend)
     local_ranks_filter = parse_local_ranks_filter(args.local_ranks_filter)
     _warn_missing_local_ranks(local_ranks_filter, nproc_per_node)
 
@@ -237,7 +251,6 @@ def _rendezvous(args: argparse.Namespace, max_nodes: int, min_nodes: int = 1) ->
         return (*STANDALONE_RENDEZVOUS, str(uuid.uuid4()))
     if args.rdzv_backend == "static" and not args.rdzv_endpoint:
         return "static", f"{args.master_addr}:{_master_port(args)}", args.rdzv_id
-    check_rdzv_endpoint(args.rdzv_backend, args.rdzv_endpoint)
     return args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
 
 
@@ -357,7 +370,8 @@ class ResolvedRun:
             that are set, ``plugins.<plugin>.<name>``).
         config_file: the file that was read, or None.
         options: every plugin option declared by the loaded plugins.
-        plugin_manager: the loaded plugins.
+        plugin_manager: the loaded plugins (handed down to the launch: they load once per process).
+        registry: their backends.
     """
 
     args: argparse.Namespace
@@ -365,6 +379,7 @@ class ResolvedRun:
     config_file: ConfigFile | None
     options: OptionRegistry
     plugin_manager: Any = None
+    registry: BackendRegistry | None = None
 
 
 def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_config: bool = False,
@@ -382,7 +397,7 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
         ConfigError: a bad flag, env var or file value (the file's errors all in one message).
         PluginError: a plugin failed to load or declared a clashing option.
     """
-    from fsm_agent.plugins.manager import check_disabled, collect_options, disabled_from_env
+    from fsm_agent.plugins.manager import build_registry, check_disabled, collect_options, disabled_from_env
 
     argv = list(argv)
     core = get_run_parser(prog, for_config=for_config)
@@ -435,7 +450,9 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
             sources[key.key] = Source("default")
 
     # Defaults the batch scheduler's job step gives (Slurm, ...): below flags, env vars and the file.
-    apply_discovery(discover(pm, args.scheduler, os.environ), args, sources, BY_KEY, Source)
+    registry = build_registry(pm)
+    apply_discovery(discover(pm, args.scheduler, os.environ), args, sources, BY_KEY, Source,
+                    node_rank_backends=registry.node_rank_backends())
 
     # Disabled plugins add up: the file's, the env var's, the flags'.
     from_file = file_values.values.get("disabled_plugins", ())
@@ -484,7 +501,8 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
     if errors:  # the file's, the env vars' and the plugin env vars' errors, all at once
         raise ConfigError("; ".join(errors), details=details if file_failed else ())
     args.plugin_options = plugin_values
-    return ResolvedRun(args=args, sources=sources, config_file=config_file, options=options, plugin_manager=pm)
+    return ResolvedRun(args=args, sources=sources, config_file=config_file, options=options, plugin_manager=pm,
+                       registry=registry)
 
 
 def check_rdzv_conf(resolved: ResolvedRun, config: LaunchConfig) -> None:
@@ -495,14 +513,17 @@ def check_rdzv_conf(resolved: ResolvedRun, config: LaunchConfig) -> None:
 
     Logs a warning for an option that the chosen backend does not read but another one does.
     """
-    from fsm_agent.plugins.manager import build_registry
-
     def where(key: str) -> str:
         source = resolved.sources.get(f"rendezvous.{key}", Source("default"))
         label = source.detail if source.kind in ("cli", "env") else f"{source.detail} rendezvous"
         return f"{label} {key}={config.rdzv_configs[key]}"
 
-    registry = build_registry(resolved.plugin_manager)
+    if resolved.registry is not None:
+        registry = resolved.registry
+    else:
+        from fsm_agent.plugins.manager import build_registry
+
+        registry = build_registry(resolved.plugin_manager)
     for warning in registry.check_rdzv_conf(config.rdzv_backend, config.rdzv_configs, where):
         log.warning("%s", warning)
 
