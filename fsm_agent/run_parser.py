@@ -163,10 +163,14 @@ def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] 
                "are marked 'fsm-agent:'. See docs/configuration.md and 'fsm-agent config'.",
         formatter_class=_HelpFormatter,
     )
+    flags = [setting for setting in SETTINGS if setting.dest is not None]
+    for setting in flags:  # torchrun's first, then fsm-agent's own: the usage line keeps them apart
+        if not setting.own:
+            _add_setting(parser, setting)
     own = parser.add_argument_group("fsm-agent options (not in torchrun)")
-    for setting in SETTINGS:
-        if setting.dest is not None:
-            _add_setting(own if setting.own else parser, setting)
+    for setting in flags:
+        if setting.own:
+            _add_setting(own, setting)
     _add_plugin_options(parser, options)
     if for_config:
         shown = parser.add_argument_group("fsm-agent config")
