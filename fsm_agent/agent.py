@@ -113,10 +113,6 @@ def _classify_rendezvous_error(exc: BaseException) -> str | None:
     return None
 
 
-#: Backends that read ``is_host`` (the rendezvous summary names it only for these).
-_BACKENDS_WITH_IS_HOST = ("c10d", "fsm")
-
-
 def _round_timeout(handler: Any, config: dict[str, Any]) -> tuple[str, float]:
     """(key, seconds) of the timeout a rendezvous round really waits, read from the handler.
 
@@ -1346,7 +1342,7 @@ class ElasticAgent:
         key, seconds = _round_timeout(self._rdzv_handler, rdzv.config)
         where = (f"backend={rdzv.backend} endpoint={rdzv.endpoint or '(default)'} run_id={rdzv.run_id} "
                  f"{key}={seconds:g}s")
-        if rdzv.backend in _BACKENDS_WITH_IS_HOST:  # elsewhere is_host means nothing
+        if "is_host" in (rdzv.conf_keys or ()):  # a backend that does not read is_host: it means nothing
             where += f" is_host={rdzv.config.get('is_host', 'inferred from the endpoint')}"
         detail = str(exc) or _empty_rendezvous_error_detail(exc, rdzv, key, seconds)
         return f"rendezvous failed: {where}: {type(exc).__name__}: {detail}"

@@ -1,37 +1,33 @@
-"""LaunchConfig (attrs, frozen), the configuration-file schema and its strict loader, plugin options.
+"""LaunchConfig (attrs, frozen), the configuration file's strict loader, plugin options.
 
 ``LaunchConfig`` mirrors ``torch.distributed.launcher.api.LaunchConfig`` field by field where torch
 has the field, with torchrun's CLI defaults; fsm-agent's additions are marked "fsm-agent:".
-The CLI (``cli.py``) and the Python API (``fsm_agent.launch``) both build one of these.
+The CLI (``fsm_agent.resolve``) and the Python API (``fsm_agent.launch``) both build one of these.
 
 Values come from, highest precedence first: command-line flags, the environment
 (``FSM_AGENT_<NAME>``, then torchrun's ``PET_<NAME>``), a TOML file (``--config FILE``, or
-``[tool.fsm_agent]`` in ``./pyproject.toml``), then the defaults. The merge works on the argparse
-namespace and lives in ``cli.py`` (``resolve_run_args``); this module owns the data:
+``[tool.fsm_agent]`` in ``./pyproject.toml``), then the defaults. Every setting is declared once in
+``fsm_agent.settings`` (``SETTINGS``: flag, variables, file key, ``Kind``); the merge lives in
+``fsm_agent.resolve``. This module owns:
 
-- ``KEYS``: every file key, the flag (argparse dest) it stands for, and its value ``Kind``.
-- ``load_file_values``: the file structured with cattrs into a schema generated from ``KEYS``,
-  with strict scalar hooks (``"false"`` is not a boolean, ``2.7`` is not an integer), unknown
-  keys rejected, and **every** error reported at once, each with its key path::
+- ``load_file_values``: the file structured with cattrs into a schema generated from the settings'
+  ``KEYS``, with strict scalar hooks (``"false"`` is not a boolean, ``2.7`` is not an integer),
+  unknown keys rejected, and **every** error reported at once, each with its key path::
 
       fsm.toml: 3 errors: max_restarts: expected an integer >= 0, got "three"; ...
 
 - ``OptionRegistry`` / ``PluginOption``: options a plugin declares in ``fsm_agent_addoption``;
   each becomes a flag, an ``FSM_AGENT_<PLUGIN>_<NAME>`` env var and a ``[plugins.<plugin>]`` key,
-  and the plugin reads it back with ``config.plugin_options("<plugin>")``.
-
-``docs/configuration.md`` is generated from ``KEYS``, the run parser and the built-in plugins'
-options (``fsm-agent config --reference``); ``tests/config`` checks it is up to date.
+  checked with the settings' ``Kind`` machinery; the plugin reads it back with
+  ``config.plugin_options("<plugin>")``.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
-import math
 import os
 import re
-import signal
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -39,6 +35,11 @@ from typing import Any
 import attrs
 
 from fsm_agent.errors import ConfigError, PluginError
+from fsm_agent.settings import (CONFIG_DESTS, KEYS, RAW, RENDEZVOUS_OPTIONS, SECTIONS, START_METHODS, TYPE_KINDS,
+                                Kind, bool_word, choice_kind, env_name, show)
+
+__all__ = ["CONFIG_DESTS", "KEYS", "RENDEZVOUS_OPTIONS", "SECTIONS", "ConfigFile", "FileValues", "LaunchConfig",
+           "OptionRegistry", "PluginOption", "env_name", "find_config_file", "load_file_values"]
 
 try:  # Python >= 3.11
     import tomllib
@@ -155,7 +156,7 @@ class LaunchConfig:
                f"--exit-barrier-timeout {self.exit_barrier_timeout}: must be >= 0 seconds")
         _check(self.hang_timeout is None or self.hang_timeout > 0,
                f"--hang-timeout {self.hang_timeout}: must be > 0 seconds")
-        _check(self.start_method in ("spawn", "fork", "forkserver"),
+        _check(self.start_method in START_METHODS,
                f"--start-method {self.start_method!r}: use spawn, fork or forkserver")
 
     def evolve(self, **changes: Any) -> "LaunchConfig":
@@ -209,294 +210,6 @@ class LaunchConfig:
         return MappingProxyType(dict(self.plugins.get(plugin, {})))
 
 
-# ------------------------------------------------------------------------------------------------
-# Value kinds: what a file (or a plugin option) may hold, checked strictly.
-# ------------------------------------------------------------------------------------------------
-
-NPROC_NAMES = ("auto", "cpu", "gpu", "xpu")
-START_METHODS = ("spawn", "fork", "forkserver")
-NUMA_BINDING_MODES = ("node", "socket", "exclusive", "core-complex")
-#: torch's ``Std`` syntax, but a map may name multi-digit local ranks (torch: single digit only).
-STD_VALUE = re.compile(r"[0-3]")
-STD_MAP = re.compile(r"\d+:[0-3](,\d+:[0-3])*")
-UNHANDLEABLE_SIGNALS = frozenset({"SIGKILL", "SIGSTOP"})
-
-
-def show(value: Any) -> str:
-    """A value as the user wrote it in TOML: ``"abc"``, ``true``, ``[1, 2]``."""
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
-
-
-class _Invalid(ValueError):
-    """A value failed its kind's check; the kind turns it into "expected ..., got ..."."""
-
-
-def _need(condition: bool) -> None:
-    if not condition:
-        raise _Invalid()
-
-
-@attrs.frozen
-class Kind:
-    """One kind of configuration value.
-
-    Attributes:
-        describe: what is expected, completing "expected ...", e.g. ``seconds > 0``.
-        toml: the TOML type(s), for docs/configuration.md.
-        convert: TOML value -> the value the flag's argparse action stores; raises ValueError
-            (a bare ``_Invalid`` gets the "expected ..., got ..." message).
-        type: a unique class standing for this kind in attrs/cattrs schemas.
-    """
-
-    describe: str
-    toml: str
-    convert: Callable[[Any], Any]
-    type: type = attrs.field(init=False, eq=False, repr=False)
-
-    def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "type", type(f"Kind[{self.describe}]", (), {"fsm_agent_kind": self}))
-
-    def structure(self, value: Any) -> Any:
-        """Check and convert a TOML value; raises ValueError("expected ..., got ...")."""
-        try:
-            return self.convert(value)
-        except _Invalid as exc:
-            detail = f" ({exc.args[0]})" if exc.args else ""
-            raise ValueError(f"expected {self.describe}, got {show(value)}{detail}") from None
-
-
-def _string(value: Any) -> str:
-    _need(isinstance(value, str))
-    return value
-
-
-def _bool(value: Any) -> bool:
-    _need(isinstance(value, bool))
-    return value
-
-
-def _int_at_least(minimum: int) -> Callable[[Any], int]:
-    def convert(value: Any) -> int:
-        _need(_is_int(value) and value >= minimum)
-        return value
-    return convert
-
-
-def _seconds(positive: bool) -> Callable[[Any], float]:
-    def convert(value: Any) -> float:
-        _need(_is_number(value) and (value > 0 if positive else value >= 0))
-        return value
-    return convert
-
-
-def _port(value: Any) -> int:
-    _need(_is_int(value) and 1 <= value <= 65535)
-    return value
-
-
-def _nnodes(value: Any) -> str:
-    if _is_int(value):
-        _need(value > 0)
-        return str(value)
-    _need(isinstance(value, str))
-    parts = value.split(":")
-    _need(1 <= len(parts) <= 2 and all(p.strip().isdigit() for p in parts))
-    low, high = int(parts[0]), int(parts[-1])
-    _need(0 < low <= high)
-    return value
-
-
-def _nproc(value: Any) -> str:
-    if _is_int(value):
-        _need(value > 0)
-        return str(value)
-    _need(value in NPROC_NAMES)
-    return value
-
-
-def _std(value: Any) -> str:
-    if _is_int(value):
-        _need(0 <= value <= 3)
-        return str(value)
-    _need(isinstance(value, str) and bool(STD_VALUE.fullmatch(value) or STD_MAP.fullmatch(value)))
-    return value
-
-
-def _signals(value: Any) -> str:
-    names = value.split(",") if isinstance(value, str) else value
-    _need(isinstance(names, list) and all(isinstance(n, str) for n in names))
-    names = [n.strip() for n in names if n.strip()]
-    for name in names:
-        if name not in signal.Signals.__members__ or name in UNHANDLEABLE_SIGNALS:
-            raise _Invalid(f"{name!r} {'cannot be trapped' if name in UNHANDLEABLE_SIGNALS else 'is not a signal'}")
-    return ",".join(names)
-
-
-def _ranks(value: Any) -> str:
-    _need(isinstance(value, list) and all(_is_int(r) and r >= 0 for r in value))
-    return ",".join(str(r) for r in value)
-
-
-def _strings(value: Any) -> list[str]:
-    _need(isinstance(value, list) and all(isinstance(s, str) for s in value))
-    return list(value)
-
-
-def _names(value: Any) -> tuple[str, ...]:
-    _need(isinstance(value, list) and all(isinstance(s, str) and s.strip() for s in value))
-    return tuple(s.strip() for s in value)
-
-
-def _conf(value: Any) -> dict[str, Any]:
-    _need(isinstance(value, dict))
-    for key, item in value.items():
-        if not key or not isinstance(item, (str, int, float, bool)):
-            raise _Invalid(f"key {key!r}: expected a string, number or boolean" if key else "empty key")
-        if key in RENDEZVOUS_OPTIONS:
-            raise _Invalid(f"set {key!r} as rendezvous.{key}, where its type is checked")
-    return dict(value)
-
-
-def choice_kind(values: Iterable[Any]) -> Kind:
-    """A kind accepting exactly one of ``values`` (same type: no ``"1"`` for ``1``)."""
-    values = tuple(values)
-
-    def convert(value: Any) -> Any:
-        _need(any(type(value) is type(v) and value == v for v in values))
-        return value
-
-    return Kind(f"one of {', '.join(show(v) for v in values)}", "string", convert)
-
-
-STRING = Kind("a string", "string", _string)
-BOOL = Kind("true or false", "boolean", _bool)
-COUNT = Kind("an integer >= 0", "integer", _int_at_least(0))
-POSITIVE_INT = Kind("an integer > 0", "integer", _int_at_least(1))
-SECONDS = Kind("seconds >= 0", "number", _seconds(positive=False))
-POSITIVE_SECONDS = Kind("seconds > 0", "number", _seconds(positive=True))
-PORT = Kind("a port number 1-65535", "integer", _port)
-NNODES = Kind('a node count > 0 or "MIN:MAX" with 0 < MIN <= MAX', 'integer or "MIN:MAX"', _nnodes)
-NPROC = Kind(f"a worker count > 0 or one of {', '.join(show(n) for n in NPROC_NAMES)}",
-             "integer or string", _nproc)
-STD = Kind('0 (none), 1 (stdout), 2 (stderr), 3 (both) or a map of local rank to value such as "0:3,1:2"',
-           "integer or string", _std)
-SIGNALS = Kind('signal names the agent can trap, such as ["SIGTERM", "SIGINT"]', "array of strings", _signals)
-RANKS = Kind("a list of local ranks >= 0, such as [0, 1]", "array of integers", _ranks)
-STRINGS = Kind("a list of strings", "array of strings", _strings)
-NAMES = Kind("a list of plugin names", "array of strings", _names)
-#: Passed through unchecked (``[plugins]`` is checked against the declared options separately).
-_RAW = Kind("anything", "table", lambda value: value)
-CONF = Kind("a table of backend options (strings, numbers or booleans)", "table", _conf)
-
-
-# ------------------------------------------------------------------------------------------------
-# The file schema: every key, the flag it stands for, its kind.
-# ------------------------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class ConfigKey:
-    """One key of the configuration file.
-
-    Attributes:
-        key: dotted TOML path, e.g. ``rendezvous.backend`` (``[rendezvous]`` table, key ``backend``).
-        dest: the ``fsm-agent run`` flag's argparse dest it stands for (flag, env vars and default
-            come from that flag); None for rendezvous options, which go into ``rdzv_configs``.
-        kind: what the value may be.
-        field: the LaunchConfig field(s) it ends up in.
-        help: description for keys without a flag (the flag's help otherwise).
-        default: the default as documented, where the flag's own default does not say it.
-    """
-
-    key: str
-    dest: str | None
-    kind: Kind
-    field: str
-    help: str = ""
-    default: str | None = None
-
-    @property
-    def section(self) -> str:
-        return self.key.rpartition(".")[0]
-
-    @property
-    def name(self) -> str:
-        return self.key.rpartition(".")[2]
-
-
-def _key(key: str, kind: Kind, dest: str | None = "", field: str = "", **kwargs: Any) -> ConfigKey:
-    name = key.rpartition(".")[2]
-    return ConfigKey(key=key, dest=name if dest == "" else dest, kind=kind, field=field or name, **kwargs)
-
-
-#: Typed rendezvous options (``[rendezvous]`` keys that go into ``rdzv_configs``; torch's names).
-RENDEZVOUS_OPTIONS: dict[str, tuple[Kind, str]] = {
-    "join_timeout": (POSITIVE_SECONDS, "c10d: seconds to wait for the rendezvous to complete (torch: 600)"),
-    "last_call_timeout": (POSITIVE_SECONDS, "c10d: seconds to wait for more nodes once min_nodes joined (torch: 30)"),
-    "close_timeout": (POSITIVE_SECONDS, "c10d: seconds to wait for the rendezvous to close (torch: 30)"),
-    "read_timeout": (POSITIVE_SECONDS, "c10d: seconds for a store read (torch: 60)"),
-    "keep_alive_interval": (POSITIVE_SECONDS, "c10d: seconds between keep-alive heartbeats (torch: 5)"),
-    "keep_alive_max_attempt": (POSITIVE_INT, "c10d: missed heartbeats before a node is dead (torch: 3)"),
-    "is_host": (BOOL, "c10d: whether this node hosts the rendezvous store (torch: inferred from the endpoint)"),
-    "timeout": (POSITIVE_SECONDS, "static: seconds to wait for all nodes (torchrun: 900)"),
-}
-
-#: Every file key, in documentation order. Top-level keys, then ``[rendezvous]``, then ``[logs]``.
-KEYS: tuple[ConfigKey, ...] = (
-    _key("nnodes", NNODES, field="min_nodes, max_nodes"),
-    _key("nproc_per_node", NPROC),
-    _key("max_restarts", COUNT),
-    _key("monitor_interval", POSITIVE_SECONDS),
-    _key("role", STRING),
-    _key("start_method", choice_kind(START_METHODS)),
-    _key("standalone", BOOL, field="standalone, rdzv_backend, rdzv_endpoint, run_id"),
-    _key("shutdown_timeout", SECONDS, default="`$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else `30`"),
-    _key("exit_barrier_timeout", SECONDS),
-    _key("signals_to_handle", SIGNALS),
-    _key("hang_timeout", POSITIVE_SECONDS, default="unset (no heartbeat hang detection)"),
-    _key("forward_signals", SIGNALS, default="`\"\"` (none)"),
-    _key("virtual_local_rank", BOOL),
-    _key("numa_binding", choice_kind(NUMA_BINDING_MODES)),
-    _key("event_log_handler", STRING),
-    _key("launcher", STRING),
-    _key("scheduler", STRING),
-    _key("disabled_plugins", NAMES, default="`[]`; the file's list, the env list and the flags add up"),
-    _key("rendezvous.backend", STRING, dest="rdzv_backend", field="rdzv_backend"),
-    _key("rendezvous.endpoint", STRING, dest="rdzv_endpoint", field="rdzv_endpoint"),
-    _key("rendezvous.run_id", STRING, dest="rdzv_id", field="run_id"),
-    _key("rendezvous.conf", CONF, dest="rdzv_conf", field="rdzv_configs",
-         default="`{}`; per option, `--rdzv-conf` (or its env var) wins over the file"),
-    *(_key(f"rendezvous.{name}", kind, dest=None, field="rdzv_configs", help=help_text)
-      for name, (kind, help_text) in RENDEZVOUS_OPTIONS.items()),
-    _key("rendezvous.node_rank", COUNT),
-    _key("rendezvous.master_addr", STRING),
-    _key("rendezvous.master_port", PORT, default="unset (`29500`)"),
-    _key("rendezvous.local_addr", STRING, default="unset (the address that routes to the endpoint)"),
-    _key("logs.log_dir", STRING, default="unset (a new temporary directory)"),
-    _key("logs.redirects", STD),
-    _key("logs.tee", STD),
-    _key("logs.local_ranks_filter", RANKS, default="unset (every rank)"),
-    _key("logs.duplicate_stdout_filters", STRINGS),
-    _key("logs.duplicate_stderr_filters", STRINGS),
-    _key("logs.logs_specs", STRING, default="unset (the built-in layout)"),
-    _key("logs.events_file", STRING, default="unset (`events.jsonl` in the run's log directory)"),
-)
-KEYS_BY_NAME: dict[str, ConfigKey] = {k.key: k for k in KEYS}
-#: The argparse dests that are configuration (they get ``FSM_AGENT_<DEST>`` env vars).
-CONFIG_DESTS: frozenset[str] = frozenset(k.dest for k in KEYS if k.dest)
-SECTIONS = ("rendezvous", "logs")
 PLUGINS_SECTION = "plugins"
 #: Where a pyproject.toml keeps fsm-agent's settings.
 PYPROJECT_TABLE = ("tool", "fsm_agent")
@@ -507,18 +220,6 @@ PYPROJECT_TABLE = ("tool", "fsm_agent")
 # ------------------------------------------------------------------------------------------------
 
 _OPTION_NAME = re.compile(r"[a-z][a-z0-9_]*")
-_OPTION_TYPES: dict[type, Kind] = {
-    str: STRING, bool: BOOL,
-    int: Kind("an integer", "integer", lambda v: (_need(_is_int(v)), v)[1]),
-    float: Kind("a number", "number", lambda v: (_need(_is_number(v)), float(v))[1]),
-}
-_TRUE = frozenset({"1", "true", "t", "yes", "y", "on"})
-_FALSE = frozenset({"0", "false", "f", "no", "n", "off"})
-
-
-def env_name(*parts: str) -> str:
-    """``FSM_AGENT_`` + the parts upper-cased, dashes as underscores: ``("status-http", "port")``."""
-    return "FSM_AGENT_" + "_".join(p.upper().replace("-", "_") for p in parts)
 
 
 @attrs.frozen
@@ -559,7 +260,7 @@ class PluginOption:
 
     @property
     def kind(self) -> Kind:
-        base = choice_kind(self.choices) if self.choices else _OPTION_TYPES[self.type]
+        base = choice_kind(self.choices) if self.choices else TYPE_KINDS[self.type]
         if self.check is None:
             return base
         check = self.check
@@ -581,16 +282,15 @@ class PluginOption:
         value: Any = raw
         try:
             if self.type is bool:
-                lowered = text.lower()
-                if lowered not in _TRUE | _FALSE:
+                value = bool_word(text)
+                if value is None:
                     raise ValueError
-                value = lowered in _TRUE
             elif self.type is int:
                 value = int(text)
             elif self.type is float:
                 value = float(text)
         except ValueError:
-            raise ValueError(f"expected {_OPTION_TYPES[self.type].describe}, got {show(raw)}") from None
+            raise ValueError(f"expected {TYPE_KINDS[self.type].describe}, got {show(raw)}") from None
         return self.kind.structure(value)
 
 
@@ -630,7 +330,7 @@ class OptionRegistry:
         if not _OPTION_NAME.fullmatch(name):
             raise PluginError(f"plugin {plugin!r} declared option {name!r}: names are snake_case "
                               f"([a-z][a-z0-9_]*), e.g. 'port'")
-        if type not in _OPTION_TYPES:
+        if type not in TYPE_KINDS:
             raise PluginError(f"plugin {plugin!r} option {name!r}: type must be str, int, float or bool, "
                               f"not {getattr(type, '__name__', type)!r}")
         option = PluginOption(
@@ -777,7 +477,7 @@ def _schema() -> type:
         for section in SECTIONS
     }
     top = [(k.name, k.kind.type) for k in KEYS if not k.section]
-    fields = _optional_fields([*top, *sections.items(), (PLUGINS_SECTION, _RAW.type)])
+    fields = _optional_fields([*top, *sections.items(), (PLUGINS_SECTION, RAW.type)])
     return attrs.make_class("ConfigFileSchema", fields, frozen=True)
 
 
@@ -799,7 +499,7 @@ def make_config_converter() -> Any:
     converter.register_structure_hook_func(
         lambda t: isinstance(getattr(t, "fsm_agent_kind", None), Kind),
         lambda value, t: t.fsm_agent_kind.structure(value))
-    for python_type, kind in _OPTION_TYPES.items():
+    for python_type, kind in TYPE_KINDS.items():
         converter.register_structure_hook(python_type, lambda value, _t, kind=kind: kind.structure(value))
 
     from cattrs.gen import make_dict_structure_fn

@@ -23,7 +23,7 @@ COMMAND = "python -m fsm_agent.docgen"
 GENERATED: dict[str, str] = {
     "docs/statechart.md": "fsm_agent.states.statechart:render_markdown",
     "docs/plugins.md": "fsm_agent.plugins.docs:render",
-    "docs/configuration.md": "fsm_agent.cli:configuration_reference",
+    "docs/configuration.md": "fsm_agent.reference:configuration_reference",
 }
 #: The repository root of a source checkout (the generated documents are not installed).
 ROOT = Path(__file__).resolve().parents[1]

@@ -38,11 +38,14 @@ def _configure_logging() -> None:
     logging.getLogger("transitions").setLevel(logging.WARNING)  # one line per callback is noise
 
 
-def build_spec(config: LaunchConfig, entrypoint: str | Callable, args: tuple) -> WorkerSpec:
+def build_spec(config: LaunchConfig, entrypoint: str | Callable, args: tuple,
+               conf_keys: frozenset[str] | None = None) -> WorkerSpec:
+    """The ``WorkerSpec`` for ``config``; ``conf_keys``: the ``--rdzv-conf`` keys the rendezvous backend
+    declared in the registry (None: not declared)."""
     rdzv = RendezvousSpec(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
                           min_nodes=config.min_nodes, max_nodes=config.max_nodes,
                           config=dict(config.rdzv_configs), local_addr=config.local_addr,
-                          node_rank=config.node_rank)
+                          node_rank=config.node_rank, conf_keys=conf_keys)
     return WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
                       args=tuple(args), rendezvous=rdzv, max_restarts=config.max_restarts,
                       monitor_interval=config.monitor_interval, shutdown_timeout=config.shutdown_timeout,
@@ -68,18 +71,22 @@ def _logs_layout(config: LaunchConfig) -> LogsLayout | TorchLogsSpecsLayout:
                       duplicate_stderr_filters=tuple(config.duplicate_stderr_filters))
 
 
-def create_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple) -> ElasticAgent:
+def create_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple, *,
+                 plugin_manager: Any = None) -> ElasticAgent:
     """Build (but do not run) the agent for ``config``.
+
+    ``plugin_manager``: the process's plugin manager when the caller built one already (the CLI
+    loaded the plugins to read their options); None builds it from ``config.disabled_plugins``.
 
     Raises:
         ConfigError: unknown backend name, bad log flags.
         PluginError: a plugin failed to load.
     """
-    pm = get_plugin_manager(disabled=config.disabled_plugins)
+    pm = plugin_manager if plugin_manager is not None else get_plugin_manager(disabled=config.disabled_plugins)
     registry = build_registry(pm)
     rdzv_creator = registry.get("rendezvous", config.rdzv_backend)
     launcher_factory = registry.get("launcher", config.launcher)
-    spec = build_spec(config, entrypoint, args)
+    spec = build_spec(config, entrypoint, args, registry.conf_keys(config.rdzv_backend))
     logs = _logs_layout(config)
     try:
         try:
@@ -105,7 +112,8 @@ class _LauncherOwner:
     config: LaunchConfig
 
 
-def run_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple = ()) -> RunResult:
+def run_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple = (), *,
+              plugin_manager: Any = None) -> RunResult:
     """Run one agent to the end; on failure print the summary and copy the root cause's error file
     to an outer launcher's ``TORCHELASTIC_ERROR_FILE``. What ``fsm-agent run`` does.
 
@@ -113,6 +121,7 @@ def run_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple = ()
         config: fsm-agent's ``LaunchConfig`` or torch's (``LaunchConfig.coerce``).
         entrypoint: a program path (``sys.executable`` for Python) or a picklable callable.
         args: the entrypoint's arguments (``${local_rank}`` is substituted).
+        plugin_manager: the plugins already loaded for this run (the CLI's), or None to load them.
 
     Returns:
         The RunResult (``result.exit_code`` is what the CLI exits with); never raises for worker,
@@ -121,7 +130,7 @@ def run_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple = ()
     Raises:
         ConfigError / PluginError: before any worker started (bad backend name, plugin import error).
     """
-    result, name = _launch_in_scope(config, entrypoint, args)
+    result, name = _launch_in_scope(config, entrypoint, args, plugin_manager)
     if result.is_failed():
         print(format_summary(name, result), file=sys.stderr, flush=True)
         propagate_to_parent(result, name)
@@ -129,7 +138,7 @@ def run_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple = ()
 
 
 def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple | list = (),
-                 health_check_server: Any = None) -> dict[int, Any]:
+                 health_check_server: Any = None, *, plugin_manager: Any = None) -> dict[int, Any]:
     """Run one agent to the end. Mirrors ``torch.distributed.launcher.api.launch_agent``.
 
     Args:
@@ -138,6 +147,7 @@ def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple |
         args: the entrypoint's arguments.
         health_check_server: accepted for torch's signature and not used (torch's open-source
             ``HealthCheckServer`` starts nothing; fsm-agent's liveness is ``--status-port``'s ``/healthz``).
+        plugin_manager: the plugins already loaded for this run (``run_main``'s), or None to load them.
 
     Returns:
         ``{global_rank: return value}`` of this node's workers (callable entrypoints; ``{}``
@@ -150,7 +160,7 @@ def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple |
         SignalException: torch's, when a stop signal ended the run (torch raises it too).
         ConfigError / PluginError: before any worker started.
     """
-    result, name = _launch_in_scope(config, entrypoint, tuple(args))
+    result, name = _launch_in_scope(config, entrypoint, tuple(args), plugin_manager)
     if not result.is_failed():
         return result.return_values
     if result.failures:
@@ -162,7 +172,8 @@ def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple |
     raise AgentFailedError(name, result)
 
 
-def _launch_in_scope(config: LaunchConfig, entrypoint: str | Callable, args: tuple) -> tuple[RunResult, str]:
+def _launch_in_scope(config: LaunchConfig, entrypoint: str | Callable, args: tuple,
+                     plugin_manager: Any = None) -> tuple[RunResult, str]:
     config = LaunchConfig.coerce(config)
     _configure_logging()
     _initialize_metrics(config.metrics_cfg)
@@ -176,7 +187,7 @@ def _launch_in_scope(config: LaunchConfig, entrypoint: str | Callable, args: tup
     original.update({sig: signal.signal(sig, _drop_signal) for sig in _signals(config.forward_signals)
                      if sig not in original})
     try:
-        return _launch(config, entrypoint, args, stop)
+        return _launch(config, entrypoint, args, stop, plugin_manager)
     except _SignalBeforeRun as exc:
         return RunResult(state=WorkerState.FAILED, signal=exc.signum), build_spec(config, entrypoint, args).get_entrypoint_name()
     finally:
@@ -193,8 +204,8 @@ def _initialize_metrics(metrics_cfg: dict[str, str]) -> None:
 
 
 def _launch(config: LaunchConfig, entrypoint: str | Callable, args: tuple,
-            stop: _StopBeforeRun) -> tuple[RunResult, str]:
-    agent = create_agent(config, entrypoint, args)
+            stop: _StopBeforeRun, plugin_manager: Any = None) -> tuple[RunResult, str]:
+    agent = create_agent(config, entrypoint, args, plugin_manager=plugin_manager)
     try:
         if agent.run_log_dir:
             log.info("logs in %s, events in %s", agent.run_log_dir, agent.events_path)

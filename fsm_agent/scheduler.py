@@ -14,7 +14,7 @@ one of its job steps. See docs/schedulers.md.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import attrs
@@ -26,9 +26,6 @@ NONE = "none"
 #: Keys that tell this node apart in the job: filled in for several launchers on one node, they
 #: would make each believe it is the node (the ``--ntasks-per-node`` mistake).
 PER_NODE_KEYS = ("nnodes", "rendezvous.node_rank")
-#: Backends that read ``--node-rank`` (static: the rank; fsm: a rank hint); for the others a
-#: discovered node rank is dropped.
-RANK_HINT_BACKENDS = ("fsm", "static")
 #: Sources the user set a value with; a discovered value never replaces one of these.
 USER_SOURCES = ("cli", "env", "file")
 
@@ -85,15 +82,17 @@ def discover(pm: Any, scheduler: str, environ: Mapping[str, str]) -> DiscoveredJ
 
 
 def apply_discovery(job: DiscoveredJob | None, args: Any, sources: dict[str, Any], keys: Mapping[str, Any],
-                    make_source: Any) -> list[str]:
+                    make_source: Any, node_rank_backends: Collection[str] = ()) -> list[str]:
     """Fill the keys the user left at their defaults with the discovered values (in place).
 
     Args:
         job: ``discover``'s answer (None: nothing to do).
         args: the ``fsm-agent run`` namespace (each key's flag dest is set).
         sources: ``{file key: Source}``; a filled key's becomes ``make_source(job.scheduler, origin)``.
-        keys: ``{file key: fsm_agent.config.ConfigKey}``.
-        make_source: ``Source`` (``fsm_agent.cli``), passed in to keep this module free of the CLI.
+        keys: ``{file key: fsm_agent.settings.Setting}``.
+        make_source: ``Source`` (``fsm_agent.resolve``), passed in to keep this module free of the CLI.
+        node_rank_backends: the rendezvous backends that read ``--node-rank`` (the registry's
+            ``node_rank_backends()``); for the others a discovered node rank is dropped.
 
     Returns:
         The keys that were filled.
@@ -126,7 +125,7 @@ def apply_discovery(job: DiscoveredJob | None, args: Any, sources: dict[str, Any
         filled.append(name)
     if job.several_per_node and any(name in filled for name in PER_NODE_KEYS):
         raise ConfigError(job.several_per_node)
-    if "rendezvous.node_rank" in filled and getattr(args, "rdzv_backend", None) not in RANK_HINT_BACKENDS:
+    if "rendezvous.node_rank" in filled and getattr(args, "rdzv_backend", None) not in node_rank_backends:
         # the user's backend assigns ranks itself: a discovered rank would only be warned about
         setattr(args, "node_rank", keys["rendezvous.node_rank"].kind.structure(0))
         sources["rendezvous.node_rank"] = make_source("default")

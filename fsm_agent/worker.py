@@ -36,6 +36,8 @@ class RendezvousSpec:
         config: backend-specific string options (``--rdzv-conf k=v,...``), e.g. ``join_timeout`` in seconds.
         local_addr: this node's address for identity and MASTER_ADDR (``--local-addr``); None: the address that routes to the endpoint (``fsm_agent.hosts``).
         node_rank: static backend only (``--node-rank``).
+        conf_keys: the ``--rdzv-conf`` keys the backend declared in the registry (None: not declared);
+            the rendezvous summary names ``is_host`` only for a backend that reads it.
     """
 
     backend: str = "c10d"
@@ -46,6 +48,7 @@ class RendezvousSpec:
     config: dict[str, str] = attrs.field(factory=dict)
     local_addr: str | None = None
     node_rank: int = 0
+    conf_keys: frozenset[str] | None = None
 
     @max_nodes.validator
     def _check_bounds(self, attribute, value):

@@ -57,7 +57,11 @@ def fsm_agent_register_backends(registry: "BackendRegistry") -> None:
             ``--rdzv-conf`` keys it reads (then a key no loaded backend reads is an error, one that
             only another backend reads a warning); the optional ``parameters(LaunchConfig)`` builds
             what ``creator`` receives instead of torch's ``RendezvousParameters`` (a torch-free
-            backend, or defaults of its own); and/or
+            backend, or defaults of its own); the optional ``node_rank`` says what the backend does
+            with ``--node-rank`` (``"rank"``: this node's rank, as torch's static backend; ``"hint"``:
+            a preferred rank; None: it assigns ranks itself) and ``host_port_endpoint=True`` that its
+            endpoint is ``HOST[:PORT]`` read by torch's ``parse_rendezvous_endpoint`` (the CLI then
+            checks the port before the launch); and/or
             ``registry.add_launcher(name, factory)`` where ``factory(agent)`` returns a launcher
             (see ``fsm_agent.plugins.launcher_subprocess.SubprocessLauncher`` for the interface).
 

@@ -17,6 +17,10 @@ KINDS = ("rendezvous", "launcher")
 #: python-etcd; fsm-agent serves etcd through the fsm-agent-etcd plugin's ``etcd-v3`` instead.
 TORCH_ETCD_BACKENDS = ("etcd", "etcd-v2")
 _FLAG = {"rendezvous": "--rdzv-backend", "launcher": "--launcher"}
+#: What a rendezvous backend does with ``--node-rank``: ``rank`` it is this node's rank (checked within
+#: ``--nnodes``, passed as the ``rank`` option: torch's static backend), ``hint`` a preferred rank
+#: (the ``fsm`` backend, docs/schedulers.md). A backend that declares neither assigns ranks itself.
+NODE_RANK_USES = ("rank", "hint")
 
 
 @attrs.define
@@ -31,6 +35,8 @@ class BackendRegistry:
     _owners: dict[tuple[str, str], str] = attrs.Factory(dict)
     _conf_keys: dict[str, frozenset[str]] = attrs.Factory(dict)
     _parameters: dict[str, Callable[[Any], Any]] = attrs.Factory(dict)
+    _node_rank: dict[str, str] = attrs.Factory(dict)
+    _host_port_endpoints: set[str] = attrs.Factory(set)
     current_plugin: str = "?"
 
     def _add(self, kind: str, name: str, factory: Callable[..., Any]) -> None:
@@ -45,7 +51,8 @@ class BackendRegistry:
         self._owners[(kind, name)] = self.current_plugin
 
     def add_rendezvous(self, name: str, creator: Callable[..., Any], conf_keys: Iterable[str] | None = None,
-                       parameters: Callable[[Any], Any] | None = None) -> None:
+                       parameters: Callable[[Any], Any] | None = None, *, node_rank: str | None = None,
+                       host_port_endpoint: bool = False) -> None:
         """Register ``creator(torch RendezvousParameters) -> torch RendezvousHandler`` under ``name``.
 
         Args:
@@ -55,8 +62,23 @@ class BackendRegistry:
             parameters: ``parameters(LaunchConfig) -> params`` builds what ``creator`` receives;
                 None: torch's ``RendezvousParameters`` (``torch_parameters``). A backend that must
                 not import torch, or that fills in defaults of its own, passes one.
+            node_rank: what the backend does with ``--node-rank``, one of ``NODE_RANK_USES``; None:
+                it assigns ranks itself (a ``--node-rank`` is warned about and ignored, a rank a
+                batch scheduler discovered is dropped).
+            host_port_endpoint: the endpoint is ``HOST[:PORT]`` read by torch's
+                ``parse_rendezvous_endpoint``: the CLI checks the port before the launch.
+
+        Raises:
+            PluginError: a non-callable creator, a name registered twice, an unknown ``node_rank``.
         """
+        if node_rank is not None and node_rank not in NODE_RANK_USES:
+            raise PluginError(f"plugin {self.current_plugin!r} registered rendezvous {name!r} with node_rank="
+                              f"{node_rank!r}; use one of {', '.join(NODE_RANK_USES)} or None")
         self._add("rendezvous", name, creator)
+        if node_rank is not None:
+            self._node_rank[name] = node_rank
+        if host_port_endpoint:
+            self._host_port_endpoints.add(name)
         if conf_keys is not None:
             self._conf_keys[name] = frozenset(conf_keys)
         if parameters is not None:
@@ -76,6 +98,18 @@ class BackendRegistry:
                 config = attrs.evolve(config, local_addr=addr) if attrs.has(type(config)) else \
                     dataclasses.replace(config, local_addr=addr)
         return self._parameters.get(name, torch_parameters)(config)
+
+    def node_rank_use(self, name: str) -> str | None:
+        """What rendezvous backend ``name`` does with ``--node-rank`` (``NODE_RANK_USES``), or None."""
+        return self._node_rank.get(name)
+
+    def node_rank_backends(self) -> list[str]:
+        """The rendezvous backends that read ``--node-rank``, sorted."""
+        return sorted(self._node_rank)
+
+    def host_port_endpoint(self, name: str) -> bool:
+        """Whether rendezvous backend ``name`` reads its endpoint with torch's ``parse_rendezvous_endpoint``."""
+        return name in self._host_port_endpoints
 
     def conf_keys(self, name: str) -> frozenset[str] | None:
         """The ``--rdzv-conf`` keys rendezvous backend ``name`` declared it reads, or None."""

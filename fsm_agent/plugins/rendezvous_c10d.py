@@ -302,4 +302,4 @@ def _unreachable(params, exc: BaseException, waited: float) -> str:
 
 @hookimpl
 def fsm_agent_register_backends(registry):
-    registry.add_rendezvous("c10d", create_c10d_handler, conf_keys=C10D_CONF_KEYS)
+    registry.add_rendezvous("c10d", create_c10d_handler, conf_keys=C10D_CONF_KEYS, host_port_endpoint=True)

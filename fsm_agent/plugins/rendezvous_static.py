@@ -125,7 +125,7 @@ def _require_free_port(port: int) -> None:
 def fsm_agent_register_backends(registry):
     # torch's StaticTCPRendezvous: ``rank`` (--node-rank) and ``timeout`` (seconds, default 600).
     registry.add_rendezvous("static", create_static_handler, conf_keys=("rank", "timeout"),
-                            parameters=static_parameters)
+                            parameters=static_parameters, node_rank="rank", host_port_endpoint=True)
 
 
 def static_parameters(config):

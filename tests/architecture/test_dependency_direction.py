@@ -18,8 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ("fsm_agent.plugins.rendezvous_", "fsm_agent.plugins.launcher_", "fsm_agent.plugins.containment",
             "fsm_agent.plugins.restart_policy", "fsm_agent.plugins.progress", "fsm_agent.plugins.health_check",
             "fsm_agent.plugins.status_http", "fsm_agent.plugins.events_jsonl", "fsm_agent.plugins.metrics_logging",
-            "fsm_agent.plugins.straggler")
-CLI = ("fsm_agent.cli", "fsm_agent.launch", "fsm_agent.status_cli", "fsm_agent.docgen")
+            "fsm_agent.plugins.straggler", "fsm_agent.plugins.drain")
+#: The commands and what only they use: the run parser, the merge of the sources, the doc generator.
+CLI = ("fsm_agent.cli", "fsm_agent.launch", "fsm_agent.status_cli", "fsm_agent.docgen", "fsm_agent.run_parser",
+       "fsm_agent.resolve", "fsm_agent.reference")
 
 #: (rule, which modules it applies to, the prefixes they may not import, allowed exceptions)
 RULES = [
@@ -29,7 +31,10 @@ RULES = [
                        "fsm_agent.plugins", "fsm_agent.argparsing", "fsm_agent.errors")),
     ("the agent reaches backends only through hooks and the registry, and knows no CLI or configuration",
      lambda m: m == "fsm_agent.agent",
-     (*BACKENDS, *CLI, "fsm_agent.config", "fsm_agent.plugins.manager", "fsm_agent.testing"), ()),
+     (*BACKENDS, *CLI, "fsm_agent.config", "fsm_agent.settings", "fsm_agent.plugins.manager", "fsm_agent.testing"),
+     ()),
+    ("the configuration schema knows nothing of fsm-agent but its errors",
+     lambda m: m == "fsm_agent.settings", ("fsm_agent.",), ("fsm_agent.errors",)),
     ("no plugin knows the CLI, the launch or the agent's module",
      lambda m: m.startswith("fsm_agent.plugins") or m.startswith("fsm_agent_"),
      (*CLI, "fsm_agent.agent"), ()),

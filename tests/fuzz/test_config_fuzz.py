@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 
 from fsm_agent import cli
 from fsm_agent import config as cfg
+from fsm_agent import settings as schema
 from fsm_agent.errors import ConfigError, FsmAgentError
 from fsm_agent.plugins.manager import collect_options, get_plugin_manager
 
@@ -55,11 +56,11 @@ for _o in OPTIONS:
 
 #: Values that are valid for a kind, so that many documents get past the loader.
 VALID = {
-    cfg.STRING: ["x", "c10d", "fsm", "default", ""], cfg.BOOL: [True, False], cfg.COUNT: [0, 1, 3],
-    cfg.POSITIVE_INT: [1, 3], cfg.SECONDS: [0, 0.5, 30], cfg.POSITIVE_SECONDS: [0.1, 2, 600],
-    cfg.PORT: [1, 29500, 65535], cfg.NNODES: [1, 2, "1:2", "2:4"], cfg.NPROC: [1, 2, "cpu", "auto"],
-    cfg.STD: [0, 3, "0:3,1:2"], cfg.SIGNALS: [["SIGTERM"], "SIGTERM,SIGINT", []], cfg.RANKS: [[0], [0, 1], []],
-    cfg.STRINGS: [["a"], []], cfg.NAMES: [["status-http"], []], cfg.CONF: [{"a": "b"}, {"rejoin_timeout": 5}, {}],
+    schema.STRING: ["x", "c10d", "fsm", "default", ""], schema.BOOL: [True, False], schema.COUNT: [0, 1, 3],
+    schema.POSITIVE_INT: [1, 3], schema.SECONDS: [0, 0.5, 30], schema.POSITIVE_SECONDS: [0.1, 2, 600],
+    schema.PORT: [1, 29500, 65535], schema.NNODES: [1, 2, "1:2", "2:4"], schema.NPROC: [1, 2, "cpu", "auto"],
+    schema.STD: [0, 3, "0:3,1:2"], schema.SIGNALS: [["SIGTERM"], "SIGTERM,SIGINT", []], schema.RANKS: [[0], [0, 1], []],
+    schema.STRINGS: [["a"], []], schema.NAMES: [["status-http"], []], schema.CONF: [{"a": "b"}, {"rejoin_timeout": 5}, {}],
 }
 KIND_OF = {k.key: k.kind for k in cfg.KEYS}
 
@@ -90,7 +91,7 @@ conf_tables = st.dictionaries(
 
 def value_for(key: str):
     kind = KIND_OF.get(key)
-    if kind is cfg.CONF:
+    if kind is schema.CONF:
         return st.one_of(st.sampled_from(VALID[kind]), conf_tables, conf_tables, toml_values)
     if kind in VALID:
         return st.one_of(st.sampled_from(VALID[kind]), st.sampled_from(VALID[kind]), toml_values)
@@ -99,7 +100,7 @@ def value_for(key: str):
 
 def plausible_for(key: str):
     kind = KIND_OF.get(key)
-    if kind is cfg.CONF:
+    if kind is schema.CONF:
         return st.one_of(st.sampled_from(VALID[kind]), conf_tables)
     return st.sampled_from(VALID[kind]) if kind in VALID else scalars
 

@@ -88,4 +88,5 @@ __all__ = ["BACKEND", "DEFAULT_PORT", "FsmRendezvousHandler", "FsmRendezvousPara
 def fsm_agent_register_backends(registry):
     registry.add_rendezvous(BACKEND, create_fsm_handler,
                             conf_keys=(*(f.name for f in fields(FsmRendezvousSettings)), "rank"),
-                            parameters=FsmRendezvousParameters.from_launch_config)  # torch-free
+                            parameters=FsmRendezvousParameters.from_launch_config,  # torch-free
+                            node_rank="hint")

@@ -10,6 +10,7 @@ from typing import Any
 
 from fsm_agent.errors import ConfigError
 from fsm_agent.hosts import is_loopback  # noqa: F401  (the handler's, re-exported)
+from fsm_agent.settings import bool_word
 
 
 BACKEND = "fsm"
@@ -19,14 +20,6 @@ DEFAULT_PORT = 29400
 #: ``max_nodes``, so keep-alive traffic stays bounded. A killed node is still seen at once (its
 #: lease ends with its connection); only a silent host takes the longer timeout.
 KEEP_ALIVE_RATE = 2000.0
-_TRUE = {"1", "true", "t", "yes", "y", "on"}
-_FALSE = {"0", "false", "f", "no", "n", "off"}
-
-
-def bool_word(value: object) -> bool | None:
-    """True for 1/true/yes/on (and t, y), False for 0/false/no/off (and f, n), None otherwise."""
-    text = str(value).strip().lower()
-    return True if text in _TRUE else False if text in _FALSE else None
 
 
 # -- parameters (torch's RendezvousParameters, without torch) -----------------------------------------

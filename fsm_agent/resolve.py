@@ -1,0 +1,582 @@
+"""The merge of every source into a launch: flags > environment > file > scheduler discovery > defaults.
+
+``resolve_run_args`` parses ``fsm-agent run``'s argv (``fsm_agent.run_parser``, which reads the
+environment), loads the configuration file (``fsm_agent.config``) and fills in, per key, the
+file's value where neither a flag nor a variable set it, then the batch scheduler's discovered
+defaults (``fsm_agent.scheduler``). ``config_from_args`` turns the merged namespace into a
+``LaunchConfig`` and the worker entrypoint, mirroring torch's ``run.py:run`` +
+``run.py:config_from_args``. Values are checked where they enter (the parser, the environment
+reader, the file's kinds); here they are only converted, and the rules that tie several settings
+together are applied (standalone, ``--node-rank`` within ``--nnodes``, ``--no-python`` with ``-m``).
+
+torch is imported lazily, only to count devices for ``--nproc-per-node gpu|xpu|auto``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from fsm_agent.config import ConfigFile, FileValues, LaunchConfig, OptionRegistry, find_config_file, load_file_values, raw_disabled_plugins
+from fsm_agent.errors import ConfigError, PluginError
+from fsm_agent.plugins.registry import BackendRegistry
+from fsm_agent.run_parser import cli_given, get_run_parser, launcher_flags, prescan
+from fsm_agent.scheduler import apply_discovery, discover
+from fsm_agent.settings import (BY_KEY, DEFAULT_MASTER_PORT, DEFAULT_SHUTDOWN_TIMEOUT_S, KEYS, SHUTDOWN_TIMEOUT_ENV,
+                                nproc_as_int, nproc_hint, parse_local_ranks_filter, parse_names, parse_nnodes,
+                                parse_rdzv_conf, port_number)
+
+log = logging.getLogger(__name__)
+
+LOG_LINE_PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+
+
+def resolve_nproc_per_node(value: str) -> int:
+    """``--nproc-per-node`` -> workers on this node, as torch's ``run.py:determine_local_world_size``.
+
+    An integer is used as is (torch is not imported). ``cpu`` counts the CPUs this process may run
+    on; ``gpu``/``xpu`` count devices and fail when there are none; ``auto`` counts the current
+    accelerator's devices, else the CPUs; torch's privateuse1 backend name counts that backend's devices.
+    """
+    count = nproc_as_int(value)
+    if count is not None:
+        return count
+    if value == "cpu":
+        return _cpu_count()
+    import torch  # lazy: only device names need it
+
+    if value == "gpu":
+        if not torch.cuda.is_available():
+            raise ConfigError(nproc_hint(value, "CUDA is not available on this node"))
+        count = torch.cuda.device_count()
+    elif value == "xpu":
+        if not torch.xpu.is_available():
+            raise ConfigError(nproc_hint(value, "XPU is not available on this node"))
+        count = torch.xpu.device_count()
+    elif value == "auto":
+        accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+        if accelerator is not None and accelerator.is_available():
+            count = accelerator.device_count()
+        elif accelerator is None and torch.cuda.is_available():
+            count = torch.cuda.device_count()
+        else:
+            count = _cpu_count()
+    elif value == torch._C._get_privateuse1_backend_name():
+        backend = getattr(torch, value, None)
+        if backend is None or not backend.is_available():
+            raise ConfigError(nproc_hint(value, f"the {value} backend is not available on this node"))
+        count = backend.device_count()
+    else:
+        raise ConfigError(nproc_hint(value, "unknown value"))
+    if count <= 0:
+        raise ConfigError(nproc_hint(value, f"found no {value} devices on this node"))
+    return count
+
+
+def _cpu_count() -> int:
+    """CPUs this process may run on (affinity-aware, as ``torch._utils.cpu_count``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def check_rdzv_endpoint(endpoint: str) -> None:
+    """Raise ConfigError for a ``--rdzv-endpoint HOST:PORT`` whose port is not 0..65535, for the
+    backends that read it with torch's ``parse_rendezvous_endpoint`` (its ValueError, one line;
+    a backend says so with ``registry.add_rendezvous(..., host_port_endpoint=True)``)."""
+    text = endpoint.strip()
+    if not text or (text.startswith("[") and text.endswith("]")):
+        return
+    host, sep, port = text.rpartition(":")
+    if sep and port_number(port) is None:
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: the port {port!r} is not a TCP port; use HOST:PORT with "
+                          f"PORT an integer from 0 to 65535 (e.g. --rdzv-endpoint {host or 'localhost'}:29400)")
+
+
+def _warn_missing_local_ranks(shown: frozenset[int] | None, nproc_per_node: int) -> None:
+    """Warn about ``--local-ranks-filter`` ranks that no worker of this node has (torch hides their
+    output silently; when none exists, every worker's console output is hidden)."""
+    missing = sorted(rank for rank in shown or () if rank >= nproc_per_node)
+    if missing:
+        hidden = "; no worker's output is shown" if len(missing) == len(shown or ()) else ""
+        log.warning("--local-ranks-filter %s: no local rank %s with --nproc-per-node %d (local ranks 0..%d)%s",
+                    ",".join(map(str, sorted(shown or ()))), ",".join(map(str, missing)), nproc_per_node,
+                    nproc_per_node - 1, hidden)
+
+
+@functools.cache
+def _builtin_registry() -> BackendRegistry:
+    """The built-in backends' registry, for a namespace parsed without ``resolve_run_args``."""
+    from fsm_agent.plugins.manager import build_registry, get_plugin_manager
+
+    return build_registry(get_plugin_manager(load_entry_points=False))
+
+
+def config_from_args(args: argparse.Namespace, *, set_omp_num_threads: bool = True,
+                     registry: BackendRegistry | None = None,
+                     ) -> tuple[LaunchConfig, str | Callable[..., Any], tuple[str, ...]]:
+    """Build the launch from ``get_run_parser()``'s namespace, with torchrun's semantics.
+
+    ``resolve_run_args`` adds what the file and plugins set: ``args.rdzv_conf_file`` (rendezvous
+    options from the file; ``--rdzv-conf`` wins per option) and ``args.plugin_options``.
+    ``set_omp_num_threads=False`` skips the OMP_NUM_THREADS side effect below (``fsm-agent config``).
+    ``registry``: the loaded backends (``ResolvedRun.registry``), which declare what they do with
+    ``--node-rank`` and their endpoint; None: the built-in backends.
+
+    Returns:
+        (config, entrypoint, entrypoint_args): the entrypoint is the Python interpreter
+        (``$PYTHON_EXEC`` or ``sys.executable``), the binary (``--no-python``) or
+        ``run_script_path`` (``--run-path``); None when no training script was given
+        (``fsm-agent config``).
+
+    Raises:
+        ConfigError: a flag value is invalid or the training script does not exist.
+
+    Side effect (as torch): sets ``OMP_NUM_THREADS=1`` in ``os.environ`` when it is unset and
+    there is more than one worker, with torch's warning banner on stderr. Nothing is changed
+    when an error is raised.
+    """
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    entrypoint, entrypoint_args = _entrypoint(args) if args.training_script is not None else (None, ())
+    try:
+        nproc_per_node = resolve_nproc_per_node(args.nproc_per_node)
+    except ConfigError as exc:
+        var = getattr(args, "from_env", {}).get("nproc_per_node")
+        if var is None:
+            raise
+        flag = f"--nproc-per-node {args.nproc_per_node!r}: "
+        raise ConfigError(f"{var}={args.nproc_per_node!r}: {str(exc).removeprefix(flag)}; fix or unset it") from None
+    registry = registry if registry is not None else _builtin_registry()
+    rdzv_backend, rdzv_endpoint, run_id = _rendezvous(args, max_nodes, min_nodes)
+    if rdzv_backend == args.rdzv_backend and registry.host_port_endpoint(rdzv_backend):
+        check_rdzv_endpoint(args.rdzv_endpoint)  # not the standalone or MASTER_ADDR:MASTER_PORT one
+    rdzv_configs: dict[str, Any] = {**getattr(args, "rdzv_conf_file", {}), **parse_rdzv_conf(args.rdzv_conf)}
+    node_rank_use = registry.node_rank_use(rdzv_backend)
+    if node_rank_use == "rank":  # torch's static backend: this node's rank
+        if not 0 <= args.node_rank < max_nodes:
+            raise ConfigError(f"--node-rank {args.node_rank}: with --nnodes {args.nnodes} the node ranks are "
+                              f"0..{max_nodes - 1}; give each node its own rank in that range")
+        rdzv_configs["rank"] = args.node_rank  # an int, as torch's static handler expects
+    elif args.node_rank != 0 and node_rank_use is None:  # "hint": the fsm backend's (docs/schedulers.md)
+        log.warning("--node-rank %s is only used by the rendezvous backends %s; ignored for %s",
+                    args.node_rank, ", ".join(registry.node_rank_backends()), rdzv_backend)
+    local_ranks_filter = parse_local_ranks_filter(args.local_ranks_filter)
+    _warn_missing_local_ranks(local_ranks_filter, nproc_per_node)
+
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc_per_node,
+        run_id=run_id,
+        role=args.role,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_backend=rdzv_backend,
+        rdzv_configs=rdzv_configs,
+        max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval,
+        start_method=args.start_method,
+        log_dir=args.log_dir,
+        redirects=args.redirects,
+        tee=args.tee,
+        local_ranks_filter=local_ranks_filter,
+        log_line_prefix_template=os.environ.get(LOG_LINE_PREFIX_TEMPLATE_ENV),
+        logs_specs=args.logs_specs,
+        local_addr=args.local_addr,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=_master_port(args),
+        event_log_handler=args.event_log_handler,
+        numa_binding=args.numa_binding,
+        signals_to_handle=args.signals_to_handle,
+        duplicate_stdout_filters=tuple(args.duplicate_stdout_filters),
+        duplicate_stderr_filters=tuple(args.duplicate_stderr_filters),
+        virtual_local_rank=args.virtual_local_rank,
+        shutdown_timeout=_shutdown_timeout(args.shutdown_timeout),
+        exit_barrier_timeout=args.exit_barrier_timeout,
+        hang_timeout=args.hang_timeout,
+        forward_signals=args.forward_signals,
+        events_file=args.events_file,
+        launcher=args.launcher,
+        disabled_plugins=tuple(dict.fromkeys(args.disabled_plugins)),
+        standalone=args.standalone,
+        scheduler=args.scheduler,
+        plugins={plugin: dict(values) for plugin, values in getattr(args, "plugin_options", {}).items()},
+    )
+    if set_omp_num_threads:
+        _default_omp_num_threads(nproc_per_node)
+    return config, entrypoint, entrypoint_args
+
+
+def _master_port(args: argparse.Namespace) -> int:
+    return DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
+
+
+#: Where a standalone job meets: torchrun uses c10d on localhost:0; fsm-agent uses its own torch-free
+#: ``fsm`` backend on a free loopback port, so the agent never imports torch (the workers' rank 0
+#: hosts their store, TORCHELASTIC_USE_AGENT_STORE=False, as in torch's etcd mode).
+STANDALONE_RENDEZVOUS = ("fsm", "127.0.0.1:0")
+
+
+def _rendezvous(args: argparse.Namespace, max_nodes: int, min_nodes: int = 1) -> tuple[str, str, str]:
+    """(backend, endpoint, run_id) after torch's standalone rules (``run.py:run``, ``get_rdzv_endpoint``).
+
+    ``--standalone``, or implicitly a single-node static job with no endpoint and no
+    ``--master-port``, becomes STANDALONE_RENDEZVOUS (an OS-chosen loopback port) with a uuid4 run id.
+    A static job without an endpoint uses ``MASTER_ADDR:MASTER_PORT``.
+
+    Raises:
+        ConfigError: ``--standalone`` with ``--nnodes`` MIN > 1: no other node can ever join a
+            standalone rendezvous, so it could only wait until its timeout (torchrun: 600 s).
+    """
+    if standalone_reason(args, max_nodes):
+        if args.standalone and min_nodes > 1:
+            raise ConfigError(f"--standalone with --nnodes {args.nnodes}: no other node can join a standalone "
+                              f"rendezvous, so {min_nodes} nodes never meet; drop --standalone and give every "
+                              f"node --rdzv-backend/--rdzv-endpoint (or --master-addr/--master-port), or use "
+                              f"--nnodes 1")
+        if args.standalone and (args.rdzv_backend != "static" or args.rdzv_endpoint or args.rdzv_id != "none"):
+            log.warning("--standalone ignores --rdzv-backend, --rdzv-endpoint and --rdzv-id")
+        if args.standalone and max_nodes > 1:
+            log.warning("--standalone with --nnodes %s: no other node can join a standalone rendezvous",
+                        args.nnodes)
+        return (*STANDALONE_RENDEZVOUS, str(uuid.uuid4()))
+    if args.rdzv_backend == "static" and not args.rdzv_endpoint:
+        return "static", f"{args.master_addr}:{_master_port(args)}", args.rdzv_id
+    return args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
+
+
+def standalone_reason(args: argparse.Namespace, max_nodes: int) -> str | None:
+    """Why the rendezvous is standalone (c10d on localhost:0, fresh run id), or None if it is not."""
+    if args.standalone:
+        return "--standalone"
+    if args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None and max_nodes == 1:
+        return "implicit --standalone (one node, no endpoint, no --master-port)"
+    return None
+
+
+def _entrypoint(args: argparse.Namespace) -> tuple[str | Callable[..., Any], tuple[str, ...]]:
+    """(entrypoint, args) as torch: ``python -u [-m] SCRIPT ARGS``, the binary, or ``run_script_path``."""
+    script, script_args = args.training_script, tuple(args.training_script_args)
+    if args.run_path:  # takes precedence over --no-python and -m, as in torch
+        _require_script(script)
+        return run_script_path, (script, *script_args)
+    if args.no_python:
+        if args.module:
+            raise ConfigError("--no-python and -m/--module cannot be used together: "
+                              "-m runs a Python module, --no-python runs a binary")
+        _require_program(script)
+        return script, script_args
+    if args.module:
+        return _python_exec(), ("-u", "-m", script, *script_args)
+    _require_script(script)
+    return _python_exec(), ("-u", script, *script_args)
+
+
+def _require_program(script: str) -> None:
+    """``--no-python``: ``script`` must be a program the OS can run (exec would fail in every worker)."""
+    path = shutil.which(script)
+    if path is None and os.path.isfile(script) and not os.access(script, os.X_OK):
+        raise ConfigError(f"--no-python binary {script!r} is not executable: chmod +x it, "
+                          f"or drop --no-python to run it with python")
+    if path is None:
+        here = f"; for the file in this directory, say ./{script}" if os.path.isfile(script) else ""
+        raise ConfigError(f"--no-python binary {script!r} not found: not an executable file and not on PATH{here}")
+    try:
+        with open(path, "rb") as file:
+            head = file.read(512)
+    except OSError:
+        return  # executable but not readable: only exec can tell
+    if not head.startswith((b"#!", b"\x7fELF")) and b"\0" not in head:  # text without a '#!' line
+        raise ConfigError(f"--no-python binary {script!r} has no '#!' line, so it cannot be executed: "
+                          f"add one (e.g. #!/usr/bin/env python3), or drop --no-python to run it with python")
+
+
+def _python_exec() -> str:
+    return os.environ.get("PYTHON_EXEC", sys.executable)
+
+
+def _require_script(script: str) -> None:
+    if not os.path.exists(script):
+        raise ConfigError(f"training script {script!r} not found: check the path "
+                          f"(or use -m for a module, --no-python for a binary)")
+
+
+def _shutdown_timeout(flag_value: float | None) -> float:
+    """Seconds: the flag, else ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30."""
+    if flag_value is not None:
+        return flag_value
+    raw = os.environ.get(SHUTDOWN_TIMEOUT_ENV, "")
+    if not raw:
+        return DEFAULT_SHUTDOWN_TIMEOUT_S
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{SHUTDOWN_TIMEOUT_ENV}={raw!r}: not a number of seconds; fix or unset it") from None
+
+
+def _default_omp_num_threads(nproc_per_node: int) -> None:
+    """torch's default: one OpenMP thread per worker when several share the node and nobody chose."""
+    if "OMP_NUM_THREADS" in os.environ or nproc_per_node <= 1:
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"
+    print("*****************************************\n"
+          "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid "
+          "your system being overloaded, please further tune the variable for optimal performance in "
+          "your application as needed. \n"
+          "*****************************************", file=sys.stderr)
+
+
+def run_script_path(training_script: str, *training_script_args: str) -> None:
+    """The ``--run-path`` entrypoint: run ``training_script`` as ``__main__`` in this interpreter (torch's)."""
+    import runpy
+
+    sys.argv = [training_script, *training_script_args]
+    runpy.run_path(training_script, run_name="__main__")
+
+
+@attrs.frozen
+class Source:
+    """Where a configuration value came from.
+
+    Attributes:
+        kind: ``cli``, ``env``, ``file``, ``default`` or ``derived``.
+        detail: the flag, the env var, the file, or what it was derived from.
+    """
+
+    kind: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.detail}".strip()
+
+
+@attrs.frozen
+class ResolvedRun:
+    """``fsm-agent run``'s flags with the environment, the config file and plugin options merged in.
+
+    Attributes:
+        args: the namespace for ``config_from_args`` (file values filled in where no flag or env
+            var set the key; plus ``rdzv_conf_file`` and ``plugin_options``).
+        sources: ``{key: Source}`` for every file key that applies (``KEYS``, rendezvous options
+            that are set, ``plugins.<plugin>.<name>``).
+        config_file: the file that was read, or None.
+        options: every plugin option declared by the loaded plugins.
+        plugin_manager: the loaded plugins (handed down to the launch: they load once per process).
+        registry: their backends.
+    """
+
+    args: argparse.Namespace
+    sources: dict[str, Source]
+    config_file: ConfigFile | None
+    options: OptionRegistry
+    plugin_manager: Any = None
+    registry: BackendRegistry | None = None
+
+
+def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_config: bool = False,
+                     load_entry_points: bool = True) -> ResolvedRun:
+    """Parse ``argv`` and merge every source, highest precedence first: flags, env vars
+    (``FSM_AGENT_<NAME>``, then ``PET_<NAME>``), the config file, defaults.
+
+    Steps: find the config file (``--config``, ``$FSM_AGENT_CONFIG`` or ``./pyproject.toml``) and
+    the disabled plugins (flags, env and file) from a pre-scan of the flags before the training
+    script; load the other plugins and collect their options (``fsm_agent_addoption``); parse the
+    flags (argparse applies the env vars); check the file (every error at once); fill in, per
+    key, the file's value where neither a flag nor an env var set it.
+
+    Raises:
+        ConfigError: a bad flag, env var or file value (the file's errors all in one message).
+        PluginError: a plugin failed to load or declared a clashing option.
+    """
+    from fsm_agent.plugins.manager import build_registry, check_disabled, collect_options, disabled_from_env
+
+    argv = list(argv)
+    core = get_run_parser(prog, for_config=for_config)
+    pre = prescan(argv, core)
+    explicit, origin = (pre["config"][-1], "--config") if pre["config"] else (
+        os.environ.get("FSM_AGENT_CONFIG") or None, "FSM_AGENT_CONFIG")
+    config_file = find_config_file(explicit, origin)
+    file_disabled = raw_disabled_plugins(config_file.data) if config_file else ()
+    cli_disabled = tuple(n for value in pre["disabled_plugins"] for n in parse_names(value))
+    check_disabled(cli_disabled, file_disabled, config_file.label if config_file else "")
+    disabled = tuple(dict.fromkeys((*file_disabled, *disabled_from_env(), *cli_disabled)))
+    pm = _plugins_for(argv, core, disabled, load_entry_points)
+    options = collect_options(pm)
+
+    parser = get_run_parser(prog, options, for_config=for_config)
+    parser.defer_env_errors = True  # type: ignore[attr-defined]
+    args = parser.parse_args(argv)  # a bad flag raises here; bad env vars are collected
+    errors: list[str] = list(parser.env_errors)  # type: ignore[attr-defined]
+    details: list[str] = list(errors)  # one line per error, for the CLI when the config file has errors
+    env_sources = dict(parser.env_sources)  # type: ignore[attr-defined]
+    given = cli_given(argv, prog, options, for_config=for_config)
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    file_values = FileValues(values={}, plugins={})
+    file_failed = False
+    if config_file:
+        try:
+            file_values = load_file_values(config_file, options, disabled=disabled)
+        except ConfigError as exc:
+            errors.insert(0, str(exc))
+            details[:0] = exc.details or [str(exc)]
+            file_failed = True
+    label = config_file.label if config_file else ""
+
+    sources: dict[str, Source] = {}
+    for key in KEYS:
+        if key.dest is None:
+            continue
+        if key.dest in given:
+            sources[key.key] = Source("cli", flags[key.dest])
+        elif key.dest in env_sources:
+            sources[key.key] = Source("env", env_sources[key.dest])
+        elif key.fallback_env and os.environ.get(key.fallback_env):
+            sources[key.key] = Source("env", key.fallback_env)  # torch's env var, above the file
+        elif key.key in file_values.values and key.dest != "rdzv_conf":
+            setattr(args, key.dest, file_values.values[key.key])
+            sources[key.key] = Source("file", label)
+        elif key.key in file_values.values:
+            sources[key.key] = Source("file", label)
+        else:
+            sources[key.key] = Source("default")
+
+    # Defaults the batch scheduler's job step gives (Slurm, ...): below flags, env vars and the file.
+    registry = build_registry(pm)
+    apply_discovery(discover(pm, args.scheduler, os.environ), args, sources, BY_KEY, Source,
+                    node_rank_backends=registry.node_rank_backends())
+
+    # Disabled plugins add up: the file's, the env var's, the flags'.
+    from_file = file_values.values.get("disabled_plugins", ())
+    args.disabled_plugins = tuple(dict.fromkeys((*from_file, *args.disabled_plugins)))
+    parts = [str(Source("file", label))] if from_file else []
+    parts += [str(Source("env", env_sources["disabled_plugins"]))] if "disabled_plugins" in env_sources else []
+    parts += [str(Source("cli", flags["disabled_plugins"]))] if "disabled_plugins" in given else []
+    sources["disabled_plugins"] = Source(" + ".join(parts) if parts else "default")
+
+    # Rendezvous options: the file's table and typed keys, under --rdzv-conf (or its env var), per option.
+    rdzv_file = dict(file_values.values.get("rendezvous.conf", {}))
+    rdzv_file.update({k.name: v for name, v in file_values.values.items()
+                      if (k := BY_KEY[name]).dest is None})
+    args.rdzv_conf_file = rdzv_file
+    # Which values came from the environment, so a late check (--nproc-per-node names a device)
+    # names the variable to fix rather than a flag the user never typed.
+    args.from_env = {dest: var for dest, var in env_sources.items() if dest not in given}
+    conf_source = sources["rendezvous.conf"]
+    for name in rdzv_file:
+        sources[f"rendezvous.{name}"] = Source("file", label)
+    if conf_source.kind in ("cli", "env"):
+        for name in parse_rdzv_conf(args.rdzv_conf):
+            sources[f"rendezvous.{name}"] = conf_source
+
+    # Plugin options: flag > env var > file > default.
+    plugin_values: dict[str, dict[str, Any]] = {}
+    for option in options:
+        if option.plugin in disabled:
+            continue
+        values = plugin_values.setdefault(option.plugin, {})
+        raw = os.environ.get(option.env, "")
+        if hasattr(args, option.dest):
+            values[option.name], source = getattr(args, option.dest), Source("cli", option.flag)
+        elif raw:
+            try:
+                values[option.name] = option.from_string(raw)
+            except ValueError as exc:
+                errors.append(f"{option.env}={raw!r}: {exc}")
+                details.append(errors[-1])
+            source = Source("env", option.env)
+        elif option.name in file_values.plugins.get(option.plugin, {}):
+            values[option.name], source = file_values.plugins[option.plugin][option.name], Source("file", label)
+        else:
+            values[option.name], source = option.default, Source("default")
+        sources[option.key] = source
+    if errors:  # the file's, the env vars' and the plugin env vars' errors, all at once
+        raise ConfigError("; ".join(errors), details=details if file_failed else ())
+    args.plugin_options = plugin_values
+    return ResolvedRun(args=args, sources=sources, config_file=config_file, options=options, plugin_manager=pm,
+                       registry=registry)
+
+
+def check_rdzv_conf(resolved: ResolvedRun, config: LaunchConfig) -> None:
+    """Rendezvous options (``--rdzv-conf``, its env vars, the file) against the loaded backends.
+
+    Raises:
+        ConfigError: an option that no loaded backend reads (a typo: torch ignores it silently).
+
+    Logs a warning for an option that the chosen backend does not read but another one does.
+    """
+    def where(key: str) -> str:
+        source = resolved.sources.get(f"rendezvous.{key}", Source("default"))
+        label = source.detail if source.kind in ("cli", "env") else f"{source.detail} rendezvous"
+        return f"{label} {key}={config.rdzv_configs[key]}"
+
+    if resolved.registry is not None:
+        registry = resolved.registry
+    else:
+        from fsm_agent.plugins.manager import build_registry
+
+        registry = build_registry(resolved.plugin_manager)
+    for warning in registry.check_rdzv_conf(config.rdzv_backend, config.rdzv_configs, where):
+        log.warning("%s", warning)
+
+
+def _plugins_for(argv: Sequence[str], core: argparse.ArgumentParser, disabled: tuple[str, ...],
+                 load_entry_points: bool) -> Any:
+    """The plugin manager; for ``--help``, a plugin that fails to load is a warning, left out."""
+    from fsm_agent.plugins.manager import get_plugin_manager
+
+    asks_for_help = any(action is not None and action.dest == "help"
+                        for action, _ in launcher_flags(argv, core, unknown_takes_value=True)[0])
+    while True:
+        try:
+            return get_plugin_manager(disabled=disabled, load_entry_points=load_entry_points)
+        except PluginError as exc:
+            if not asks_for_help or exc.plugin is None or exc.plugin in disabled:
+                raise
+            log.warning("%s; --help leaves its options out", exc)
+            disabled = (*disabled, exc.plugin)
+
+
+def effective_rows(resolved: ResolvedRun, config: LaunchConfig) -> list[tuple[str, Any, Source]]:
+    """``(key, effective value, source)`` for every key: LaunchConfig's values (after torchrun's
+    rules, such as standalone), the rendezvous options it passes on, and plugin options."""
+    args, sources = resolved.args, resolved.sources
+    reason = standalone_reason(args, config.max_nodes)
+    rows: list[tuple[str, Any, Source]] = []
+    for key in KEYS:
+        if key.dest is None or key.key == "rendezvous.conf":
+            continue
+        source = sources[key.key]
+        if key.key == "nnodes":
+            value: Any = f"{config.min_nodes}:{config.max_nodes}"
+        elif key.key == "rendezvous.run_id":
+            value = config.run_id
+        else:
+            value = getattr(config, key.field.split(",")[0])
+        if reason and key.key in ("rendezvous.backend", "rendezvous.endpoint", "rendezvous.run_id"):
+            source = Source("derived", reason)
+        if isinstance(value, (frozenset, set)):
+            value = sorted(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        rows.append((key.key, value, source))
+    conf_rows = []
+    for name, value in sorted(config.rdzv_configs.items()):
+        default = Source("derived", "rendezvous.node_rank (static backend)") if name == "rank" else Source("default")
+        conf_rows.append((f"rendezvous.{name}", value, sources.get(f"rendezvous.{name}", default)))
+    after = max(i for i, row in enumerate(rows) if row[0].startswith("rendezvous.")) + 1
+    rows[after:after] = conf_rows
+    for option in resolved.options:
+        if option.key in sources:
+            rows.append((option.key, config.plugins.get(option.plugin, {}).get(option.name), sources[option.key]))
+    return rows
+
+
