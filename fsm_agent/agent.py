@@ -543,6 +543,12 @@ class ElasticAgent:
         (``fsm_agent.heartbeat(step=N)``; empty unless ``track_steps()`` was called)."""
         return self._hang.steps(self.spec.local_world_size)
 
+    def worker_compute(self) -> dict[int, float]:
+        """{local_rank: its worker's total compute seconds this attempt}, for workers that
+        reported compute time (``fsm_agent.heartbeat(compute_s=...)``/``fsm_agent.compute()``;
+        empty unless ``track_steps()`` was called)."""
+        return self._hang.compute(self.spec.local_world_size)
+
     def record_event(self, kind: str, **fields: Any) -> None:
         """Send one record of ``kind`` (docs/events.md) with the agent's common fields and ``fields``
         to every ``fsm_agent_record_event`` listener; for plugins' own records."""
