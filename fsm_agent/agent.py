@@ -735,10 +735,14 @@ class ElasticAgent:
         the health check's NodeProblem names, e.g. ``straggler``)."""
         kind = getattr(self._health_problem, "failure_class", FailureClass.HEALTH_CHECK)
         what = "health check" if kind == FailureClass.HEALTH_CHECK else kind
+        cause, now = getattr(self._health_problem, "global_rank", None), time.time()
+        # The named worker (a straggler) failed first: the others fail because of it, so the
+        # verdict (first_failure: earliest, then lowest rank) names it, not the lowest local rank.
         return {
             worker.global_rank: WorkerFailure(
                 local_rank=worker.local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank,
-                pid=worker.id, exitcode=HEALTH_CHECK_EXIT_CODE, timestamp=time.time(),
+                pid=worker.id, exitcode=HEALTH_CHECK_EXIT_CODE,
+                timestamp=now if cause in (None, worker.global_rank) else now + 1e-3,
                 message=f"{what}: {self._health_problem}", hostname=self.hostname, failure_class=kind)
             for worker in self._worker_group.workers}
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import attrs
 
+from fsm_agent.errors import ConfigError
 from fsm_agent.plugins import hookimpl
 from fsm_agent.stragglers import COMPUTE, STEP, STORE_PREFIX, RankTime, StepClock, StragglerJudge, ratio
 from fsm_agent.worker import FailureClass, NodeProblem
@@ -143,7 +144,7 @@ class StepTimes:
         s = flagged[0]
         return NodeProblem(f"rank {s['global_rank']} (local_rank {s['local_rank']}) is a straggler: {s['factor']}x "
                            f"the job's median {_WHAT[s['basis']]} {s['median_s']:.4f}s for {s['windows']} windows",
-                           FailureClass.STRAGGLER)
+                           FailureClass.STRAGGLER, global_rank=s["global_rank"])
 
     def _judge_window(self, store: Any, prefix: str, world: int) -> tuple[list[RankTime], dict[str, Any]]:
         keys = [f"{prefix}/node/{r}" for r in range(world)]
@@ -204,10 +205,13 @@ class StepTimes:
 def fsm_agent_configure(config, agent):
     options = config.plugin_options(PLUGIN_NAME) if config is not None else {}
     window = float(options.get("window") or 0.0)
-    if window <= 0:
-        return
-    excluded = config.plugin_options("restart-policy").get("exclude_node_on") or ""
+    excluded = (config.plugin_options("restart-policy").get("exclude_node_on") or "") if config is not None else ""
     exclude = FailureClass.STRAGGLER in (name.strip() for name in excluded.split(","))
+    if window <= 0:
+        if exclude:  # nothing would ever find a straggler to exclude
+            raise ConfigError("--exclude-node-on straggler needs --straggler-window S (seconds > 0, e.g. "
+                              "--straggler-window 30): without it no step times are judged")
+        return
     agent.track_steps()
     agent.plugin_manager.register(
         StepTimes(agent, window, factor=float(options.get("factor") or 1.5), windows=int(options.get("windows") or 3),
