@@ -5,11 +5,13 @@ window``) is above 0. Then every worker gets a heartbeat file (``fsm_agent.heart
 in the training loop reports its steps) and, every ``S`` seconds while the workers run, each
 agent:
 
-- estimates its workers' recent step times (``fsm_agent.stragglers.StepClock``) and publishes
-  them with one ``set`` to the rendezvous round's store (``WorkerGroup.store``: the same for the
+- estimates its workers' recent step times and, for workers that report it
+  (``fsm_agent.heartbeat(compute_s=...)``, ``with fsm_agent.compute():``), their compute seconds
+  per step (``fsm_agent.stragglers.StepClock``) and publishes them with one ``set`` to the rendezvous round's store (``WorkerGroup.store``: the same for the
   ``fsm``, ``c10d``, ``static`` and ``etcd-v3`` backends; no torch for ``fsm``);
 - group rank 0 reads every agent's entry (one ``multi_get``), judges the window
-  (``StragglerJudge``: the job's median step time, each rank's ratio to it) and publishes the
+  (``StragglerJudge``: the job's median compute time per step when every rank reports one, else
+  its median step time: the ``basis``; each rank's ratio to it) and publishes the
   verdict with one ``set``; the other agents read it with one ``get``. So each agent makes 2 store
   calls a window (rank 0: 3), whatever the number of agents; the first windows add one
   ``check`` per key not seen yet (a missing key would block a ``get``);
