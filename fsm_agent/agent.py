@@ -452,9 +452,12 @@ class ElasticAgent:
         if not problems:
             return None
         log.warning("[%s] health check failed: %s", self.spec.role, "; ".join(problems))
-        # The first answer that names its class (a NodeProblem) decides the workers' failure class.
-        kind = next((p.failure_class for p in problems if isinstance(p, NodeProblem)), FailureClass.HEALTH_CHECK)
-        return NodeProblem("; ".join(problems), kind)
+        # The first answer that names its class (a NodeProblem) decides the workers' failure class
+        # and the worker it is about (the root cause).
+        named = next((p for p in problems if isinstance(p, NodeProblem)), None)
+        if named is None:
+            return NodeProblem("; ".join(problems))
+        return NodeProblem("; ".join(problems), named.failure_class, named.global_rank)
 
     # -- guards: they read the decision the row's prepare step made -------------------------------
     def has_restarts_left(self, event=None) -> bool:
