@@ -32,6 +32,7 @@ import os
 import signal
 import sys
 
+import fsm_agent
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -136,12 +137,16 @@ def main(argv=None):
         ddp.train()
         sampler.set_epoch(epoch)
         stats = torch.zeros(3, device=device)  # summed loss, number of samples, ranks that saw --stop-file
-        for xb, yb in loader:
+        for step, (xb, yb) in enumerate(loader, (epoch - 1) * len(loader) + 1):
             xb, yb = xb.to(device), yb.to(device)
             opt.zero_grad()
-            loss = loss_fn(ddp(xb), yb)
-            loss.backward()
+            with fsm_agent.compute():  # the forward pass has no collective: this rank's own time
+                loss = loss_fn(ddp(xb), yb)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()  # time the kernels, not their launch
+            loss.backward()  # DDP's gradient all_reduce: every rank waits for the slowest here
             opt.step()
+            fsm_agent.heartbeat(step=step)  # steps (and the compute time above) for --straggler-window
             stats += torch.tensor([loss.item() * len(yb), len(yb), 0.0], device=device)
             if args.checkpoint_on_signal:
                 wanted = torch.tensor([asked], device=device)

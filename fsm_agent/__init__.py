@@ -4,7 +4,8 @@ Public API: ``launch_agent``/``elastic_launch`` (torch's launcher API: ``{global
 ``WorkerGroupFailedError``, a torch ``ChildFailedError``), ``run_agent`` (the same run, returning
 the ``RunResult``), ``LaunchConfig``, the data
 model (``WorkerSpec``, ``Worker``, ``WorkerGroup``, ``WorkerState``, ``RunResult``), ``hookimpl``, and
-``heartbeat()`` for workers (progress reports for ``--hang-timeout``).
+``heartbeat()`` and ``compute()`` for workers (progress and compute-time reports: ``--hang-timeout``,
+``--straggler-window``).
 """
 
 from fsm_agent import _early_signals
@@ -16,7 +17,7 @@ from fsm_agent import _early_zygote  # noqa: E402
 _early_zygote.install()  # then --launcher preload's zygote starts importing torch while the agent starts
 
 from fsm_agent.config import LaunchConfig
-from fsm_agent.heartbeat import heartbeat
+from fsm_agent.heartbeat import compute, heartbeat
 from fsm_agent.plugins import hookimpl
 from fsm_agent.states.worker_state import WorkerState
 from fsm_agent.worker import RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec
@@ -34,4 +35,4 @@ def __getattr__(name):  # the launcher pulls in the agent; keep `import fsm_agen
 
 
 __all__ = ["LaunchConfig", "WorkerSpec", "Worker", "WorkerGroup", "WorkerState", "WorkerFailure",
-           "RunResult", "hookimpl", "heartbeat", *_LAUNCH_NAMES]
+           "RunResult", "hookimpl", "heartbeat", "compute", *_LAUNCH_NAMES]

@@ -484,9 +484,12 @@ class ElasticAgent:
         if not problems:
             return None
         log.warning("[%s] health check failed: %s", self.spec.role, "; ".join(problems))
-        # The first answer that names its class (a NodeProblem) decides the workers' failure class.
-        kind = next((p.failure_class for p in problems if isinstance(p, NodeProblem)), FailureClass.HEALTH_CHECK)
-        return NodeProblem("; ".join(problems), kind)
+        # The first answer that names its class (a NodeProblem) decides the workers' failure class
+        # and the worker it is about (the root cause).
+        named = next((p for p in problems if isinstance(p, NodeProblem)), None)
+        if named is None:
+            return NodeProblem("; ".join(problems))
+        return NodeProblem("; ".join(problems), named.failure_class, named.global_rank)
 
     # -- guards: they read the decision the row's prepare step made -------------------------------
     def has_restarts_left(self, event=None) -> bool:
@@ -750,6 +753,12 @@ class ElasticAgent:
         (``fsm_agent.heartbeat(step=N)``; empty unless ``track_steps()`` was called)."""
         return self._hang.steps(self.spec.local_world_size)
 
+    def worker_compute(self) -> dict[int, float]:
+        """{local_rank: its worker's total compute seconds this attempt}, for workers that
+        reported compute time (``fsm_agent.heartbeat(compute_s=...)``/``fsm_agent.compute()``;
+        empty unless ``track_steps()`` was called)."""
+        return self._hang.compute(self.spec.local_world_size)
+
     def record_event(self, kind: str, **fields: Any) -> None:
         """Send one record of ``kind`` (docs/events.md) with the agent's common fields and ``fields``
         to every ``fsm_agent_record_event`` listener; for plugins' own records."""
@@ -967,10 +976,14 @@ class ElasticAgent:
         the health check's NodeProblem names, e.g. ``straggler``)."""
         kind = getattr(self._health_problem, "failure_class", FailureClass.HEALTH_CHECK)
         what = "health check" if kind == FailureClass.HEALTH_CHECK else kind
+        cause, now = getattr(self._health_problem, "global_rank", None), time.time()
+        # The named worker (a straggler) failed first: the others fail because of it, so the
+        # verdict (first_failure: earliest, then lowest rank) names it, not the lowest local rank.
         return {
             worker.global_rank: WorkerFailure(
                 local_rank=worker.local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank,
-                pid=worker.id, exitcode=HEALTH_CHECK_EXIT_CODE, timestamp=time.time(),
+                pid=worker.id, exitcode=HEALTH_CHECK_EXIT_CODE,
+                timestamp=now if cause in (None, worker.global_rank) else now + 1e-3,
                 message=f"{what}: {self._health_problem}", hostname=self.hostname, failure_class=kind)
             for worker in self._worker_group.workers}
 

@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 import time
 
-from fsm_agent.heartbeat import HEARTBEAT_FILE_ENV, read_step
+from fsm_agent.heartbeat import HEARTBEAT_FILE_ENV, read_compute, read_step
 
 log = logging.getLogger(__name__)
 ENABLE_FILE_TIMER_ENV = "TORCHELASTIC_ENABLE_FILE_TIMER"
@@ -78,6 +78,14 @@ class HangDetector:
             return {}
         steps = {r: read_step(self._heartbeat_file(r)) for r in range(local_world_size)}
         return {r: step for r, step in steps.items() if step is not None}
+
+    def compute(self, local_world_size: int) -> dict[int, float]:
+        """{local_rank: its worker's total compute seconds this attempt}, for workers that
+        reported one (``fsm_agent.heartbeat(compute_s=...)``, ``fsm_agent.compute()``)."""
+        if not self._heartbeats:
+            return {}
+        totals = {r: read_compute(self._heartbeat_file(r)) for r in range(local_world_size)}
+        return {r: total for r, total in totals.items() if total is not None}
 
     def worker_env(self, local_rank: int) -> dict[str, str]:
         """Variables that connect one worker to the detector."""

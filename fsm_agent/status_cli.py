@@ -161,7 +161,8 @@ def step_time_rows(doc: dict[str, Any]) -> list[list[str]]:
 def _step_time_title(doc: dict[str, Any]) -> str:
     times = doc.get("step_times") or {}
     median = times.get("median_s")
-    return (f"step times (job median {median:.4f}s; straggler above {times.get('factor')}x for "
+    judged = "compute time per step" if times.get("basis") == "compute" else "step time"
+    return (f"step times (job median {judged} {median:.4f}s; straggler above {times.get('factor')}x for "
             f"{times.get('windows')} windows)" if median is not None else "step times (no job median yet)")
 
 

@@ -8,10 +8,12 @@ step time is above ``factor`` times the job's median for ``windows`` consecutive
 straggler, reported once per episode (an episode ends when the rank is back within the factor,
 or with the attempt).
 
-The step time is what the agent sees of a worker's progress, so it measures a rank that is
-slower on its own (independent ranks, data loading, a rank ahead of a collective). In a job
-whose every step ends in a collective all ranks advance together and the step time is the
-same everywhere: the slow rank then shows only in the job's median rising, not in a ratio.
+The step time is what the agent sees of a worker's progress: it finds a rank that is slower on
+its own (independent ranks, data loading, a rank ahead of a collective). In a job whose every
+step ends in a collective all ranks advance together and the step time is the same everywhere,
+so workers there report their own compute time (``fsm_agent.heartbeat(step=N, compute_s=...)``
+or ``with fsm_agent.compute():``): when every rank reports it, the judge compares compute time
+per step (``basis`` "compute"), else step time (``basis`` "step").
 This module is data and arithmetic only (no store, no torch); the ``straggler`` plugin
 (``fsm_agent.plugins.straggler``) does the publishing.
 """
@@ -26,6 +28,8 @@ import attrs
 #: Keys of the rendezvous round's store: ``<prefix>/<restart_count>/node/<group_rank>`` (one
 #: agent's workers) and ``<prefix>/<restart_count>/job`` (group rank 0's verdict).
 STORE_PREFIX = "fsm_agent/step_times"
+#: What the judge compares: each rank's compute time per step (every rank reports it), or its step time.
+COMPUTE, STEP = "compute", "step"
 
 
 class StepClock:
@@ -37,20 +41,29 @@ class StepClock:
     """
 
     def __init__(self) -> None:
-        self._last: dict[int, tuple[int, float]] = {}  # local_rank -> (step, when it was first seen)
+        # local_rank -> (step, when it was first seen, the compute total then or None)
+        self._last: dict[int, tuple[int, float, float | None]] = {}
         self._estimate: dict[int, float] = {}
+        #: {local_rank: compute seconds per step} over the same steps, for workers that report it.
+        self.compute: dict[int, float] = {}
 
-    def sample(self, steps: Mapping[int, int], now: float) -> dict[int, float]:
+    def sample(self, steps: Mapping[int, int], now: float,
+               compute: Mapping[int, float] | None = None) -> dict[int, float]:
         """{local_rank: step time in seconds} after one sample of ``steps`` ({local_rank: step})
-        taken at ``now`` (monotonic seconds)."""
+        taken at ``now`` (monotonic seconds); ``compute`` ({local_rank: total compute seconds})
+        updates ``self.compute`` over the same steps."""
+        compute = compute or {}
         for rank, step in steps.items():
-            last = self._last.get(rank)
+            last, total = self._last.get(rank), compute.get(rank)
             if last is None or step < last[0]:  # first sample, or a counter that went back
-                self._last[rank] = (step, now)
+                self._last[rank] = (step, now, total)
                 self._estimate.pop(rank, None)
+                self.compute.pop(rank, None)
             elif step > last[0]:
                 self._estimate[rank] = (now - last[1]) / (step - last[0])
-                self._last[rank] = (step, now)
+                if total is not None and last[2] is not None:
+                    self.compute[rank] = max(total - last[2], 0.0) / (step - last[0])
+                self._last[rank] = (step, now, total)
             elif rank in self._estimate:
                 self._estimate[rank] = max(self._estimate[rank], now - last[1])
         return dict(self._estimate)
@@ -65,6 +78,8 @@ class RankTime:
         node_rank: the agent's group rank (``GROUP_RANK``).
         local_rank / global_rank: the worker's ranks (``LOCAL_RANK``, ``RANK``).
         step_time_s: seconds per step, recent.
+        compute_s: the worker's own compute seconds per step over the same steps, or None when
+            it does not report compute time.
     """
 
     host: str
@@ -72,6 +87,11 @@ class RankTime:
     local_rank: int
     global_rank: int
     step_time_s: float
+    compute_s: float | None = None
+
+    def time_s(self, basis: str) -> float:
+        """The time judged: ``compute_s`` with basis "compute", else ``step_time_s``."""
+        return self.compute_s if basis == COMPUTE and self.compute_s is not None else self.step_time_s
 
 
 @attrs.frozen
@@ -80,8 +100,11 @@ class Straggler:
 
     Attributes:
         host / node_rank / local_rank / global_rank: where it runs (see ``RankTime``).
-        factor: its step time over the job's median when it was found.
-        step_time_s / median_s: its step time and the job's median, seconds.
+        factor: its time over the job's median when it was found.
+        step_time_s / median_s: its step time and the job's median of the judged time, seconds.
+        basis: the judged time: "compute" (compute seconds per step, every rank reported it) or
+            "step" (step time).
+        compute_s: its compute seconds per step, or None (basis "step").
         windows: consecutive windows it was above the factor (the ``windows`` setting).
         window: the judge's window count (since the attempt started) when it was found.
         since_window: the judge's first window that had a step time of this rank.
@@ -97,6 +120,8 @@ class Straggler:
     windows: int
     window: int
     since_window: int
+    basis: str = STEP
+    compute_s: float | None = None
 
 
 class StragglerJudge:
@@ -111,6 +136,8 @@ class StragglerJudge:
         self.factor, self.windows = factor, windows
         self.window = 0
         self.median_s: float | None = None
+        #: The last window's basis: COMPUTE when every rank reported compute time, else STEP.
+        self.basis = STEP
         #: Ranks in an episode now: {global_rank: the Straggler report}.
         self.active: dict[int, Straggler] = {}
         self._slow: dict[int, int] = {}
@@ -124,14 +151,16 @@ class StragglerJudge:
         ranks, fresh = list(ranks), set(fresh)
         if not ranks:
             return []
-        self.median_s = median = statistics.median(r.step_time_s for r in ranks)
+        # Switching basis mid-episode would compare different times: only all-or-nothing counts.
+        self.basis = basis = COMPUTE if all(r.compute_s is not None for r in ranks) else STEP
+        self.median_s = median = statistics.median(r.time_s(basis) for r in ranks)
         found = []
         for r in ranks:
             g = r.global_rank
             self._first.setdefault(g, self.window)
             if g not in fresh:
                 continue
-            ratio = r.step_time_s / median if median > 0 else 1.0
+            ratio = r.time_s(basis) / median if median > 0 else 1.0
             if ratio <= self.factor:
                 self._slow[g] = 0
                 self.active.pop(g, None)  # the episode is over
@@ -140,7 +169,8 @@ class StragglerJudge:
             if self._slow[g] >= self.windows and g not in self.active:
                 self.active[g] = Straggler(host=r.host, node_rank=r.node_rank, local_rank=r.local_rank, global_rank=g,
                                            factor=round(ratio, 3), step_time_s=r.step_time_s, median_s=median,
-                                           windows=self._slow[g], window=self.window, since_window=self._first[g])
+                                           windows=self._slow[g], window=self.window, since_window=self._first[g],
+                                           basis=basis, compute_s=r.compute_s)
                 found.append(self.active[g])
         return found
 

@@ -197,13 +197,17 @@ class NodeProblem(str):
 
     Attributes:
         failure_class: one of ``FailureClass.HEALTH_CHECK``, ``FailureClass.STRAGGLER``.
+        global_rank: the worker the problem is about (a straggler's rank), or None (the node):
+            that worker's failure is the root cause (``first_failure``), the others follow it.
     """
 
     failure_class: str
+    global_rank: int | None
 
-    def __new__(cls, text: str, failure_class: str = FailureClass.HEALTH_CHECK) -> "NodeProblem":
+    def __new__(cls, text: str, failure_class: str = FailureClass.HEALTH_CHECK,
+                global_rank: int | None = None) -> "NodeProblem":
         problem = super().__new__(cls, text)
-        problem.failure_class = failure_class
+        problem.failure_class, problem.global_rank = failure_class, global_rank
         return problem
 
 

@@ -5,11 +5,13 @@ window``) is above 0. Then every worker gets a heartbeat file (``fsm_agent.heart
 in the training loop reports its steps) and, every ``S`` seconds while the workers run, each
 agent:
 
-- estimates its workers' recent step times (``fsm_agent.stragglers.StepClock``) and publishes
-  them with one ``set`` to the rendezvous round's store (``WorkerGroup.store``: the same for the
+- estimates its workers' recent step times and, for workers that report it
+  (``fsm_agent.heartbeat(compute_s=...)``, ``with fsm_agent.compute():``), their compute seconds
+  per step (``fsm_agent.stragglers.StepClock``) and publishes them with one ``set`` to the rendezvous round's store (``WorkerGroup.store``: the same for the
   ``fsm``, ``c10d``, ``static`` and ``etcd-v3`` backends; no torch for ``fsm``);
 - group rank 0 reads every agent's entry (one ``multi_get``), judges the window
-  (``StragglerJudge``: the job's median step time, each rank's ratio to it) and publishes the
+  (``StragglerJudge``: the job's median compute time per step when every rank reports one, else
+  its median step time: the ``basis``; each rank's ratio to it) and publishes the
   verdict with one ``set``; the other agents read it with one ``get``. So each agent makes 2 store
   calls a window (rank 0: 3), whatever the number of agents; the first windows add one
   ``check`` per key not seen yet (a missing key would block a ``get``);
@@ -37,8 +39,9 @@ from typing import Any
 
 import attrs
 
+from fsm_agent.errors import ConfigError
 from fsm_agent.plugins import hookimpl
-from fsm_agent.stragglers import STORE_PREFIX, RankTime, StepClock, StragglerJudge, ratio
+from fsm_agent.stragglers import COMPUTE, STEP, STORE_PREFIX, RankTime, StepClock, StragglerJudge, ratio
 from fsm_agent.worker import FailureClass, NodeProblem
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,14 @@ def _above_one(value: float) -> None:
 def _at_least_one(value: int) -> None:
     if value < 1:
         raise ValueError(f"expected a count >= 1, got {value}")
+
+
+#: How a basis reads in a log line or a failure message.
+_WHAT = {COMPUTE: "compute time per step", STEP: "step time"}
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 6)
 
 
 @hookimpl
@@ -114,9 +125,10 @@ class StepTimes:
         """Publish this window's step times, judge (rank 0) or read the verdict (others); a
         NodeProblem when this node has a straggler and ``exclude`` is on."""
         agent, store = self._agent, group.store
-        times = self._clock.sample(agent.worker_steps(), now)
-        mine = [[w.global_rank, w.local_rank, round(times[w.local_rank], 6)] for w in group.workers
-                if w.local_rank in times]
+        clock = self._clock
+        times = clock.sample(agent.worker_steps(), now, agent.worker_compute())
+        mine = [[w.global_rank, w.local_rank, round(times[w.local_rank], 6), _rounded(clock.compute.get(w.local_rank))]
+                for w in group.workers if w.local_rank in times]
         self._seq += 1
         prefix = f"{STORE_PREFIX}/{agent.restart_count}"
         store.set(f"{prefix}/node/{group.group_rank}", json.dumps(
@@ -126,15 +138,15 @@ class StepTimes:
             store.set(f"{prefix}/job", json.dumps(verdict))
         else:
             verdict = self._read_verdict(store, f"{prefix}/job")
-            ranks = [RankTime(agent.hostname, group.group_rank, lr, g, t) for g, lr, t in mine]
+            ranks = [RankTime(agent.hostname, group.group_rank, lr, g, t, c) for g, lr, t, c in mine]
         self._show(ranks, verdict)
         flagged = [s for s in verdict.get("stragglers", []) if s["node_rank"] == group.group_rank]
         if not (flagged and self.exclude):
             return None
         s = flagged[0]
         return NodeProblem(f"rank {s['global_rank']} (local_rank {s['local_rank']}) is a straggler: {s['factor']}x "
-                           f"the job's median step time {s['median_s']:.4f}s for {s['windows']} windows",
-                           FailureClass.STRAGGLER)
+                           f"the job's median {_WHAT[s['basis']]} {s['median_s']:.4f}s for {s['windows']} windows",
+                           FailureClass.STRAGGLER, global_rank=s["global_rank"])
 
     def _judge_window(self, store: Any, prefix: str, world: int) -> tuple[list[RankTime], dict[str, Any]]:
         keys = [f"{prefix}/node/{r}" for r in range(world)]
@@ -147,17 +159,17 @@ class StepTimes:
             node = json.loads(raw)
             new = self._seen.get(node["node_rank"]) != node["seq"]
             self._seen[node["node_rank"]] = node["seq"]
-            for g, lr, t in node["ranks"]:
-                ranks.append(RankTime(node["host"], node["node_rank"], lr, g, t))
+            for g, lr, t, c in node["ranks"]:
+                ranks.append(RankTime(node["host"], node["node_rank"], lr, g, t, c))
                 if new:
                     fresh.add(g)
         for s in self._judge.judge(ranks, fresh):
-            log.warning("straggler: rank %s (local_rank %s) on %s (node rank %s): %.2fx the job's median step time "
+            log.warning("straggler: rank %s (local_rank %s) on %s (node rank %s): %.2fx the job's median %s "
                         "%.4fs for %s windows", s.global_rank, s.local_rank, s.host, s.node_rank, s.factor,
-                        s.median_s, s.windows)
+                        _WHAT[s.basis], s.median_s, s.windows)
             self._agent.record_event("straggler", **attrs.asdict(s))
         judge = self._judge
-        verdict = {"window": judge.window, "median_s": judge.median_s, "ranks": len(ranks),
+        verdict = {"window": judge.window, "median_s": judge.median_s, "basis": judge.basis, "ranks": len(ranks),
                    "stragglers": [attrs.asdict(s) for s in judge.active.values()]}
         return ranks, verdict
 
@@ -170,13 +182,14 @@ class StepTimes:
 
     def _show(self, ranks: list[RankTime], verdict: dict[str, Any]) -> None:
         """``/status``'s ``step_times``, the metrics and the ``step_times`` event of one window."""
-        median = verdict.get("median_s")
+        median, basis = verdict.get("median_s"), verdict.get("basis", STEP)
         slow = {s["global_rank"] for s in verdict.get("stragglers", [])}
         rows = [{"global_rank": r.global_rank, "local_rank": r.local_rank, "node_rank": r.node_rank, "host": r.host,
-                 "step_time_s": r.step_time_s, "ratio": ratio(r.step_time_s, median), "straggler": r.global_rank in slow}
+                 "step_time_s": r.step_time_s, "compute_s": r.compute_s, "ratio": ratio(r.time_s(basis), median),
+                 "straggler": r.global_rank in slow}
                 for r in sorted(ranks, key=lambda r: r.global_rank)]
-        view = {"window_s": self.window_s, "factor": self.factor, "windows": self.windows, "median_s": median,
-                "stragglers": verdict.get("stragglers", []), "ranks": rows}
+        view = {"window_s": self.window_s, "factor": self.factor, "windows": self.windows, "basis": basis,
+                "median_s": median, "stragglers": verdict.get("stragglers", []), "ranks": rows}
         self._agent.step_times = view
         agent = self._agent
         if median is not None:
@@ -194,10 +207,13 @@ class StepTimes:
 def fsm_agent_configure(config, agent):
     options = config.plugin_options(PLUGIN_NAME) if config is not None else {}
     window = float(options.get("window") or 0.0)
-    if window <= 0:
-        return
-    excluded = config.plugin_options("restart-policy").get("exclude_node_on") or ""
+    excluded = (config.plugin_options("restart-policy").get("exclude_node_on") or "") if config is not None else ""
     exclude = FailureClass.STRAGGLER in (name.strip() for name in excluded.split(","))
+    if window <= 0:
+        if exclude:  # nothing would ever find a straggler to exclude
+            raise ConfigError("--exclude-node-on straggler needs --straggler-window S (seconds > 0, e.g. "
+                              "--straggler-window 30): without it no step times are judged")
+        return
     agent.track_steps()
     agent.plugin_manager.register(
         StepTimes(agent, window, factor=float(options.get("factor") or 1.5), windows=int(options.get("windows") or 3),

@@ -35,10 +35,29 @@ WORKER = f"""
 """
 
 
-def write_worker(directory: Path) -> str:
-    """Write the worker script into ``directory``; its path."""
-    path = Path(directory) / "straggler_worker.py"
-    path.write_text(textwrap.dedent(WORKER))
+#: A lockstep job (DDP's shape): every step computes, then all ranks meet in a gloo all_reduce, so
+#: all advance together and only the compute time that ``fsm_agent.compute()`` reports differs.
+LOCKSTEP_WORKER = f"""
+    import os, sys, time
+    import torch, torch.distributed as dist
+    import fsm_agent
+    dist.init_process_group("gloo")
+    slow = os.environ["RANK"] == os.environ.get("SLOW_RANK")
+    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 10**9
+    grad = torch.ones(4)
+    for step in range(1, steps + 1):
+        with fsm_agent.compute():  # forward/backward: the part before the collective
+            time.sleep({STEP_S * SLOW_FACTOR} if slow else {STEP_S})
+        dist.all_reduce(grad)  # every rank waits here for the slowest
+        fsm_agent.heartbeat(step=step)
+    dist.destroy_process_group()
+"""
+
+
+def write_worker(directory: Path, lockstep: bool = False) -> str:
+    """Write the worker script (``LOCKSTEP_WORKER`` with ``lockstep``) into ``directory``; its path."""
+    path = Path(directory) / ("lockstep_worker.py" if lockstep else "straggler_worker.py")
+    path.write_text(textwrap.dedent(LOCKSTEP_WORKER if lockstep else WORKER))
     return str(path)
 
 
@@ -56,15 +75,15 @@ def events(path: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in map(json.loads, filter(str.strip, path.read_text().splitlines())) if e["kind"] == kind]
 
 
-def check_found(*paths: Path) -> dict[str, Any]:
+def check_found(*paths: Path, basis: str = "step") -> dict[str, Any]:
     """The one ``straggler`` record in the events files ``paths``, checked: global rank 3 (node
     rank 1, local rank 1), a factor above FACTOR, found by group rank 0 within WINDOWS +
-    MARGIN_WINDOWS windows of its first step time."""
+    MARGIN_WINDOWS windows of its first step time, judged on ``basis``."""
     found = [e for path in paths for e in events(path, "straggler")]
     assert len(found) == 1, found  # once per episode, by the judge alone
     (record,) = found
     assert (record["global_rank"], record["local_rank"], record["node_rank"]) == (3, 1, 1), record
     assert record["host"] and record["factor"] > FACTOR and record["windows"] == WINDOWS, record
     assert record["window"] - record["since_window"] + 1 <= WINDOWS + MARGIN_WINDOWS, record
-    assert record["group_rank"] == 0, record
+    assert record["group_rank"] == 0 and record["basis"] == basis, record
     return record

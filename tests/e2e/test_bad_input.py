@@ -38,7 +38,7 @@ BAD = {
     "signals-untrappable": (["--signals-to-handle", "SIGKILL"], {}, "SIGKILL"),
     "no-python-with-module": (["--no-python", "-m"], {}, "--no-python"),
     "plugin-option-check": (["--health-check-interval", "0"], {}, "expected seconds > 0, got 0.0 (see"),
-    "plugin-option-choice": (["--exclude-node-on", "gpu"], {}, "health_check, got 'gpu' (see"),
+    "plugin-option-choice": (["--exclude-node-on", "gpu"], {}, "straggler, got 'gpu' (see"),
     "forward-signals-unknown": (["--forward-signals", "SIGFOO"], {}, "--forward-signals 'SIGFOO'"),
     "forward-signals-untrappable": (["--forward-signals", "SIGKILL"], {}, "cannot be trapped"),
     "forward-signals-env": ([], {"FSM_AGENT_FORWARD_SIGNALS": "USR1"}, "FSM_AGENT_FORWARD_SIGNALS='USR1'"),

@@ -97,6 +97,32 @@ def test_an_even_job_has_no_straggler(tmp_path, agents):
     assert sum(r > FACTOR for r in ratios) <= len(ratios) // 20, ratios
 
 
+@pytest.mark.parametrize("slow", [True, False], ids=["slow_rank", "even"])
+def test_a_lockstep_job_is_judged_by_compute_time(tmp_path, agents, slow):
+    """A real lockstep job: gloo all_reduce every step, so every rank's step time is the same.
+    With global rank 3 sleeping 10x longer inside ``fsm_agent.compute()``, group rank 0 reports
+    it with its rank and factor within WINDOWS + MARGIN_WINDOWS windows, judged on compute time;
+    the even job gives no report, and its windows are judged on compute time too."""
+    script, port = write_worker(tmp_path, lockstep=True), free_port()
+    paths = {n: tmp_path / f"{n}.jsonl" for n in "ab"}
+    env = {"SLOW_RANK": "3"} if slow else {}
+    procs = [agents.start(*_common("fsm", port, "lockstep", "--events-file", str(paths[n]), host=n == "a"),
+                          script, "100" if slow else "500", env=env) for n in "ab"]
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+    windows = [w for w in events(paths["a"], "step_times") if len(w["ranks"]) == 4]
+    assert len(windows) >= 10, len(windows)
+    assert all(w["basis"] == "compute" for w in windows[1:]), [w["basis"] for w in windows]
+    # The step times are even (lockstep) whether or not a rank is slow: the step time cannot tell.
+    step_ratios = sorted(r["step_time_s"] / w["ranks"][0]["step_time_s"] for w in windows[2:] for r in w["ranks"])
+    assert 0.5 <= step_ratios[len(step_ratios) // 2] <= 2, step_ratios
+    if slow:
+        check_found(paths["a"], paths["b"], basis="compute")
+    else:
+        assert not events(paths["a"], "straggler") and not events(paths["b"], "straggler")
+
+
 def test_with_exclusion_the_slow_node_leaves_and_the_job_continues(tmp_path, agents):
     """--exclude-node-on straggler on both: node rank 1 hosts the slow rank, fails its health
     check with class straggler and leaves (exit 69, the verdict names the straggler); node rank 0
@@ -109,7 +135,8 @@ def test_with_exclusion_the_slow_node_leaves_and_the_job_continues(tmp_path, age
     out_a, err_a = a.communicate(timeout=180)
     assert b.returncode == 69, err_b
     assert "Verdict: straggler on rank" in err_b and "this node leaves the job" in err_b, err_b
-    assert "rank 3 (local_rank 1) is a straggler" in err_b, err_b  # every local worker fails; 3 is the cause
+    assert "Verdict: straggler on rank 3:" in err_b, err_b  # every local worker fails; the slow rank is the cause
+    assert "rank 3 (local_rank 1) is a straggler" in err_b, err_b
     assert a.returncode == 0, err_a
     assert_excluded_node_left(tmp_path / "b.jsonl", tmp_path / "a.jsonl")
     assert (tmp_path / "started.2.1").exists()  # the job went on with node rank 0 alone

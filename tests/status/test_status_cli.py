@@ -108,7 +108,7 @@ def test_the_step_times_are_a_table_with_the_median_and_each_ratio():
                                            {"global_rank": 1, "local_rank": 1, "node_rank": 0, "host": "n1",
                                             "step_time_s": 0.2, "ratio": 4.0, "straggler": True}]}}
     text = status_cli.render_plain(doc, "http://x/status")
-    assert "step times (job median 0.0500s; straggler above 1.5x for 3 windows)" in text
+    assert "step times (job median step time 0.0500s; straggler above 1.5x for 3 windows)" in text
     assert text.splitlines()[-1].split() == ["1", "1", "0", "n1", "0.2000s", "4.00x", "yes"]
     assert "step times" not in status_cli.render_plain({**DOC, "step_times": None}, "http://x/status")
     pytest.importorskip("rich")
