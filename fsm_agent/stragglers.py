@@ -5,8 +5,8 @@ the step each worker reports with ``fsm_agent.heartbeat(step=N)`` once per windo
 no worker change beyond that call), every agent publishes its workers' step times to the
 rendezvous store, and the agent of group rank 0 judges them (``StragglerJudge``): a rank whose
 step time is above ``factor`` times the job's median for ``windows`` consecutive windows is a
-straggler, reported once per episode (an episode ends when the rank is back within the factor,
-or with the attempt).
+straggler, reported once per episode (an episode ends when the rank is back within the factor for
+``windows`` windows in a row, or with the attempt).
 
 The step time is what the agent sees of a worker's progress: it finds a rank that is slower on
 its own (independent ranks, data loading, a rank ahead of a collective). In a job whose every
@@ -141,6 +141,7 @@ class StragglerJudge:
         #: Ranks in an episode now: {global_rank: the Straggler report}.
         self.active: dict[int, Straggler] = {}
         self._slow: dict[int, int] = {}
+        self._fast: dict[int, int] = {}  # consecutive windows within the factor, per global rank
         self._first: dict[int, int] = {}
 
     def judge(self, ranks: Iterable[RankTime], fresh: Iterable[int]) -> list[Straggler]:
@@ -163,8 +164,13 @@ class StragglerJudge:
             ratio = r.time_s(basis) / median if median > 0 else 1.0
             if ratio <= self.factor:
                 self._slow[g] = 0
-                self.active.pop(g, None)  # the episode is over
+                # One fast window (a noisy one, a busy machine) does not end an episode: as many
+                # windows within the factor as it took to find it do, so a rank is reported once.
+                self._fast[g] = self._fast.get(g, 0) + 1
+                if self._fast[g] >= self.windows:
+                    self.active.pop(g, None)  # the episode is over
                 continue
+            self._fast[g] = 0
             self._slow[g] = self._slow.get(g, 0) + 1
             if self._slow[g] >= self.windows and g not in self.active:
                 self.active[g] = Straggler(host=r.host, node_rank=r.node_rank, local_rank=r.local_rank, global_rank=g,

@@ -37,7 +37,10 @@ def test_a_rank_above_the_factor_for_w_windows_is_reported_once_per_episode():
     assert (found.global_rank, found.node_rank, found.local_rank, found.factor) == (3, 1, 1, 4.0)
     assert (found.windows, found.window, found.since_window, found.median_s) == (3, 3, 1, pytest.approx(0.1))
     assert judge.judge(slow, everyone) == [] and set(judge.active) == {3}  # the same episode
-    assert judge.judge(_times(0.1, 0.1, 0.1, 0.12), everyone) == [] and judge.active == {}  # back: it ends
+    back = _times(0.1, 0.1, 0.1, 0.12)
+    assert judge.judge(back, everyone) == [] and set(judge.active) == {3}  # one fast window: still the episode
+    assert judge.judge(back, everyone) == [] and judge.judge(back, everyone) == []
+    assert judge.active == {}  # back within the factor for W windows: it ends
     for _ in range(2):
         assert judge.judge(slow, everyone) == []
     assert [s.global_rank for s in judge.judge(slow, everyone)] == [3]  # a new episode
