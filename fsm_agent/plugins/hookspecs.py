@@ -281,7 +281,9 @@ def fsm_agent_put_metric(metric_group: str, metric_name: str, metric_value: floa
         Nothing. Exceptions are logged and do not stop other listeners or the agent.
 
     Called from:
-        After every transition (``after_state_change``) and once at the end of ``run``.
+        After every transition (``after_state_change``) and once at the end of ``run``; the
+        launcher's own timings (``fsm_agent.launcher.*``, e.g. the preload import) from
+        ``_start_workers`` (``start``, ``restart``), when the launcher reports them.
     """
 
 
@@ -307,7 +309,9 @@ def fsm_agent_record_event(event: dict[str, Any]) -> None:
         record from the steps that end a restart cycle, before their transition:
         ``_decide_on_failed_workers`` (``workers_failed``), ``_decide_on_membership_change``
         (``membership_changed``) and ``_record_return_values`` (``workers_succeeded``); a ``drain``
-        record from ``_drain_workers`` (``drain_requested``), once its workers are stopped.
+        record from ``_drain_workers`` (``drain_requested``), once its workers are stopped; a
+        ``launcher_timings`` record from ``_start_workers`` (``start``, ``restart``), when the launcher
+        reports its timings.
     """
 
 
