@@ -36,6 +36,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fsm_agent.testing.node_loss import NodeLossJob
 from fsm_agent.testing.processes import remove_worker_cgroups, tmpdir_env
 
 #: Seconds an agent may take before a test gives up on it (the machine may have 2 slow cores).
@@ -329,3 +330,18 @@ def launcher(tmp_path):
     yield launch
     leftovers = launch.cleanup()
     assert not leftovers, "processes left behind after their agent ended:\n" + "\n".join(leftovers)
+
+
+@pytest.fixture
+def job_factory(tmp_path):
+    """``make(flags)``: a ``NodeLossJob`` (agents as separate "nodes" with real workers) with those
+    flags; every job made is closed (its agents and workers stopped by process group) afterwards."""
+    jobs = []
+
+    def make(flags: list[str]) -> NodeLossJob:
+        jobs.append(NodeLossJob(tmp_path, flags))
+        return jobs[-1]
+
+    yield make
+    for job in jobs:
+        job.close()

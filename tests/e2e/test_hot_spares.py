@@ -44,19 +44,6 @@ def fsm_flags(port: int, *conf: str) -> list[str]:
             "--max-restarts", "0", "--rdzv-conf", ",".join(["join_timeout=120", *conf])]
 
 
-@pytest.fixture
-def job_factory(tmp_path):
-    jobs = []
-
-    def make(flags: list[str]) -> NodeLossJob:
-        jobs.append(NodeLossJob(tmp_path, flags))
-        return jobs[-1]
-
-    yield make
-    for job in jobs:
-        job.close()
-
-
 def standby_events(job: NodeLossJob, name: str) -> list[dict]:
     return [e for e in job.events(name) if e["kind"] == "standby"]
 

@@ -44,19 +44,6 @@ def c10d_flags(port: int, nnodes: str = "1:2", conf: str = "keep_alive_interval=
             "--max-restarts", "0", "--rdzv-conf", f"join_timeout=60,last_call_timeout=3,{conf}"]
 
 
-@pytest.fixture
-def job_factory(tmp_path):
-    jobs = []
-
-    def make(flags: list[str]) -> NodeLossJob:
-        jobs.append(NodeLossJob(tmp_path, flags))
-        return jobs[-1]
-
-    yield make
-    for job in jobs:
-        job.close()
-
-
 def rendezvous_state(port: int):
     """torch's ``_RendezvousState`` of run ``node-loss``, read through torch's own c10d backend."""
     from torch.distributed import TCPStore
