@@ -155,9 +155,16 @@ def test_plan_reserved_seats_and_redundant_nodes():
 
 
 # -- real handlers ----------------------------------------------------------------------------------------
+#: A settle window far longer than any round here: a round that waited for it would show.
+LONG_SETTLE = dict(last_call_timeout=60.0, rejoin_timeout=120.0, join_timeout=180)
+#: Generous against a loaded 2-core CI machine, well below LONG_SETTLE's window (behaviour, not speed:
+#: the speed of a round is benchmarks/rendezvous_scale.py's).
+NO_SETTLE_BOUND_S = 30.0
+
+
 @pytest.mark.parametrize("k", [2, 4, 8, 16])
-def test_k_nodes_form_one_round_quickly(nodes, k, record_property):
-    handlers = [nodes.add(k, k) for _ in range(k)]
+def test_k_nodes_form_one_round_without_waiting_for_the_settle_window(nodes, k, record_property):
+    handlers = [nodes.add(k, k, **LONG_SETTLE) for _ in range(k)]
     assert [h.hosts_store for h in handlers] == [True] + [False] * (k - 1)
     results, elapsed = rendezvous_all(handlers)
     assert all(not isinstance(r, BaseException) for r in results), results
@@ -167,12 +174,12 @@ def test_k_nodes_form_one_round_quickly(nodes, k, record_property):
     assert len({(r.bootstrap_store_info.master_addr, r.bootstrap_store_info.master_port) for r in results}) == 1
     record_property(f"round_s_k{k}", round(elapsed, 4))
     print(f"\nK={k}: first round in {elapsed * 1000:.1f} ms")
-    assert elapsed < (1.0 if k <= 4 else 3.0)
-    # a second round (every node restarts) is as quick: no sleeps anywhere
+    assert elapsed < NO_SETTLE_BOUND_S  # n == max completes at once, not after last_call_timeout
+    # a second round (every node restarts) neither: no sleeps anywhere
     results, elapsed = rendezvous_all(handlers)
     assert sorted(r.rank for r in results) == list(range(k))
     print(f"K={k}: restart round in {elapsed * 1000:.1f} ms")
-    assert elapsed < (1.0 if k <= 4 else 3.0)
+    assert elapsed < NO_SETTLE_BOUND_S
 
 
 def test_round_store_serves_rank_assignment_and_exit_barrier(nodes):
