@@ -16,6 +16,8 @@ from fsm_agent import _early_zygote  # noqa: E402
 
 _early_zygote.install()  # then --launcher preload's zygote starts importing torch while the agent starts
 
+from typing import Any  # noqa: E402
+
 from fsm_agent.config import LaunchConfig
 from fsm_agent.heartbeat import compute, heartbeat
 from fsm_agent.plugins import hookimpl
@@ -26,7 +28,7 @@ from fsm_agent.worker import RunResult, Worker, WorkerFailure, WorkerGroup, Work
 _LAUNCH_NAMES = ("launch_agent", "elastic_launch", "run_agent", "WorkerGroupFailedError", "AgentFailedError")
 
 
-def __getattr__(name):  # the launcher pulls in the agent; keep `import fsm_agent` light
+def __getattr__(name: str) -> Any:  # the launcher pulls in the agent; keep `import fsm_agent` light
     if name in _LAUNCH_NAMES:
         from fsm_agent import launch
 

@@ -33,7 +33,7 @@ from fsm_agent._early_zygote import listen_on
 from fsm_agent.env import worker_env
 from fsm_agent.errors import FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.hang import HangDetector, announce_stack_dump, dump_stacks
-from fsm_agent.logs import LogsLayout, WorkerLogs
+from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, WorkerLogs
 from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.progress import Cycle, next_cycle, read_progress_file
 from fsm_agent.ranks import assign_ranks
@@ -158,14 +158,14 @@ class ElasticAgent:
         plugin_manager: from ``fsm_agent.plugins.manager.get_plugin_manager``.
         rdzv_handler: a torch-style RendezvousHandler (from the backend registry).
         launcher: a launcher instance (from the backend registry).
-        logs: the LogsLayout for this run.
+        logs: the LogsLayout (or TorchLogsSpecsLayout, ``--logs-specs``) for this run.
         events_path: where the built-in recorder writes events (None: ``events.jsonl`` in the log dir).
         signals_to_handle: signal names that stop the workers and the agent (``--signals-to-handle``).
         forward_signals: signal names relayed to every live worker's process group (``--forward-signals``).
     """
 
     def __init__(self, spec: WorkerSpec, plugin_manager: pluggy.PluginManager, rdzv_handler: Any,
-                 launcher: Any, logs: LogsLayout, events_path: str | None = None,
+                 launcher: Any, logs: LogsLayout | TorchLogsSpecsLayout, events_path: str | None = None,
                  signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT", config: Any = None,
                  forward_signals: str = ""):
         self.spec = spec

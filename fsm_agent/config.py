@@ -30,7 +30,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -45,9 +45,10 @@ try:  # Python >= 3.11
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     try:
-        import tomli as tomllib  # type: ignore[no-redef]
+        # The ignores apply when mypy targets Python >= 3.11 (tomllib found), not 3.10 (it is not).
+        import tomli as tomllib  # type: ignore[no-redef, unused-ignore]
     except ModuleNotFoundError:
-        tomllib = None  # type: ignore[assignment]
+        tomllib = None  # type: ignore[assignment, unused-ignore]
 
 
 def _check(cond: bool, message: str) -> None:
@@ -395,7 +396,8 @@ def _read_toml(path: str, origin: str) -> dict[str, Any]:
         raise ConfigError(f"{origin} {path}: reading TOML needs Python >= 3.11 or the 'tomli' package")
     try:
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
+            data: dict[str, Any] = tomllib.load(fh)
+            return data
     except FileNotFoundError:
         raise ConfigError(f"{origin} {path}: no such file; check the path") from None
     except OSError as exc:
@@ -473,10 +475,10 @@ def _schema() -> type:
     """The file's attrs class, generated from ``KEYS``: top-level keys plus one class per section."""
     sections = {
         section: attrs.make_class(f"{section.capitalize()}Section", _optional_fields(
-            (k.name, k.kind.type) for k in KEYS if k.section == section), frozen=True)
+            (k.name, cast(Kind, k.kind).type) for k in KEYS if k.section == section), frozen=True)
         for section in SECTIONS
     }
-    top = [(k.name, k.kind.type) for k in KEYS if not k.section]
+    top = [(k.name, cast(Kind, k.kind).type) for k in KEYS if not k.section]  # every file key has a kind
     fields = _optional_fields([*top, *sections.items(), (PLUGINS_SECTION, RAW.type)])
     return attrs.make_class("ConfigFileSchema", fields, frozen=True)
 
@@ -500,7 +502,10 @@ def make_config_converter() -> Any:
         lambda t: isinstance(getattr(t, "fsm_agent_kind", None), Kind),
         lambda value, t: t.fsm_agent_kind.structure(value))
     for python_type, kind in TYPE_KINDS.items():
-        converter.register_structure_hook(python_type, lambda value, _t, kind=kind: kind.structure(value))
+        def structure_kind(value: Any, _t: type, kind: Kind = kind) -> Any:
+            return kind.structure(value)
+
+        converter.register_structure_hook(python_type, structure_kind)
 
     from cattrs.gen import make_dict_structure_fn
 
@@ -616,7 +621,7 @@ def load_file_values(config_file: ConfigFile, options: OptionRegistry | Iterable
             holder = getattr(parsed, key.section) if key.section else parsed
             value = getattr(holder, key.name) if holder is not None else None
             if value is not None:
-                values[key.key] = value
+                values[cast(str, key.key)] = value  # KEYS: the settings with a key
 
     plugins = _load_plugin_tables(config_file.data.get(PLUGINS_SECTION), list(options), set(disabled),
                                   converter, errors)

@@ -26,7 +26,8 @@ from fsm_agent.errorfile import format_summary, propagate_to_parent
 from fsm_agent.errors import ConfigError, FsmAgentError
 from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, load_logs_specs, parse_std
 from fsm_agent.plugins.manager import build_registry, get_plugin_manager
-from fsm_agent.worker import RendezvousSpec, RunResult, WorkerFailure, WorkerSpec, WorkerState
+from fsm_agent.states.worker_state import WorkerState
+from fsm_agent.worker import RendezvousSpec, RunResult, WorkerFailure, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def _configure_logging() -> None:
     logging.getLogger("transitions").setLevel(logging.WARNING)  # one line per callback is noise
 
 
-def build_spec(config: LaunchConfig, entrypoint: str | Callable, args: tuple,
+def build_spec(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...],
                conf_keys: frozenset[str] | None = None) -> WorkerSpec:
     """The ``WorkerSpec`` for ``config``; ``conf_keys``: the ``--rdzv-conf`` keys the rendezvous backend
     declared in the registry (None: not declared)."""
@@ -71,7 +72,7 @@ def _logs_layout(config: LaunchConfig) -> LogsLayout | TorchLogsSpecsLayout:
                       duplicate_stderr_filters=tuple(config.duplicate_stderr_filters))
 
 
-def create_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple, *,
+def create_agent(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...], *,
                  plugin_manager: Any = None) -> ElasticAgent:
     """Build (but do not run) the agent for ``config``.
 
@@ -112,7 +113,7 @@ class _LauncherOwner:
     config: LaunchConfig
 
 
-def run_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple = (), *,
+def run_agent(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...] = (), *,
               plugin_manager: Any = None) -> RunResult:
     """Run one agent to the end; on failure print the summary and copy the root cause's error file
     to an outer launcher's ``TORCHELASTIC_ERROR_FILE``. What ``fsm-agent run`` does.
@@ -137,7 +138,7 @@ def run_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple = ()
     return result
 
 
-def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple | list = (),
+def launch_agent(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...] | list[Any] = (),
                  health_check_server: Any = None, *, plugin_manager: Any = None) -> dict[int, Any]:
     """Run one agent to the end. Mirrors ``torch.distributed.launcher.api.launch_agent``.
 
@@ -168,11 +169,14 @@ def launch_agent(config: LaunchConfig, entrypoint: str | Callable, args: tuple |
     if result.signal is not None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
-        raise SignalException(f"Process {os.getpid()} got signal: {result.signal}", sigval=result.signal)
+        # torch annotates sigval as signal.Signals; fsm-agent has always passed the plain signal
+        # number (an int, equal to the Signals member), kept as it is.
+        raise SignalException(f"Process {os.getpid()} got signal: {result.signal}",
+                              sigval=result.signal)  # type: ignore[arg-type]
     raise AgentFailedError(name, result)
 
 
-def _launch_in_scope(config: LaunchConfig, entrypoint: str | Callable, args: tuple,
+def _launch_in_scope(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...],
                      plugin_manager: Any = None) -> tuple[RunResult, str]:
     config = LaunchConfig.coerce(config)
     _configure_logging()
@@ -199,11 +203,12 @@ def _initialize_metrics(metrics_cfg: dict[str, str]) -> None:
     """torch's ``metrics.initialize_metrics(MetricsConfig(cfg))``, only when a config was given."""
     if metrics_cfg:
         from torch.distributed.elastic import metrics
+        from torch.distributed.elastic.metrics.api import MetricsConfig  # what metrics re-exports
 
-        metrics.initialize_metrics(metrics.MetricsConfig(dict(metrics_cfg)))
+        metrics.initialize_metrics(MetricsConfig(dict(metrics_cfg)))
 
 
-def _launch(config: LaunchConfig, entrypoint: str | Callable, args: tuple,
+def _launch(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...],
             stop: _StopBeforeRun, plugin_manager: Any = None) -> tuple[RunResult, str]:
     agent = create_agent(config, entrypoint, args, plugin_manager=plugin_manager)
     try:
@@ -251,7 +256,7 @@ class _StopBeforeRun:
         raise _SignalBeforeRun(signum)
 
 
-def _drop_signal(signum, frame):
+def _drop_signal(signum: int, frame: Any) -> None:
     log.info("%s before any worker started: not forwarded", signal.Signals(signum).name)
 
 
@@ -269,7 +274,7 @@ class AgentFailedError(FsmAgentError):
         super().__init__(f"{name} FAILED: {result.error or result.verdict or result.state.value}")
         self.name, self.result = name, result
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[AgentFailedError], tuple[str, RunResult]]:
         return (type(self), (self.name, self.result))
 
 
@@ -305,7 +310,7 @@ def _worker_group_failed_error() -> type:
         def root_cause(self) -> WorkerFailure | None:
             return self.result.root_cause
 
-        def __reduce__(self):
+        def __reduce__(self) -> tuple[type[ChildFailedError], tuple[str, RunResult]]:
             return (type(self), (self.name, self.result))
 
     WorkerGroupFailedError.__module__ = __name__
@@ -349,7 +354,7 @@ class elastic_launch:
         AgentFailedError / SignalException: as ``launch_agent``.
     """
 
-    def __init__(self, config: LaunchConfig, entrypoint: str | Callable, health_check_server: Any = None):
+    def __init__(self, config: LaunchConfig, entrypoint: str | Callable[..., Any], health_check_server: Any = None):
         self._config, self._entrypoint, self._health_check_server = config, entrypoint, health_check_server
 
     def __call__(self, *args: Any) -> dict[int, Any]:

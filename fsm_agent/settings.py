@@ -24,7 +24,7 @@ import os
 import re
 import signal
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -275,31 +275,31 @@ class Kind:
 
 def _string(value: Any) -> str:
     _need(isinstance(value, str))
-    return value
+    return cast(str, value)
 
 
 def _bool(value: Any) -> bool:
     _need(isinstance(value, bool))
-    return value
+    return cast(bool, value)
 
 
 def _int_at_least(minimum: int) -> Callable[[Any], int]:
     def convert(value: Any) -> int:
         _need(_is_int(value) and value >= minimum)
-        return value
+        return cast(int, value)
     return convert
 
 
 def _seconds(positive: bool) -> Callable[[Any], float]:
     def convert(value: Any) -> float:
         _need(_is_number(value) and (value > 0 if positive else value >= 0))
-        return value
+        return cast(float, value)
     return convert
 
 
 def _port(value: Any) -> int:
     _need(_is_int(value) and 1 <= value <= 65535)
-    return value
+    return cast(int, value)
 
 
 def _nnodes(value: Any) -> str:
@@ -311,7 +311,7 @@ def _nnodes(value: Any) -> str:
     _need(1 <= len(parts) <= 2 and all(p.strip().isdigit() for p in parts))
     low, high = int(parts[0]), int(parts[-1])
     _need(0 < low <= high)
-    return value
+    return cast(str, value)
 
 
 def _nproc(value: Any) -> str:
@@ -319,7 +319,7 @@ def _nproc(value: Any) -> str:
         _need(value > 0)
         return str(value)
     _need(value in NPROC_NAMES)
-    return value
+    return cast(str, value)
 
 
 def _std(value: Any) -> str:
@@ -327,7 +327,7 @@ def _std(value: Any) -> str:
         _need(0 <= value <= 3)
         return str(value)
     _need(isinstance(value, str) and bool(STD_VALUE.fullmatch(value) or STD_MAP.fullmatch(value)))
-    return value
+    return cast(str, value)
 
 
 def _signals(value: Any) -> str:
@@ -365,6 +365,16 @@ def _conf(value: Any) -> dict[str, Any]:
     return dict(value)
 
 
+def _int(value: Any) -> int:
+    _need(_is_int(value))
+    return cast(int, value)
+
+
+def _number(value: Any) -> float:
+    _need(_is_number(value))
+    return float(value)
+
+
 def choice_kind(values: Iterable[Any]) -> Kind:
     """A kind accepting exactly one of ``values`` (same type: no ``"1"`` for ``1``)."""
     values = tuple(values)
@@ -398,8 +408,8 @@ CONF = Kind("a table of backend options (strings, numbers or booleans)", "table"
 #: The kind of a plugin option of each Python type (``fsm_agent.config.PluginOption``).
 TYPE_KINDS: dict[type, Kind] = {
     str: STRING, bool: BOOL,
-    int: Kind("an integer", "integer", lambda v: (_need(_is_int(v)), v)[1]),
-    float: Kind("a number", "number", lambda v: (_need(_is_number(v)), float(v))[1]),
+    int: Kind("an integer", "integer", _int),
+    float: Kind("a number", "number", _number),
 }
 
 

@@ -14,12 +14,12 @@ import attrs
 from fsm_agent.states.worker_state import WorkerState
 
 
-def _positive(instance, attribute, value):
+def _positive(instance: Any, attribute: attrs.Attribute[Any], value: float) -> None:
     if value <= 0:
         raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
 
 
-def _non_negative(instance, attribute, value):
+def _non_negative(instance: Any, attribute: attrs.Attribute[Any], value: float) -> None:
     if value < 0:
         raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
 
@@ -51,7 +51,7 @@ class RendezvousSpec:
     conf_keys: frozenset[str] | None = None
 
     @max_nodes.validator
-    def _check_bounds(self, attribute, value):
+    def _check_bounds(self, attribute: attrs.Attribute[int], value: int) -> None:
         if value < self.min_nodes:
             raise ValueError(f"max_nodes ({value}) must be >= min_nodes ({self.min_nodes})")
 
@@ -82,7 +82,7 @@ class WorkerSpec:
     role: str
     local_world_size: int = attrs.field(validator=_positive)
     entrypoint: str | Callable[..., Any]
-    args: tuple = ()
+    args: tuple[Any, ...] = ()
     rendezvous: RendezvousSpec = attrs.field(factory=RendezvousSpec)
     max_restarts: int = attrs.field(default=0, validator=_non_negative)
     monitor_interval: float = attrs.field(default=0.1, validator=_positive)
