@@ -424,6 +424,12 @@ class ElasticAgent:
             return "drain_requested", dict(self._drain_request)
         self._hang.read_timer_requests()
         if membership and membership[0] in ready and (change := self._membership_change()):
+            # A peer that drains the job leaves it at once: its announcement, not its leaving, is
+            # what happened, whenever the last look for it was.
+            if self._watches_drain:
+                self._look_for_drain()
+                if self._drain_request is not None:
+                    return "drain_requested", dict(self._drain_request)
             # A lost peer usually fails our workers too (their collectives break); the cause is the
             # membership change, which is not counted as a restart.
             return "membership_changed", {"change": change}
