@@ -40,7 +40,7 @@ def test_quick_mode_runs_every_scenario_with_both_launchers(tmp_path):
         assert f"({sid}) " in final[1], f"scenario ({sid}) missing from the table\n{report}"
 
     # Every row of the Markdown table has a result for fsm-agent and for torchrun.
-    rows = [line for line in markdown.read_text().splitlines() if re.match(r"\| \([a-i]\) ", line)]
+    rows = [line for line in markdown.read_text().splitlines() if re.match(rf"\| \([{SCENARIOS}]\) ", line)]
     assert {row[3] for row in rows} == set(SCENARIOS), report
     for row in rows:
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]]
