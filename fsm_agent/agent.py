@@ -55,6 +55,11 @@ JOB_DRAIN_KEY = "fsm_agent/drain/job"
 #: The same store's count of nodes that left the round by a node drain: a peer's workers that
 #: fail meanwhile (a collective with the departed node) are a membership change, not a failure.
 NODE_DRAIN_KEY = "fsm_agent/drain/nodes"
+#: Peers that saw the job-wide drain count themselves here, so its announcer (maybe the store's
+#: host, c10d) waits for them before it leaves and takes the store along.
+JOB_DRAIN_SEEN_KEY = "fsm_agent/drain/job_seen"
+#: At most this long (seconds) the announcer of a job-wide drain waits for every peer to see it.
+JOB_DRAIN_SEEN_WAIT_S = 30.0
 #: Seconds between looks at the --drain-file and at a peer's job-wide drain, while the workers run.
 DRAIN_POLL_S = 0.5
 
@@ -666,6 +671,10 @@ class ElasticAgent:
                 by = by.decode() if isinstance(by, bytes) else str(by)
             except Exception:
                 by = "a peer"
+            try:
+                group.store.add(JOB_DRAIN_SEEN_KEY, 1)
+            except Exception as exc:  # the announcer then waits out JOB_DRAIN_SEEN_WAIT_S
+                log.debug("could not count this node as having seen the job-wide drain: %s", exc)
             self.request_drain(scope="job", source="peer", by=by)
 
     def _announce_drain(self, event=None) -> None:
@@ -724,6 +733,7 @@ class ElasticAgent:
             log.warning("[%s] drain: %d of %d workers still running after %gs: stopping them", self.spec.role,
                         len(live) - len(by_themselves), len(live), settings.timeout_s)
         self._stop_workers()
+        self._wait_for_peers_to_see_the_drain()
         if drain is not None:
             drain.update(checkpoint_signal=signal.Signals(settings.checkpoint_signal).name, timeout_s=settings.timeout_s,
                          exits={str(r): c for r, c in sorted(by_themselves.items())},
@@ -731,6 +741,28 @@ class ElasticAgent:
                          and all(c == 0 for c in by_themselves.values()),
                          duration_s=round(time.monotonic() - started, 6))
             self._broadcast("fsm_agent_record_event", event=self._event("drain", **drain))
+
+    def _wait_for_peers_to_see_the_drain(self) -> None:
+        """The announcer of a job-wide drain waits (at most ``JOB_DRAIN_SEEN_WAIT_S`` s, cut short
+        by a stop signal) until every other node has counted itself as having seen it: leaving
+        first would take the store (c10d's, on its host) with it before they look."""
+        group, drain = self._worker_group, self.drain
+        if (drain is None or drain["scope"] != "job" or drain["source"] == "peer" or group.store is None
+                or (group.group_world_size or 0) <= 1 or self._abandoned_call is not None):
+            return
+        others = group.group_world_size - 1
+        deadline = time.monotonic() + JOB_DRAIN_SEEN_WAIT_S
+        while self._signal is None and time.monotonic() < deadline:
+            try:
+                if group.store.add(JOB_DRAIN_SEEN_KEY, 0) >= others:
+                    return
+            except Exception as exc:  # the store is gone: nobody left to wait for
+                log.debug("could not read who saw the job-wide drain: %s", exc)
+                return
+            select.select([self._wake_r], [], [], 0.1)
+            self._empty_wake_pipe()
+        log.warning("[%s] drain: not every node saw the job-wide drain within %gs", self.spec.role,
+                    JOB_DRAIN_SEEN_WAIT_S)
 
     def _drain_verdict(self) -> str | None:
         drain = self.drain
