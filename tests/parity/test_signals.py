@@ -324,7 +324,10 @@ def test_importing_fsm_agent_elsewhere_keeps_the_default_signal_actions(launcher
 
 # -- (1) two stop signals at once (a process group signalled by `timeout` or a scheduler) ---------------
 #: Moments (s after start) the double signal lands: building the agent, joining, waiting in the rendezvous.
-DOUBLE_AT = (0.8, 1.2, 1.6, 2.0, 2.4, 3.0)
+DOUBLE_AT = (0.8, 1.2, 1.6, 2.0, 3.0, 6.0)
+#: From this many seconds after the start the agent has read its options even on a loaded 2-core CI
+#: machine, so the signals meet the agent itself (its FAILED summary), not the early handlers.
+OPTIONS_READ_BY_S = 6.0
 
 
 @pytest.mark.parametrize("flags", [["--rdzv-backend", "fsm", "--rdzv-endpoint", "127.0.0.1:{port}", "--nnodes", "2"],
@@ -347,7 +350,7 @@ def test_two_stop_signals_at_once_before_the_workers(launcher, flags):
         why = f"at {at}s: exit {result.returncode}\n--- stderr ---\n{result.stderr[-4000:]}"
         assert exit_class(result.returncode) == 128 + signal.SIGTERM, why
         assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, why
-        if at >= 1.2:  # the options are read by then (the earliest signals end before any summary)
+        if at >= OPTIONS_READ_BY_S:  # the earliest signals end before any summary
             assert "FAILED" in result.stderr, why
         assert not list(launcher.tmp.glob("fsm_agent_*")), f"{why}\nleft: {list(launcher.tmp.rglob('*'))}"
 
