@@ -72,6 +72,18 @@ def note_stop(signum: int) -> None:
         _stopping.append(signum)
 
 
+#: Whether ``install`` found this process to be the agent command (the handlers are this process's).
+_installed: list[bool] = []
+
+
+def take_early_stop() -> int | None:
+    """In the agent command: the stop signal this process already took before its agent ran
+    (``note_stop``: these handlers, or ``launch``'s), or None. An agent that runs after one means
+    its ``SystemExit`` was swallowed on the way: the agent stops then. Elsewhere (a program that
+    imports fsm_agent, a test process) always None."""
+    return _stopping[0] if _stopping and _installed else None
+
+
 def _exit(signum: int, frame: object) -> None:
     if _stopping:  # already on the way out (a second signal of the same kill): let it finish
         return
@@ -102,6 +114,7 @@ def install() -> None:
     argv, orig = list(sys.argv), list(getattr(sys, "orig_argv", []))
     if not _is_agent_command(argv, orig) or sys.platform == "win32":
         return
+    _installed.append(True)
     args = argv[1:] if argv and os.path.basename(argv[0]) != "-m" else orig
     try:
         stop_env = "FSM_AGENT_SIGNALS_TO_HANDLE" if "FSM_AGENT_SIGNALS_TO_HANDLE" in os.environ else "PET_SIGNALS_TO_HANDLE"

@@ -28,7 +28,7 @@ import attrs
 import pluggy
 
 from fsm_agent import errorfile
-from fsm_agent._early_signals import note_stop, take_early_drain
+from fsm_agent._early_signals import note_stop, take_early_drain, take_early_stop
 from fsm_agent._early_zygote import listen_on
 from fsm_agent.env import worker_env
 from fsm_agent.errors import FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
@@ -289,6 +289,10 @@ class ElasticAgent:
         those ends in a terminal state whose RunResult says why.
         """
         previous = self._install_signal_handlers()
+        # A stop signal the early handlers took before the agent ran, whose SystemExit some startup
+        # code swallowed (seen under load): they ignore stop signals from then on, so act on it here.
+        if self._signal is None and (stopped := take_early_stop()) is not None:
+            self._signal = stopped
         early = take_early_drain()  # a preemption notice can come before the agent ran
         if early is not None and early in self._drain_settings.signals:
             self.request_drain(source="signal", by=signal.Signals(early).name)
