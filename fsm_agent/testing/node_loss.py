@@ -167,6 +167,18 @@ class NodeLossJob:
         """Workers started from now on exit 0 at once (so the survivors' next world ends the job)."""
         (self.out / "finish").touch()
 
+    def kill_and_wait_for_the_standby(self, lost: str, survivors: set[str]) -> tuple[float, float]:
+        """SIGKILL agent ``lost`` once the next world is set to finish; wait until ``survivors``
+        (one of them a standby) run a world of their size and exit 0. Returns ``(lost_at,
+        seconds from the SIGKILL to that world running)``."""
+        self.finish_next_world()
+        lost_at = self.lose(lost, signal.SIGKILL)
+        restarted = self.wait_for_world(len(survivors), survivors, since=lost_at, running=survivors)
+        for name in sorted(survivors):
+            assert self.agent(name).wait(60) == 0, self.diagnostics()
+        print(f"\nSIGKILL -> standby promoted, world of {len(survivors)} running again: {restarted - lost_at:.2f}s")
+        return lost_at, restarted - lost_at
+
     def crash(self, name: str) -> float:
         """The running worker of agent ``name`` exits 3 within 0.1 s; returns the time."""
         at = time.time()
