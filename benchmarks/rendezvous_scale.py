@@ -53,10 +53,15 @@ NOFILE = 262144
 def fsm_handlers(args) -> list:
     from fsm_agent.plugins.rendezvous_fsm import FsmRendezvousHandler, FsmRendezvousSettings
 
-    settings = FsmRendezvousSettings(is_host=False, join_timeout=args.join_timeout,
-                                     keep_alive_interval=args.keep_alive_interval)
-    return [FsmRendezvousHandler(args.run_id, f"127.0.0.1:{args.port}", args.nodes, args.nodes,
-                                 local_addr="127.0.0.1", settings=settings) for _ in range(args.count)]
+    settings = FsmRendezvousSettings(
+        is_host=False, join_timeout=args.join_timeout, keep_alive_interval=args.keep_alive_interval
+    )
+    return [
+        FsmRendezvousHandler(
+            args.run_id, f"127.0.0.1:{args.port}", args.nodes, args.nodes, local_addr="127.0.0.1", settings=settings
+        )
+        for _ in range(args.count)
+    ]
 
 
 def c10d_handlers(args) -> list:
@@ -69,11 +74,22 @@ def c10d_handlers(args) -> list:
 
     out = []
     for _ in range(args.count):
-        params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{args.port}", run_id=args.run_id,
-                                      min_nodes=args.nodes, max_nodes=args.nodes, local_addr="127.0.0.1",
-                                      join_timeout=str(int(args.join_timeout)))
-        store = TCPStore("127.0.0.1", args.port, is_master=False, timeout=timedelta(seconds=args.join_timeout),
-                         wait_for_workers=False)
+        params = RendezvousParameters(
+            backend="c10d",
+            endpoint=f"127.0.0.1:{args.port}",
+            run_id=args.run_id,
+            min_nodes=args.nodes,
+            max_nodes=args.nodes,
+            local_addr="127.0.0.1",
+            join_timeout=str(int(args.join_timeout)),
+        )
+        store = TCPStore(
+            "127.0.0.1",
+            args.port,
+            is_master=False,
+            timeout=timedelta(seconds=args.join_timeout),
+            wait_for_workers=False,
+        )
         out.append(create_handler(store, C10dRendezvousBackend(store, args.run_id), params))
     return out
 
@@ -152,9 +168,11 @@ def start_store(backend: str, port: int, env: dict) -> subprocess.Popen:
     if backend == "fsm":
         cmd = [sys.executable, "-m", "fsm_agent.store", "--host", "127.0.0.1", "--port", str(port)]
     else:
-        code = ("import sys, time; from datetime import timedelta; from torch.distributed import TCPStore; "
-                f"s = TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False, "
-                "timeout=timedelta(seconds=900)); print('listening', flush=True); sys.stdin.read()")
+        code = (
+            "import sys, time; from datetime import timedelta; from torch.distributed import TCPStore; "
+            f"s = TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False, "
+            "timeout=timedelta(seconds=900)); print('listening', flush=True); sys.stdin.read()"
+        )
         cmd = [sys.executable, "-c", code]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     proc.stdout.readline()  # "fsm store listening ..." / "listening"
@@ -176,11 +194,32 @@ def one_row(backend: str, n: int, procs: int, limit: float, env: dict, keep_aliv
         p = max(1, min(procs, n))
         counts = [n // p + (1 if i < n % p else 0) for i in range(p)]
         for count in counts:
-            workers.append(subprocess.Popen(
-                [sys.executable, __file__, "--participants", backend, "--port", str(port), "--run-id", run_id,
-                 "--nodes", str(n), "--count", str(count), "--join-timeout", str(int(limit) + 60),
-                 "--keep-alive-interval", str(keep_alive_interval)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+            workers.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--participants",
+                        backend,
+                        "--port",
+                        str(port),
+                        "--run-id",
+                        run_id,
+                        "--nodes",
+                        str(n),
+                        "--count",
+                        str(count),
+                        "--join-timeout",
+                        str(int(limit) + 60),
+                        "--keep-alive-interval",
+                        str(keep_alive_interval),
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+            )
         setup_deadline = time.monotonic() + 300
         for w in workers:
             if readline(w, setup_deadline) != "ready\n":
@@ -212,13 +251,20 @@ def one_row(backend: str, n: int, procs: int, limit: float, env: dict, keep_aliv
         after = proc_stats(store.pid, backend, port)
         errors = [r["error"] for r in results if "error" in r]
         ranks = sorted(r["rank"] for r in results if "rank" in r)
-        return {"backend": backend, "n": n, "procs": p, "seconds": max(r["t"] for r in results) - t0,
-                "store_cpu_s": after["cpu"] - before["cpu"], "store_peak_rss": after["hwm"],
-                "bytes_per_participant": None if after["io"] is None else (after["io"] - before["io"]) / n,
-                "requests_per_participant": None if after["io"] is None else (after["requests"] - before["requests"]) / n,
-                "errors": errors[:3],
-                "n_errors": len(errors), "ranks_ok": ranks == list(range(n)),
-                "torch_in_participants": any(torch_loaded)}
+        return {
+            "backend": backend,
+            "n": n,
+            "procs": p,
+            "seconds": max(r["t"] for r in results) - t0,
+            "store_cpu_s": after["cpu"] - before["cpu"],
+            "store_peak_rss": after["hwm"],
+            "bytes_per_participant": None if after["io"] is None else (after["io"] - before["io"]) / n,
+            "requests_per_participant": None if after["io"] is None else (after["requests"] - before["requests"]) / n,
+            "errors": errors[:3],
+            "n_errors": len(errors),
+            "ranks_ok": ranks == list(range(n)),
+            "torch_in_participants": any(torch_loaded),
+        }
     finally:
         for w in workers:
             w.kill()
@@ -231,20 +277,42 @@ def one_row(backend: str, n: int, procs: int, limit: float, env: dict, keep_aliv
 def fmt_row(row: dict) -> list[str]:
     if "timeout" in row:
         state = row.get("state")
-        where = (f" (store: {state['participants']} joined, {state['nodes']} live, {state['requests']} requests "
-                 f"served, {row['store_cpu_s']:.1f} s CPU)") if state else ""
+        where = (
+            (
+                f" (store: {state['participants']} joined, {state['nodes']} live, {state['requests']} requests "
+                f"served, {row['store_cpu_s']:.1f} s CPU)"
+            )
+            if state
+            else ""
+        )
         return [row["backend"], str(row["n"]), f"not done in {row['timeout']:g} s{where}"]
     if "error" in row:
         return [row["backend"], str(row["n"]), row["error"]]
     ok = "yes" if row["ranks_ok"] and not row["n_errors"] else f"no ({row['n_errors']} errors: {row['errors'][:1]})"
-    return [row["backend"], str(row["n"]), f"{row['seconds']:.2f} s", f"{row['store_cpu_s']:.2f} s",
-            f"{row['store_cpu_s'] / row['n'] * 1000:.2f} ms", f"{row['store_peak_rss'] / 2**20:.0f} MiB",
-            "-" if row["bytes_per_participant"] is None else f"{row['bytes_per_participant']:.0f} B",
-            "-" if row["requests_per_participant"] is None else f"{row['requests_per_participant']:.1f}", ok]
+    return [
+        row["backend"],
+        str(row["n"]),
+        f"{row['seconds']:.2f} s",
+        f"{row['store_cpu_s']:.2f} s",
+        f"{row['store_cpu_s'] / row['n'] * 1000:.2f} ms",
+        f"{row['store_peak_rss'] / 2**20:.0f} MiB",
+        "-" if row["bytes_per_participant"] is None else f"{row['bytes_per_participant']:.0f} B",
+        "-" if row["requests_per_participant"] is None else f"{row['requests_per_participant']:.1f}",
+        ok,
+    ]
 
 
-HEADER = ["backend", "N", "all ranked after", "store CPU", "store CPU per participant", "store peak RSS",
-          "store bytes per participant", "store requests per participant", "ranks 0..N-1, no error"]
+HEADER = [
+    "backend",
+    "N",
+    "all ranked after",
+    "store CPU",
+    "store CPU per participant",
+    "store peak RSS",
+    "store bytes per participant",
+    "store requests per participant",
+    "ranks 0..N-1, no error",
+]
 
 
 def markdown(rows: list[dict], command: str, notes: list[str]) -> str:
@@ -263,9 +331,13 @@ def main() -> int:
     parser.add_argument("--c10d-limit", type=float, default=120.0, help="seconds c10d gets per size")
     parser.add_argument("--limit", type=float, default=120.0, help="seconds fsm gets per size")
     parser.add_argument("--procs", type=int, default=8, help="participant processes per row")
-    parser.add_argument("--keep-alive-interval", type=float, default=5.0,
-                        help="fsm keep_alive_interval (s; the product's default is 0.5): thousands of simulated "
-                             "nodes share this machine's cores, and a starved keep-alive thread is a silent node")
+    parser.add_argument(
+        "--keep-alive-interval",
+        type=float,
+        default=5.0,
+        help="fsm keep_alive_interval (s; the product's default is 0.5): thousands of simulated "
+        "nodes share this machine's cores, and a starved keep-alive thread is a silent node",
+    )
     parser.add_argument("--markdown", help="write the table to this file too")
     parser.add_argument("--json", help="write the rows as JSON to this file")
     # participants mode (started by the harness)
@@ -281,20 +353,25 @@ def main() -> int:
         args.backend = args.participants
         return participants_main(args)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    command = "python " + " ".join([str(Path(sys.argv[0]).relative_to(REPO) if Path(sys.argv[0]).is_absolute()
-                                        else sys.argv[0]), *sys.argv[1:]])
+    command = "python " + " ".join(
+        [str(Path(sys.argv[0]).relative_to(REPO) if Path(sys.argv[0]).is_absolute() else sys.argv[0]), *sys.argv[1:]]
+    )
     load = os.getloadavg()
-    notes = [nofile, f"{platform.node()}: {os.cpu_count()} CPUs, load average {load[0]:.1f} at start "
-                     f"(other work shares the machine: the numbers are pessimistic)",
-             f"participants: threads in {args.procs} processes, each a real rendezvous handler with its own "
-             f"store connections and keep-alive; the store in its own process; loopback only",
-             "participant processes run at nice 10 (the store at 0): in a real job each node has its own "
-             "machine, so the simulated nodes should not take the store's CPU",
-             f"fsm: --rdzv-conf keep_alive_interval={args.keep_alive_interval:g} (x3 attempts) for the simulated nodes, "
-             f"whose keep-alive threads share the machine's cores; every other setting is the default"]
+    notes = [
+        nofile,
+        f"{platform.node()}: {os.cpu_count()} CPUs, load average {load[0]:.1f} at start "
+        f"(other work shares the machine: the numbers are pessimistic)",
+        f"participants: threads in {args.procs} processes, each a real rendezvous handler with its own "
+        f"store connections and keep-alive; the store in its own process; loopback only",
+        "participant processes run at nice 10 (the store at 0): in a real job each node has its own "
+        "machine, so the simulated nodes should not take the store's CPU",
+        f"fsm: --rdzv-conf keep_alive_interval={args.keep_alive_interval:g} (x3 attempts) for the simulated nodes, "
+        f"whose keep-alive threads share the machine's cores; every other setting is the default",
+    ]
     rows = []
-    plan = [("fsm", int(n), args.limit) for n in args.sizes.split(",") if n] + \
-           [("c10d", int(n), args.c10d_limit) for n in args.c10d_sizes.split(",") if n]
+    plan = [("fsm", int(n), args.limit) for n in args.sizes.split(",") if n] + [
+        ("c10d", int(n), args.c10d_limit) for n in args.c10d_sizes.split(",") if n
+    ]
     for backend, n, limit in plan:
         row = one_row(backend, n, args.procs, limit, env, args.keep_alive_interval)
         rows.append(row)

@@ -88,37 +88,37 @@ TITLES = {
 
 @dataclass
 class Sizes:
-    trials: int                    # default trial count (per launcher) for a-f and h
-    startup_p: list[int]           # (a) plain workers
-    startup_torch_p: list[int]     # (a) torch workers
-    startup_torch_trials: int      # (a) torch workers' trial count
-    restart_p: int                 # (b)
+    trials: int  # default trial count (per launcher) for a-f and h
+    startup_p: list[int]  # (a) plain workers
+    startup_torch_p: list[int]  # (a) torch workers
+    startup_torch_trials: int  # (a) torch workers' trial count
+    restart_p: int  # (b)
     restart_intervals: list[float]  # (b) --monitor-interval values
-    torch_restart_p: int           # (c)
+    torch_restart_p: int  # (c)
     torch_restart_intervals: list[float]
     torch_restart_trials: int
-    torch_restarts_n: int          # (c) restarts in one run, for the preload launcher's p50/p90      # (c)
-    sigterm_p: int                 # (d)
-    idle_p: int                    # (e)
-    idle_s: float                  # (e) measured window
-    idle_trials: int               # (e)
-    rdzv_k: list[int]              # (f)
-    rdzv_trials: int               # (f)
-    node_loss_nproc: int           # (g) workers per agent
-    node_loss_trials_fsm: int      # (g)
+    torch_restarts_n: int  # (c) restarts in one run, for the preload launcher's p50/p90      # (c)
+    sigterm_p: int  # (d)
+    idle_p: int  # (e)
+    idle_s: float  # (e) measured window
+    idle_trials: int  # (e)
+    rdzv_k: list[int]  # (f)
+    rdzv_trials: int  # (f)
+    node_loss_nproc: int  # (g) workers per agent
+    node_loss_trials_fsm: int  # (g)
     node_loss_trials_torchrun: int  # (g)
-    node_loss_trials_etcd: int     # (g) fsm-agent etcd-v3 on a three-member etcd (0: skip)
-    node_loss_cutoff_s: float      # (g) wait for the survivors after the kill
-    node_loss_goal_s: float        # (g) "running again within N s"
-    node_loss_rdzv_conf: str       # (g) --rdzv-conf for c10d runs ("" = torch's defaults)
-    hang_p: int                    # (h)
-    hang_timeout_s: float          # (h) fsm-agent --hang-timeout
-    hang_grace_s: float            # (h) torchrun: watch this long past the timeout, then give up
-    hang_trials_torchrun: int      # (h)
-    idle_loss_trials: int          # (i) per fsm-agent backend, and torchrun
-    idle_loss_cutoff_s: float      # (i) wait for the survivor after the kill
-    idle_loss_rdzv_conf: str       # (i) --rdzv-conf for the c10d and etcd-v3 runs
-    trial_timeout_s: float         # any single launch
+    node_loss_trials_etcd: int  # (g) fsm-agent etcd-v3 on a three-member etcd (0: skip)
+    node_loss_cutoff_s: float  # (g) wait for the survivors after the kill
+    node_loss_goal_s: float  # (g) "running again within N s"
+    node_loss_rdzv_conf: str  # (g) --rdzv-conf for c10d runs ("" = torch's defaults)
+    hang_p: int  # (h)
+    hang_timeout_s: float  # (h) fsm-agent --hang-timeout
+    hang_grace_s: float  # (h) torchrun: watch this long past the timeout, then give up
+    hang_trials_torchrun: int  # (h)
+    idle_loss_trials: int  # (i) per fsm-agent backend, and torchrun
+    idle_loss_cutoff_s: float  # (i) wait for the survivor after the kill
+    idle_loss_rdzv_conf: str  # (i) --rdzv-conf for the c10d and etcd-v3 runs
+    trial_timeout_s: float  # any single launch
 
 
 #: (i): keep-alive 1 s x 5 (torch's own heartbeats can be 3 s apart after a round completes: 1 x 2
@@ -126,23 +126,72 @@ class Sizes:
 IDLE_LOSS_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
 
 FULL = Sizes(
-    trials=5, startup_p=[1, 4, 8], startup_torch_p=[1, 4, 8], startup_torch_trials=3, restart_p=4, restart_intervals=[0.1, 5.0],
-    torch_restart_p=4, torch_restart_intervals=[0.1], torch_restart_trials=3, torch_restarts_n=20, sigterm_p=4,
-    idle_p=4, idle_s=20.0, idle_trials=3, rdzv_k=[2, 4, 8, 16], rdzv_trials=3, node_loss_nproc=1,
-    node_loss_trials_fsm=10, node_loss_trials_torchrun=3, node_loss_trials_etcd=5, node_loss_cutoff_s=90.0, node_loss_goal_s=10.0,
-    node_loss_rdzv_conf="", hang_p=4, hang_timeout_s=3.0, hang_grace_s=10.0, hang_trials_torchrun=2,
-    idle_loss_trials=3, idle_loss_cutoff_s=30.0, idle_loss_rdzv_conf=IDLE_LOSS_CONF, trial_timeout_s=180.0,
+    trials=5,
+    startup_p=[1, 4, 8],
+    startup_torch_p=[1, 4, 8],
+    startup_torch_trials=3,
+    restart_p=4,
+    restart_intervals=[0.1, 5.0],
+    torch_restart_p=4,
+    torch_restart_intervals=[0.1],
+    torch_restart_trials=3,
+    torch_restarts_n=20,
+    sigterm_p=4,
+    idle_p=4,
+    idle_s=20.0,
+    idle_trials=3,
+    rdzv_k=[2, 4, 8, 16],
+    rdzv_trials=3,
+    node_loss_nproc=1,
+    node_loss_trials_fsm=10,
+    node_loss_trials_torchrun=3,
+    node_loss_trials_etcd=5,
+    node_loss_cutoff_s=90.0,
+    node_loss_goal_s=10.0,
+    node_loss_rdzv_conf="",
+    hang_p=4,
+    hang_timeout_s=3.0,
+    hang_grace_s=10.0,
+    hang_trials_torchrun=2,
+    idle_loss_trials=3,
+    idle_loss_cutoff_s=30.0,
+    idle_loss_rdzv_conf=IDLE_LOSS_CONF,
+    trial_timeout_s=180.0,
 )
 QUICK = Sizes(
-    trials=1, startup_p=[4], startup_torch_p=[1], startup_torch_trials=1, restart_p=2, restart_intervals=[0.1],
-    torch_restart_p=1, torch_restart_intervals=[0.1], torch_restart_trials=1, torch_restarts_n=2, sigterm_p=2,
-    idle_p=2, idle_s=3.0, idle_trials=1, rdzv_k=[2], rdzv_trials=1, node_loss_nproc=1,
-    node_loss_trials_fsm=1, node_loss_trials_torchrun=1, node_loss_trials_etcd=1, node_loss_cutoff_s=20.0, node_loss_goal_s=10.0,
+    trials=1,
+    startup_p=[4],
+    startup_torch_p=[1],
+    startup_torch_trials=1,
+    restart_p=2,
+    restart_intervals=[0.1],
+    torch_restart_p=1,
+    torch_restart_intervals=[0.1],
+    torch_restart_trials=1,
+    torch_restarts_n=2,
+    sigterm_p=2,
+    idle_p=2,
+    idle_s=3.0,
+    idle_trials=1,
+    rdzv_k=[2],
+    rdzv_trials=1,
+    node_loss_nproc=1,
+    node_loss_trials_fsm=1,
+    node_loss_trials_torchrun=1,
+    node_loss_trials_etcd=1,
+    node_loss_cutoff_s=20.0,
+    node_loss_goal_s=10.0,
     # torch's defaults (keep-alive 5 s x 3, last call 30 s) cost >= 41 s per node-loss trial;
     # quick mode checks that the scenario works, so it shortens them for every c10d run.
     node_loss_rdzv_conf="last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2",
-    hang_p=2, hang_timeout_s=2.0, hang_grace_s=3.0, hang_trials_torchrun=1, idle_loss_trials=1,
-    idle_loss_cutoff_s=15.0, idle_loss_rdzv_conf=IDLE_LOSS_CONF, trial_timeout_s=120.0,
+    hang_p=2,
+    hang_timeout_s=2.0,
+    hang_grace_s=3.0,
+    hang_trials_torchrun=1,
+    idle_loss_trials=1,
+    idle_loss_cutoff_s=15.0,
+    idle_loss_rdzv_conf=IDLE_LOSS_CONF,
+    trial_timeout_s=120.0,
 )
 
 
@@ -157,16 +206,16 @@ class TrialError(Exception):
 
 @dataclass
 class Row:
-    sid: str                 # scenario letter
+    sid: str  # scenario letter
     label: str
-    unit: str                # "s", "MB", "CPU s"
-    goal: str = ""           # shown in the goal column, e.g. "≤ 0.35"
+    unit: str  # "s", "MB", "CPU s"
+    goal: str = ""  # shown in the goal column, e.g. "≤ 0.35"
     check: Callable[["Row"], bool] | None = None  # goal verdict (None: informational row)
-    fsm: list[float | None] = field(default_factory=list)   # None: did not happen within the cutoff
+    fsm: list[float | None] = field(default_factory=list)  # None: did not happen within the cutoff
     tr: list[float | None] = field(default_factory=list)
     errors: dict[str, list[str]] = field(default_factory=lambda: {FSM: [], TR: []})
     notes: list[str] = field(default_factory=list)
-    never: str = "never"     # how a None value reads
+    never: str = "never"  # how a None value reads
     extra: dict[str, list[Any]] = field(default_factory=lambda: {FSM: [], TR: []})  # per-trial details
 
     def values(self, who: str) -> list[float | None]:
@@ -227,9 +276,19 @@ class Row:
         return f"{r:.3f}" if r < 0.1 else f"{r:.2f}"
 
     def to_json(self) -> dict:
-        return {"scenario": self.sid, "label": self.label, "unit": self.unit, "goal": self.goal,
-                "verdict": self.verdict(), "fsm_agent": self.fsm, "torchrun": self.tr, "ratio": self.ratio(),
-                "errors": self.errors, "notes": self.notes, "extra": self.extra}
+        return {
+            "scenario": self.sid,
+            "label": self.label,
+            "unit": self.unit,
+            "goal": self.goal,
+            "verdict": self.verdict(),
+            "fsm_agent": self.fsm,
+            "torchrun": self.tr,
+            "ratio": self.ratio(),
+            "errors": self.errors,
+            "notes": self.notes,
+            "extra": self.extra,
+        }
 
 
 def fmt(value: float) -> str:
@@ -240,13 +299,14 @@ def ratio_le(limit: float) -> Callable[[Row], bool]:
     return lambda row: row.ratio() is not None and row.ratio() <= limit
 
 
-HEADER = ["scenario", "fsm-agent median [min–max]", "torchrun median [min–max]", "ratio fsm/torchrun",
-          "goal", "notes"]
+HEADER = ["scenario", "fsm-agent median [min–max]", "torchrun median [min–max]", "ratio fsm/torchrun", "goal", "notes"]
 
 
 def table_rows(rows: list[Row]) -> list[list[str]]:
-    return [[f"({r.sid}) {r.label} [{r.unit}]", r.cell(FSM), r.cell(TR), r.ratio_cell(), r.verdict(),
-             "; ".join(r.notes)] for r in rows]
+    return [
+        [f"({r.sid}) {r.label} [{r.unit}]", r.cell(FSM), r.cell(TR), r.ratio_cell(), r.verdict(), "; ".join(r.notes)]
+        for r in rows
+    ]
 
 
 def markdown_table(rows: list[Row]) -> str:
@@ -326,9 +386,15 @@ class Proc:
     def start(self) -> "Proc":
         with open(self.log_path, "wb") as log_file:
             self.t_launch = time.time()
-            self.popen = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log_file,
-                                          stderr=subprocess.STDOUT, env=self.env, cwd=self.trial.dir,
-                                          start_new_session=True)
+            self.popen = subprocess.Popen(
+                self.cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.trial.dir,
+                start_new_session=True,
+            )
         self.pidfd = pidfd_open(self.popen.pid)
         return self
 
@@ -422,8 +488,12 @@ class Trial:
         self.events_path = self.dir / "events.jsonl"
         self.procs: list[Proc] = []
         self.env = dict(os.environ)
-        self.env.update(FSMBENCH_EVENTS=str(self.events_path), FSMBENCH_TOKEN=bench.token, FSMBENCH_RUN=tag,
-                        PYTHONPYCACHEPREFIX=str(bench.pycache))
+        self.env.update(
+            FSMBENCH_EVENTS=str(self.events_path),
+            FSMBENCH_TOKEN=bench.token,
+            FSMBENCH_RUN=tag,
+            PYTHONPYCACHEPREFIX=str(bench.pycache),
+        )
         # What a launcher killed here cannot remove (fsm-agent's temporary log and heartbeat
         # directories) and what torchrun never removes (its torchelastic_* log directories) goes
         # with the trial's directory instead of staying in the machine's temporary directory.
@@ -565,10 +635,12 @@ class Bench:
         # rebuild a process group after a restart ((c), (g); (i): see there) use torch's own opt-out.
         self.torchrun_restart_env = {} if args.torchrun_shared_store else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         if self.torchrun_restart_env:
-            self.notes.append("(c), (g), (i) and (j): torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (workers host "
-                              "a fresh store per attempt); with torch's default shared store the restarted gloo "
-                              "group fails to connect (stale keys, pytorch/pytorch#135712) — see "
-                              "--torchrun-shared-store")
+            self.notes.append(
+                "(c), (g), (i) and (j): torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (workers host "
+                "a fresh store per attempt); with torch's default shared store the restarted gloo "
+                "group fails to connect (stale keys, pytorch/pytorch#135712) — see "
+                "--torchrun-shared-store"
+            )
 
     # -- fsm-agent capabilities ------------------------------------------------------------------
     def preflight(self) -> None:
@@ -591,10 +663,12 @@ class Bench:
         if pre and pre != "none":
             self.preimport = ["--launcher", pre, *shlex.split(self.args.fsm_preimport_args)]
         self.warm_up()
-        log(f"fsm-agent backends: rendezvous={rdzv or '?'} launchers={launchers or '?'}; single-node "
+        log(
+            f"fsm-agent backends: rendezvous={rdzv or '?'} launchers={launchers or '?'}; single-node "
             f"({shlex.join(self.fsm_single)}) backend: {self.single_backend}; "
             f"multi-node backend for fsm-agent: {self.fast_backend}; pre-importing launcher: "
-            f"{shlex.join(self.preimport) if self.preimport else 'none'}")
+            f"{shlex.join(self.preimport) if self.preimport else 'none'}"
+        )
 
     def warm_up(self) -> None:
         """One untimed launch of each launcher with a torch worker: fills the bytecode cache."""
@@ -611,9 +685,11 @@ class Bench:
 
     def detect_backends(self) -> dict[str, list[str]]:
         """Registered rendezvous backends and launchers: the plugin registry, else a failed launch's message."""
-        code = ("import json; from fsm_agent.plugins.manager import build_registry, get_plugin_manager; "
-                "r = build_registry(get_plugin_manager()); "
-                "print(json.dumps({k: r.names(k) for k in ('rendezvous', 'launcher')}))")
+        code = (
+            "import json; from fsm_agent.plugins.manager import build_registry, get_plugin_manager; "
+            "r = build_registry(get_plugin_manager()); "
+            "print(json.dumps({k: r.names(k) for k in ('rendezvous', 'launcher')}))"
+        )
         try:
             done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
             if done.returncode == 0:
@@ -621,8 +697,10 @@ class Bench:
         except (subprocess.SubprocessError, ValueError, IndexError):
             pass
         found: dict[str, list[str]] = {}
-        probes = {"rendezvous": ["--rdzv-backend", "fsmbench-probe", "--rdzv-endpoint", "127.0.0.1:1"],
-                  "launcher": ["--standalone", "--launcher", "fsmbench-probe"]}
+        probes = {
+            "rendezvous": ["--rdzv-backend", "fsmbench-probe", "--rdzv-endpoint", "127.0.0.1:1"],
+            "launcher": ["--standalone", "--launcher", "fsmbench-probe"],
+        }
         for kind, flags in probes.items():
             done = subprocess.run([*self.commands[FSM], *flags, PLAIN], capture_output=True, text=True, timeout=120)
             match = re.search(r"known backends are (.+?); fix", done.stderr)
@@ -693,13 +771,38 @@ class Bench:
         for name, url, (_, peer) in zip(names, urls, ports):
             peer_url = f"http://127.0.0.1:{peer}"
             with open(self.tmp / f"{name}.log", "wb") as out:
-                procs.append(subprocess.Popen(
-                    [binary, "--name", name, "--data-dir", str(self.tmp / name), "--listen-client-urls", url,
-                     "--advertise-client-urls", url, "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls",
-                     peer_url, "--initial-cluster", cluster, "--initial-cluster-token", f"fsmbench{members}m-{self.token}",
-                     # raft timing for a loaded machine (defaults 100/1000 ms): no re-election for nothing
-                     "--heartbeat-interval", "250", "--election-timeout", "2500"],
-                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            binary,
+                            "--name",
+                            name,
+                            "--data-dir",
+                            str(self.tmp / name),
+                            "--listen-client-urls",
+                            url,
+                            "--advertise-client-urls",
+                            url,
+                            "--listen-peer-urls",
+                            peer_url,
+                            "--initial-advertise-peer-urls",
+                            peer_url,
+                            "--initial-cluster",
+                            cluster,
+                            "--initial-cluster-token",
+                            f"fsmbench{members}m-{self.token}",
+                            # raft timing for a loaded machine (defaults 100/1000 ms): no re-election for nothing
+                            "--heartbeat-interval",
+                            "250",
+                            "--election-timeout",
+                            "2500",
+                        ],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
         self._etcd += procs
 
         def healthy(url: str) -> bool:
@@ -712,10 +815,12 @@ class Bench:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and all(p.poll() is None for p in procs):
             if all(healthy(url) for url in urls):
-                self._etcd_endpoints[members] = ",".join(url[len("http://"):] for url in urls)
+                self._etcd_endpoints[members] = ",".join(url[len("http://") :] for url in urls)
                 return self._etcd_endpoints[members]
             time.sleep(0.1)
-        self.etcd_error = f"etcd ({binary}, {members} member(s)) not healthy within 60 s (logs: {self.tmp}/fsmbench*.log)"
+        self.etcd_error = (
+            f"etcd ({binary}, {members} member(s)) not healthy within 60 s (logs: {self.tmp}/fsmbench*.log)"
+        )
         return None
 
     def close(self) -> None:
@@ -778,12 +883,17 @@ def scenario_a(bench: Bench) -> list[Row]:
             exited = Row("a", f"teardown, {kind} workers, P={p}: last worker returned → launcher exited", "s")
             reduced = Row("a", f"startup, torch workers, P={p}: launch → all_reduce done", "s")
             proc_exit = Row("a", f"teardown, torch workers, P={p}: last worker process exited → launcher exited", "s")
-            proc_exit.notes.append("a torch worker's own interpreter exit after returning takes seconds here; "
-                                   "this row leaves it out (worker exits seen on pidfds)")
+            proc_exit.notes.append(
+                "a torch worker's own interpreter exit after returning takes seconds here; "
+                "this row leaves it out (worker exits seen on pidfds)"
+            )
             # The same startup with a launcher that imports torch once for all workers (preload).
             pre = list(bench.preimport) if kind == "torch" and bench.preimport else None
-            reduced_pre = Row("a", f"startup, torch workers, P={p}: launch → all_reduce done "
-                                   f"(fsm-agent: {shlex.join(pre or [])})", "s")
+            reduced_pre = Row(
+                "a",
+                f"startup, torch workers, P={p}: launch → all_reduce done (fsm-agent: {shlex.join(pre or [])})",
+                "s",
+            )
             if kind == "plain" and p == 4:
                 running.goal, running.check = "≤ 0.35", ratio_le(0.35)
             if p == 4 and kind == "plain":
@@ -816,8 +926,10 @@ def scenario_a(bench: Bench) -> list[Row]:
                             ar = all_ranks_t(ev, "allreduce_done", p) - proc.t_launch if kind == "torch" else None
                             if extra:  # the preload variant feeds its own row only
                                 reduced_pre.add(who, ar)
-                                log(f"  (a) {kind} P={p} #{i + 1} {who} {shlex.join(extra)}: {line}, "
-                                    f"all_reduce done {ar:.3f} s")
+                                log(
+                                    f"  (a) {kind} P={p} #{i + 1} {who} {shlex.join(extra)}: {line}, "
+                                    f"all_reduce done {ar:.3f} s"
+                                )
                                 return
                             running.add(who, r)
                             exited.add(who, x)
@@ -833,6 +945,7 @@ def scenario_a(bench: Bench) -> list[Row]:
                                 else:
                                     proc_exit.fail(who, "a worker exited before its pid was seen")
                             log(f"  (a) {kind} P={p} #{i + 1} {who}: {line}")
+
                     attempt(measure, targets, who, "a")
             rows += group + ([reduced_pre] if pre else [])
     return rows
@@ -879,9 +992,21 @@ def restart_rows(bench: Bench, sid: str, kind: str, p: int, intervals: list[floa
                     else:
                         script, done_event = [TORCH_WORKER, "crash", crash_rank, delay], "allreduce_done"
                     with bench.trial(f"{sid}_{kind}_mi{mi:g}_{who}_{name}") as t:
-                        proc = t.launch(who, [*bench.single(who), *extra, "--nproc-per-node", p,
-                                              "--max-restarts", 1, "--monitor-interval", mi, *script],
-                                        restarts_pg=kind == "torch")
+                        proc = t.launch(
+                            who,
+                            [
+                                *bench.single(who),
+                                *extra,
+                                "--nproc-per-node",
+                                p,
+                                "--max-restarts",
+                                1,
+                                "--monitor-interval",
+                                mi,
+                                *script,
+                            ],
+                            restarts_pg=kind == "torch",
+                        )
                         limit = sz.trial_timeout_s + 3 * mi
                         if not wait_exits([proc], limit):
                             raise TrialError(f"still running after {limit:g} s" + t.tails())
@@ -894,8 +1019,11 @@ def restart_rows(bench: Bench, sid: str, kind: str, p: int, intervals: list[floa
                         value = all_ranks_t(ev, done_event, p, attempt=1) - crash[0]["t"]
                         for row in targets:
                             row.add(who, value)
-                        log(f"  ({sid}) {kind} P={p} mi={mi:g} #{i + 1} {who} {name}: crash → attempt 1 "
-                            f"{target}: {value:.3f} s (rank {crash_rank} after {delay} s)")
+                        log(
+                            f"  ({sid}) {kind} P={p} mi={mi:g} #{i + 1} {who} {name}: crash → attempt 1 "
+                            f"{target}: {value:.3f} s (rank {crash_rank} after {delay} s)"
+                        )
+
                 attempt(measure, targets, who, sid)
         rows += made.values()
     return rows
@@ -927,19 +1055,39 @@ def repeated_restart_rows(bench: Bench, p: int, mi: float, n: int) -> list[Row]:
     """One run per launcher with N restarts (rank p-1 crashes 0.3 s after each attempt's all_reduce):
     crash of attempt k → attempt k+1's all_reduce done, every k; p50 and p90 over the N restarts."""
     sz, pre = bench.sizes, list(bench.preimport)
-    head = f"restart, torch workers, P={p}, --monitor-interval {mi:g}, {n} restarts in one run: " \
-           f"crash → next attempt all_reduce done"
+    head = (
+        f"restart, torch workers, P={p}, --monitor-interval {mi:g}, {n} restarts in one run: "
+        f"crash → next attempt all_reduce done"
+    )
     p50 = Row("c", f"{head}, every restart (median = p50) (fsm-agent: {shlex.join(pre)})", "s")
     p90 = Row("c", f"{head}, p90 (fsm-agent: {shlex.join(pre)})", "s")
     p90.goal = "p90 ≤ 0.15 s and ≤ 0.1"
-    p90.check = lambda r: (r.median(FSM) is not None and r.median(FSM) <= 0.15 and r.ratio() is not None
-                           and r.ratio() <= 0.1)
+    p90.check = lambda r: (
+        r.median(FSM) is not None and r.median(FSM) <= 0.15 and r.ratio() is not None and r.ratio() <= 0.1
+    )
     for who, extra in interleaved(0, [(FSM, pre), (TR, [])]):
+
         def measure(who=who, extra=extra):
             with bench.trial(f"c_repeated_{who}") as t:
-                proc = t.launch(who, [*bench.single(who), *extra, "--nproc-per-node", p, "--max-restarts", n,
-                                      "--monitor-interval", mi, TORCH_WORKER, "crashes", n, p - 1, 0.3],
-                                restarts_pg=True)
+                proc = t.launch(
+                    who,
+                    [
+                        *bench.single(who),
+                        *extra,
+                        "--nproc-per-node",
+                        p,
+                        "--max-restarts",
+                        n,
+                        "--monitor-interval",
+                        mi,
+                        TORCH_WORKER,
+                        "crashes",
+                        n,
+                        p - 1,
+                        0.3,
+                    ],
+                    restarts_pg=True,
+                )
                 limit = sz.trial_timeout_s * (1 + n / 4)
                 if not wait_exits([proc], limit):
                     raise TrialError(f"still running after {limit:g} s" + t.tails())
@@ -955,8 +1103,11 @@ def repeated_restart_rows(bench: Bench, p: int, mi: float, n: int) -> list[Row]:
                 for value in values:
                     p50.add(who, value)
                 p90.add(who, percentile(values, 90))
-                log(f"  (c) repeated {who}: {n} restarts, p50 {percentile(values, 50):.3f} s, "
-                    f"p90 {percentile(values, 90):.3f} s, max {max(values):.3f} s")
+                log(
+                    f"  (c) repeated {who}: {n} restarts, p50 {percentile(values, 50):.3f} s, "
+                    f"p90 {percentile(values, 90):.3f} s, max {max(values):.3f} s"
+                )
+
         attempt(measure, [p50, p90], who, "c")
     return [p50, p90]
 
@@ -968,24 +1119,37 @@ def repeated_restart_rows(bench: Bench, p: int, mi: float, n: int) -> list[Row]:
 
 def scenario_d(bench: Bench) -> list[Row]:
     sz, p = bench.sizes, bench.sizes.sigterm_p
-    row = Row("d", f"SIGTERM to the agent, P={p} sleeping workers → agent and all workers gone", "s",
-              goal="≤ 1.0, exit 143, 0 left")
+    row = Row(
+        "d",
+        f"SIGTERM to the agent, P={p} sleeping workers → agent and all workers gone",
+        "s",
+        goal="≤ 1.0, exit 143, 0 left",
+    )
 
     def check(r: Row) -> bool:
         fsm = r.extra[FSM]
-        return (ratio_le(1.0)(r) and bool(fsm) and all(x["rc"] == 143 for x in fsm)
-                and all(x["left"] == 0 for x in fsm) and not r.errors[FSM])
+        return (
+            ratio_le(1.0)(r)
+            and bool(fsm)
+            and all(x["rc"] == 143 for x in fsm)
+            and all(x["left"] == 0 for x in fsm)
+            and not r.errors[FSM]
+        )
 
     row.check = check
     cutoff = 45.0
     row.never = f"not all gone within {cutoff:g} s"
     for i in range(sz.trials):
         for who in interleaved(i, [FSM, TR]):
+
             def measure(who=who):
                 with bench.trial(f"d_{who}") as t:
                     proc = t.launch(who, [*bench.single(who), "--nproc-per-node", p, PLAIN, "sleep", 3600])
-                    ev = t.poll_events(lambda ev: len({e["rank"] for e in by_event(ev, "started")}) >= p,
-                                       sz.trial_timeout_s, f"{p} workers")
+                    ev = t.poll_events(
+                        lambda ev: len({e["rank"] for e in by_event(ev, "started")}) >= p,
+                        sz.trial_timeout_s,
+                        f"{p} workers",
+                    )
                     time.sleep(0.5)
                     fds = {proc.pidfd: "agent"}
                     for e in by_event(ev, "started"):
@@ -1011,8 +1175,11 @@ def scenario_d(bench: Bench) -> list[Row]:
                     rc = proc.rc if proc.rc is not None else "still running"
                     row.add(who, gone, rc=rc, left=left, agent_gone=agent_gone, last_worker_gone=last_worker)
                     show = lambda v: f"{v:.3f} s" if v is not None else row.never  # noqa: E731
-                    log(f"  (d) #{i + 1} {who}: all gone {show(gone)} (workers {show(last_worker)}, agent "
-                        f"{show(agent_gone)}), exit code {rc}, {left} process(es) left after 1 s")
+                    log(
+                        f"  (d) #{i + 1} {who}: all gone {show(gone)} (workers {show(last_worker)}, agent "
+                        f"{show(agent_gone)}), exit code {rc}, {left} process(es) left after 1 s"
+                    )
+
             attempt(measure, [row], who, "d")
     for who in (FSM, TR):
         extra = row.extra[who]
@@ -1043,20 +1210,29 @@ def agent_side(agent_pid: int, worker_pids: set[int]) -> list:
 
 def scenario_e(bench: Bench) -> list[Row]:
     sz, p, window = bench.sizes, bench.sizes.idle_p, bench.sizes.idle_s
-    cpu = Row("e", f"idle CPU, agent + helpers, {p} workers sleeping {window:g} s", "CPU s",
-              goal="≤ 0.5", check=ratio_le(0.5))
-    rss = Row("e", f"RSS, agent + helpers (max over the {window:g} s window), {p} workers", "MB",
-              goal="≤ 0.25", check=ratio_le(0.25))
+    cpu = Row(
+        "e", f"idle CPU, agent + helpers, {p} workers sleeping {window:g} s", "CPU s", goal="≤ 0.5", check=ratio_le(0.5)
+    )
+    rss = Row(
+        "e",
+        f"RSS, agent + helpers (max over the {window:g} s window), {p} workers",
+        "MB",
+        goal="≤ 0.25",
+        check=ratio_le(0.25),
+    )
     if psutil is None:
         raise SystemExit("scenario (e) needs psutil")
     for i in range(sz.idle_trials):
         for who in interleaved(i, [FSM, TR]):
+
             def measure(who=who):
                 with bench.trial(f"e_{who}") as t:
-                    proc = t.launch(who, [*bench.single(who), "--nproc-per-node", p,
-                                          PLAIN, "sleep", window + 6])
-                    ev = t.poll_events(lambda ev: len({e["rank"] for e in by_event(ev, "started")}) >= p,
-                                       sz.trial_timeout_s, f"{p} workers")
+                    proc = t.launch(who, [*bench.single(who), "--nproc-per-node", p, PLAIN, "sleep", window + 6])
+                    ev = t.poll_events(
+                        lambda ev: len({e["rank"] for e in by_event(ev, "started")}) >= p,
+                        sz.trial_timeout_s,
+                        f"{p} workers",
+                    )
                     workers = {e["pid"] for e in by_event(ev, "started")}
                     time.sleep(1.0)  # let the agent settle after spawning
                     first: dict[int, float] = {}
@@ -1085,8 +1261,11 @@ def scenario_e(bench: Bench) -> list[Row]:
                     spent = sum(last[k] - first[k] for k in last)
                     cpu.add(who, spent, helpers=len(helpers))
                     rss.add(who, peak, helpers=len(helpers))
-                    log(f"  (e) #{i + 1} {who}: {spent:.3f} CPU s over {window:g} s, RSS {peak:.0f} MB, "
-                        f"{len(helpers)} helper process(es)")
+                    log(
+                        f"  (e) #{i + 1} {who}: {spent:.3f} CPU s over {window:g} s, RSS {peak:.0f} MB, "
+                        f"{len(helpers)} helper process(es)"
+                    )
+
             attempt(measure, [cpu, rss], who, "e")
     for who in (FSM, TR):
         if cpu.extra[who]:
@@ -1100,8 +1279,18 @@ def scenario_e(bench: Bench) -> list[Row]:
 
 
 def multi_node_args(backend: str, port: int, run_id: str, nnodes: str) -> list:
-    return ["--nnodes", nnodes, "--rdzv-backend", backend, "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", run_id, "--local-addr", "127.0.0.1"]
+    return [
+        "--nnodes",
+        nnodes,
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        run_id,
+        "--local-addr",
+        "127.0.0.1",
+    ]
 
 
 def scenario_f(bench: Bench) -> list[Row]:
@@ -1109,17 +1298,23 @@ def scenario_f(bench: Bench) -> list[Row]:
     fast = bench.fast_backend
     for k in sz.rdzv_k:
         variants = [(TR, "c10d"), (FSM, "c10d")] + ([(FSM, fast)] if fast != "c10d" else [])
-        made = {b: Row("f", f"rendezvous of K={k} agents, fsm-agent --rdzv-backend {b} vs torchrun c10d: "
-                            f"first launch → all workers running", "s")
-                for b in dict.fromkeys(b for w, b in variants if w == FSM)}
+        made = {
+            b: Row(
+                "f",
+                f"rendezvous of K={k} agents, fsm-agent --rdzv-backend {b} vs torchrun c10d: "
+                f"first launch → all workers running",
+                "s",
+            )
+            for b in dict.fromkeys(b for w, b in variants if w == FSM)
+        }
         if k == 16:
             made[fast].goal, made[fast].check = "≤ 0.6", ratio_le(0.6)
         for i, who, backend, targets in variant_trials(sz.rdzv_trials, variants, made):
+
             def measure(who=who, backend=backend):
                 with bench.trial(f"f_k{k}_{who}_{backend}") as t:
                     port, run_id = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
-                    argv = [*multi_node_args(backend, port, run_id, str(k)), "--nproc-per-node", 1,
-                            PLAIN, "exit"]
+                    argv = [*multi_node_args(backend, port, run_id, str(k)), "--nproc-per-node", 1, PLAIN, "exit"]
                     procs = [t.launch(who, argv, f"agent{j}") for j in range(k)]
                     if not wait_exits(procs, sz.trial_timeout_s + 5 * k):
                         raise TrialError(f"agents still running after {sz.trial_timeout_s + 5 * k:g} s" + t.tails())
@@ -1130,6 +1325,7 @@ def scenario_f(bench: Bench) -> list[Row]:
                     for row in targets:
                         row.add(who, value)
                     log(f"  (f) K={k} #{i + 1} {who} {backend}: all running {value:.3f} s")
+
             attempt(measure, targets, who, "f")
         rows += made.values()
     return rows
@@ -1159,8 +1355,9 @@ def scenario_g(bench: Bench) -> list[Row]:
     sz, fast = bench.sizes, bench.fast_backend
     nproc, world = sz.node_loss_nproc, 3 * sz.node_loss_nproc
     goal_s, cutoff = sz.node_loss_goal_s, sz.node_loss_cutoff_s
-    fsm_trials = sz.node_loss_trials_fsm if fast != "c10d" else min(sz.node_loss_trials_fsm,
-                                                                     sz.node_loss_trials_torchrun)
+    fsm_trials = (
+        sz.node_loss_trials_fsm if fast != "c10d" else min(sz.node_loss_trials_fsm, sz.node_loss_trials_torchrun)
+    )
     conf = sz.node_loss_rdzv_conf
     etcd_conf = sz.idle_loss_rdzv_conf  # keep-alive 1 s x 5: torch's 5 s x 3 would cost 15 s of every trial
     rdzv = bench.backends.get("rendezvous", [])
@@ -1170,11 +1367,14 @@ def scenario_g(bench: Bench) -> list[Row]:
         etcd_trials, etcd_note = 0, f"etcd-v3 not measured: {bench.etcd_error}"
 
     def rows_for(backend: str, victim: str, trials: int) -> tuple[Row, Row]:
-        what = (f"node loss, --nnodes 2:3, {nproc} torch worker(s)/agent, fsm-agent --rdzv-backend {backend} vs "
-                f"torchrun c10d: SIGKILL {victim} agent+workers → survivors' workers")
+        what = (
+            f"node loss, --nnodes 2:3, {nproc} torch worker(s)/agent, fsm-agent --rdzv-backend {backend} vs "
+            f"torchrun c10d: SIGKILL {victim} agent+workers → survivors' workers"
+        )
         running = Row("g", f"{what} running again (new world)", "s", goal=f"all ≤ {goal_s:g} s ({trials}/{trials})")
-        running.check = lambda r: (len(r.fsm) == trials and all(v is not None and v <= goal_s for v in r.fsm)
-                                   and not r.errors[FSM])
+        running.check = lambda r: (
+            len(r.fsm) == trials and all(v is not None and v <= goal_s for v in r.fsm) and not r.errors[FSM]
+        )
         reduced = Row("g", f"{what}' first all_reduce in the new world done", "s")
         for row in (running, reduced):
             row.never = f"not within {cutoff:g} s"
@@ -1188,8 +1388,10 @@ def scenario_g(bench: Bench) -> list[Row]:
         running.notes.append(f"c10d runs use --rdzv-conf {conf}")
     if etcd_trials:
         made["etcd-v3 ×3"] = rows_for("etcd-v3 (three etcd members)", "the first-started", etcd_trials)
-        made["etcd-v3 ×3"][0].notes.append(f"etcd-v3 runs use --rdzv-conf {etcd_conf}; the victim is the first agent "
-                                           "started (for fsm and c10d, the store host)")
+        made["etcd-v3 ×3"][0].notes.append(
+            f"etcd-v3 runs use --rdzv-conf {etcd_conf}; the victim is the first agent "
+            "started (for fsm and c10d, the store host)"
+        )
     elif etcd_note:
         running.notes.append(etcd_note)
     counts = {(FSM, fast): fsm_trials, (TR, "c10d"): sz.node_loss_trials_torchrun, (FSM, "etcd-v3 ×3"): etcd_trials}
@@ -1203,8 +1405,13 @@ def scenario_g(bench: Bench) -> list[Row]:
                 rdzv_backend = "etcd-v3" if backend.startswith("etcd-v3") else backend
                 with bench.trial(f"g_{who}_{rdzv_backend}") as t:
                     port, run_id = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
-                    argv = [*multi_node_args(rdzv_backend, port, run_id, "2:3"), "--nproc-per-node", nproc,
-                            "--max-restarts", 3]
+                    argv = [
+                        *multi_node_args(rdzv_backend, port, run_id, "2:3"),
+                        "--nproc-per-node",
+                        nproc,
+                        "--max-restarts",
+                        3,
+                    ]
                     if rdzv_backend == "etcd-v3":
                         argv[argv.index("--rdzv-endpoint") + 1] = bench.etcd_endpoint(3)
                         argv += ["--rdzv-conf", etcd_conf]
@@ -1214,7 +1421,9 @@ def scenario_g(bench: Bench) -> list[Row]:
                     procs = [t.launch(who, argv, f"agent{j}", restarts_pg=True) for j in range(3)]
                     ev = t.poll_events(
                         lambda ev: len({e["rank"] for e in by_event(ev, "allreduce_done", world_size=world)}) >= world,
-                        sz.trial_timeout_s + 60, f"{world} workers in one world")
+                        sz.trial_timeout_s + 60,
+                        f"{world} workers in one world",
+                    )
                     time.sleep(bench.rng.uniform(0.2, 1.2))  # a random moment relative to keep-alives
                     by_agent: dict[int, list[dict]] = {p.pid: [] for p in procs}
                     for e in by_event(ev, "started", world_size=world):
@@ -1229,8 +1438,9 @@ def scenario_g(bench: Bench) -> list[Row]:
                         candidates = [procs[0]] if by_agent[procs[0].pid] else []
                     else:
                         hosts = {p.pid for p in procs if listening_on(p.pid, port)}
-                        candidates = [p for p in procs if p.pid not in hosts and by_agent[p.pid]] or \
-                                     [p for p in procs if by_agent[p.pid]]
+                        candidates = [p for p in procs if p.pid not in hosts and by_agent[p.pid]] or [
+                            p for p in procs if by_agent[p.pid]
+                        ]
                     if not candidates:
                         raise TrialError("cannot tell which workers belong to which agent" + t.tails())
                     victim = max(candidates, key=lambda p: max(e["group_rank"] for e in by_agent[p.pid]))
@@ -1249,16 +1459,22 @@ def scenario_g(bench: Bench) -> list[Row]:
                         except TrialError:
                             values.append(None)
                     ended = "survivors exited" if all(not p.running for p in survivors) else f"cutoff {cutoff:g} s"
-                    info = dict(victim_group_rank=max(e["group_rank"] for e in by_agent[victim.pid]),
-                                rdzv_host_killed=victim.pid in hosts, first_started_killed=victim is procs[0])
+                    info = dict(
+                        victim_group_rank=max(e["group_rank"] for e in by_agent[victim.pid]),
+                        rdzv_host_killed=victim.pid in hosts,
+                        first_started_killed=victim is procs[0],
+                    )
                     for running_row, reduced_row in zip(targets[::2], targets[1::2]):
                         running_row.add(who, values[0], **info)
                         reduced_row.add(who, values[1], **info)
                     show = lambda v: f"{v:.3f} s" if v is not None else "never"  # noqa: E731
-                    log(f"  (g) #{i + 1} {who} {backend}: survivors' workers running again {show(values[0])}, "
+                    log(
+                        f"  (g) #{i + 1} {who} {backend}: survivors' workers running again {show(values[0])}, "
                         f"all_reduce {show(values[1])} ({ended}; killed group rank {info['victim_group_rank']}"
                         f"{', the rendezvous host' if info['rdzv_host_killed'] else ''}"
-                        f"{', the first agent started' if info['first_started_killed'] else ''})")
+                        f"{', the first agent started' if info['first_started_killed'] else ''})"
+                    )
+
             attempt(measure, targets, who, "g")
     for running_row, _ in made.values():
         for who in (FSM, TR):
@@ -1277,10 +1493,19 @@ def scenario_g(bench: Bench) -> list[Row]:
 def scenario_h(bench: Bench) -> list[Row]:
     sz, p, timeout = bench.sizes, bench.sizes.hang_p, bench.sizes.hang_timeout_s
     watch = timeout + sz.hang_grace_s
-    detected = Row("h", f"hung worker, P={p}, --hang-timeout {timeout:g}: hang → detected", "s",
-                   goal=f"≤ {timeout + 1:g} s; torchrun never")
-    detected.check = lambda r: (bool(r.fsm) and all(v is not None and v <= timeout + 1 for v in r.fsm)
-                                and not r.errors[FSM] and bool(r.tr) and all(v is None for v in r.tr))
+    detected = Row(
+        "h",
+        f"hung worker, P={p}, --hang-timeout {timeout:g}: hang → detected",
+        "s",
+        goal=f"≤ {timeout + 1:g} s; torchrun never",
+    )
+    detected.check = lambda r: (
+        bool(r.fsm)
+        and all(v is not None and v <= timeout + 1 for v in r.fsm)
+        and not r.errors[FSM]
+        and bool(r.tr)
+        and all(v is None for v in r.tr)
+    )
     restarted = Row("h", f"hung worker, P={p}, --hang-timeout {timeout:g}: hang → attempt 1 all workers running", "s")
     for row in (detected, restarted):
         row.never = f"never (watched {watch:g} s)"
@@ -1295,16 +1520,32 @@ def scenario_h(bench: Bench) -> list[Row]:
                 with bench.trial(f"h_{who}") as t:
                     agent_events = t.dir / "agent_events.jsonl"
                     own = ["--hang-timeout", timeout, "--events-file", agent_events] if who == FSM else []
-                    proc = t.launch(who, [*bench.single(who), *own, "--nproc-per-node", p, "--max-restarts", 1,
-                                          PLAIN, "hang", hang_rank, delay])
+                    proc = t.launch(
+                        who,
+                        [
+                            *bench.single(who),
+                            *own,
+                            "--nproc-per-node",
+                            p,
+                            "--max-restarts",
+                            1,
+                            PLAIN,
+                            "hang",
+                            hang_rank,
+                            delay,
+                        ],
+                    )
                     ev = t.poll_events(lambda ev: bool(by_event(ev, "hang")), sz.trial_timeout_s, "the hang")
                     t_hang = by_event(ev, "hang")[0]["t"]
                     limit = watch if who == TR else watch + sz.trial_timeout_s
                     wait_exits([proc], max(0.0, t_hang + limit - time.time()))
                     if not proc.running and proc.rc != 0:
                         raise TrialError(f"exit code {proc.rc}" + t.tails())
-                    hung = [e for e in read_events(agent_events)
-                            if e.get("kind") == "transition" and e.get("trigger") == "workers_hung"]
+                    hung = [
+                        e
+                        for e in read_events(agent_events)
+                        if e.get("kind") == "transition" and e.get("trigger") == "workers_hung"
+                    ]
                     seen = hung[0]["ts"] - t_hang if hung else None
                     try:
                         again = all_ranks_t(t.events(), "started", p, attempt=1) - t_hang
@@ -1314,8 +1555,11 @@ def scenario_h(bench: Bench) -> list[Row]:
                         raise TrialError("fsm-agent did not restart the hung group" + t.tails())
                     detected.add(who, seen)
                     restarted.add(who, again)
-                    log(f"  (h) #{i + 1} {who}: detected {_seconds_or_never(seen)}, "
-                        f"attempt 1 running {_seconds_or_never(again)}")
+                    log(
+                        f"  (h) #{i + 1} {who}: detected {_seconds_or_never(seen)}, "
+                        f"attempt 1 running {_seconds_or_never(again)}"
+                    )
+
             attempt(measure, [detected, restarted], who, "h")
     return [detected, restarted]
 
@@ -1340,27 +1584,52 @@ def scenario_i(bench: Bench) -> list[Row]:
     expiry = float(keep_alive.get("keep_alive_interval", 5)) * float(keep_alive.get("keep_alive_max_attempt", 3))
     made = {}
     for backend in backends:
-        row = Row("i", f"node loss, idle workers, --nnodes 1:2, fsm-agent --rdzv-backend {backend} vs torchrun c10d: "
-                       f"SIGKILL agent+worker → survivor's worker running again (world 1)", "s")
+        row = Row(
+            "i",
+            f"node loss, idle workers, --nnodes 1:2, fsm-agent --rdzv-backend {backend} vs torchrun c10d: "
+            f"SIGKILL agent+worker → survivor's worker running again (world 1)",
+            "s",
+        )
         row.never = f"never (watched {cutoff:g} s)"
         if backend != "fsm":
-            row.notes.append(f"fsm-agent's {backend} and torchrun's c10d runs: --rdzv-conf {conf} "
-                             f"(keep-alive {expiry:g} s)")
+            row.notes.append(
+                f"fsm-agent's {backend} and torchrun's c10d runs: --rdzv-conf {conf} (keep-alive {expiry:g} s)"
+            )
             row.goal = f"≤ keep-alive + 5 s = {expiry + 5:g} s; torchrun never"
-            row.check = lambda r, bound=expiry + 5: (bool(r.fsm) and all(v is not None and v <= bound for v in r.fsm)
-                                                    and not r.errors[FSM] and all(v is None for v in r.tr))
+            row.check = lambda r, bound=expiry + 5: (
+                bool(r.fsm)
+                and all(v is not None and v <= bound for v in r.fsm)
+                and not r.errors[FSM]
+                and all(v is None for v in r.tr)
+            )
         made[backend] = row
     if notes and made:
         next(iter(made.values())).notes += notes
     variants = [(TR, "c10d")] + [(FSM, b) for b in backends]
     for i, who, backend, targets in variant_trials(sz.idle_loss_trials, variants, made):
+
         def measure(who=who, backend=backend):
             with bench.trial(f"i_{who}_{backend}") as t:
                 port, run_id = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
                 endpoint = bench.etcd_endpoint() if backend == "etcd-v3" else f"127.0.0.1:{port}"
-                argv = ["--nnodes", "1:2", "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id",
-                        run_id, "--local-addr", "127.0.0.1", "--nproc-per-node", 1, "--max-restarts", 0,
-                        "--monitor-interval", 0.1]
+                argv = [
+                    "--nnodes",
+                    "1:2",
+                    "--rdzv-backend",
+                    backend,
+                    "--rdzv-endpoint",
+                    endpoint,
+                    "--rdzv-id",
+                    run_id,
+                    "--local-addr",
+                    "127.0.0.1",
+                    "--nproc-per-node",
+                    1,
+                    "--max-restarts",
+                    0,
+                    "--monitor-interval",
+                    0.1,
+                ]
                 if backend != "fsm":
                     argv += ["--rdzv-conf", conf]
                 finish = t.dir / "finish"  # made just before the kill: a world of 1 then ends the job
@@ -1371,11 +1640,17 @@ def scenario_i(bench: Bench) -> list[Row]:
                 if backend != "etcd-v3":  # agent0 hosts the rendezvous store: the victim is agent1
                     wait_listening(t, host, port, sz.trial_timeout_s)
                 victim = t.launch(who, argv, "agent1", restarts_pg=True)
-                t.poll_events(lambda ev: len({e["group_rank"] for e in by_event(ev, "started", world_size=2)}) == 2,
-                              sz.trial_timeout_s, "two workers in a world of 2")
+                t.poll_events(
+                    lambda ev: len({e["group_rank"] for e in by_event(ev, "started", world_size=2)}) == 2,
+                    sz.trial_timeout_s,
+                    "two workers in a world of 2",
+                )
                 time.sleep(bench.rng.uniform(0.2, 1.2))  # a random moment relative to keep-alives
-                workers = [e["pid"] for e in by_event(t.events(), "started", world_size=2)
-                           if psutil is not None and _parent(e["pid"]) == victim.pid]
+                workers = [
+                    e["pid"]
+                    for e in by_event(t.events(), "started", world_size=2)
+                    if psutil is not None and _parent(e["pid"]) == victim.pid
+                ]
                 finish.touch()
                 t_kill = time.time()
                 os.kill(victim.pid, signal.SIGKILL)
@@ -1391,6 +1666,7 @@ def scenario_i(bench: Bench) -> list[Row]:
                     row.add(who, value)
                 show = f"{value:.3f} s" if value is not None else f"never (watched {cutoff:g} s)"
                 log(f"  (i) #{i + 1} {who} {backend}: survivor's worker running again {show}")
+
         attempt(measure, targets, who, "i")
     return list(made.values())
 
@@ -1425,8 +1701,9 @@ def spares_waiting(backend: str, port: int, run_id: str) -> int:
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
-    state = C10dRendezvousBackend(TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)),
-                                  run_id).get_state()
+    state = C10dRendezvousBackend(
+        TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)), run_id
+    ).get_state()
     return len(pickle.loads(state[0]).redundancy_list) if state else 0
 
 
@@ -1443,28 +1720,43 @@ def scenario_j(bench: Bench) -> list[Row]:
     backends = [b for b in ("fsm", "c10d") if not rdzv or b in rdzv]
     made = {}
     for backend in backends:
-        row = Row("j", f"hot spare, --nnodes 2:2 + 1 standby, {nproc} torch worker(s)/agent, fsm-agent --rdzv-backend "
-                       f"{backend} vs torchrun c10d: SIGKILL agent+workers → full world ({world} ranks, 2 nodes) "
-                       f"all_reduce done again", "s")
+        row = Row(
+            "j",
+            f"hot spare, --nnodes 2:2 + 1 standby, {nproc} torch worker(s)/agent, fsm-agent --rdzv-backend "
+            f"{backend} vs torchrun c10d: SIGKILL agent+workers → full world ({world} ranks, 2 nodes) "
+            f"all_reduce done again",
+            "s",
+        )
         row.never = f"never (watched {cutoff:g} s)"
         row.notes.append(f"c10d runs (both launchers): --rdzv-conf {conf}")
         made[backend] = row
     variants = [(TR, "c10d")] + [(FSM, b) for b in backends]
     for i, who, backend, targets in variant_trials(sz.idle_loss_trials, variants, made):
+
         def measure(who=who, backend=backend):
             with bench.trial(f"j_{who}_{backend}") as t:
                 port, run_id = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
                 finish = t.dir / "finish"  # made just before the kill: the spare's world then ends the job
-                argv = [*multi_node_args(backend, port, run_id, "2:2"), "--nproc-per-node", nproc,
-                        "--max-restarts", 3, "--monitor-interval", 0.1]
+                argv = [
+                    *multi_node_args(backend, port, run_id, "2:2"),
+                    "--nproc-per-node",
+                    nproc,
+                    "--max-restarts",
+                    3,
+                    "--monitor-interval",
+                    0.1,
+                ]
                 if backend != "fsm":
                     argv += ["--rdzv-conf", conf]
                 argv += [TORCH_WORKER, "spare", finish]
                 host = t.launch(who, argv, "agent0", restarts_pg=True)
                 wait_listening(t, host, port, sz.trial_timeout_s)
                 victim = t.launch(who, argv, "agent1", restarts_pg=True)
-                t.poll_events(lambda ev: len({e["rank"] for e in by_event(ev, "allreduce_done", world_size=world)})
-                              >= world, sz.trial_timeout_s + 60, f"{world} workers in one world")
+                t.poll_events(
+                    lambda ev: len({e["rank"] for e in by_event(ev, "allreduce_done", world_size=world)}) >= world,
+                    sz.trial_timeout_s + 60,
+                    f"{world} workers in one world",
+                )
                 spare = t.launch(who, argv, "agent2", restarts_pg=True)
                 deadline = time.monotonic() + sz.trial_timeout_s
                 while spares_waiting(backend, port, run_id) < 1:
@@ -1472,8 +1764,11 @@ def scenario_j(bench: Bench) -> list[Row]:
                         raise TrialError("agent2 never waited as a standby" + t.tails())
                     time.sleep(0.1)
                 time.sleep(bench.rng.uniform(0.2, 1.2))  # a random moment relative to keep-alives
-                workers = [e["pid"] for e in by_event(t.events(), "started", world_size=world)
-                           if psutil is not None and _parent(e["pid"]) == victim.pid]
+                workers = [
+                    e["pid"]
+                    for e in by_event(t.events(), "started", world_size=world)
+                    if psutil is not None and _parent(e["pid"]) == victim.pid
+                ]
                 finish.touch()
                 t_kill = time.time()
                 os.kill(victim.pid, signal.SIGKILL)
@@ -1489,13 +1784,19 @@ def scenario_j(bench: Bench) -> list[Row]:
                     except TrialError:
                         values.append(None)
                 after = [e for e in ev if e["t"] > t_kill and e.get("event") == "started"]
-                info = dict(started_s=values[1], attempts=sorted({e["attempt"] for e in after}),
-                            exit_codes=[p.rc for p in (host, spare)])
+                info = dict(
+                    started_s=values[1],
+                    attempts=sorted({e["attempt"] for e in after}),
+                    exit_codes=[p.rc for p in (host, spare)],
+                )
                 for row in targets:
                     row.add(who, values[0], **info)
                 show = lambda v: f"{v:.3f} s" if v is not None else f"never (watched {cutoff:g} s)"  # noqa: E731
-                log(f"  (j) #{i + 1} {who} {backend}: full world all_reduce again {show(values[0])}, started "
-                    f"{show(values[1])}, restart counts {info['attempts']}, exit codes {info['exit_codes']}")
+                log(
+                    f"  (j) #{i + 1} {who} {backend}: full world all_reduce again {show(values[0])}, started "
+                    f"{show(values[1])}, restart counts {info['attempts']}, exit codes {info['exit_codes']}"
+                )
+
         attempt(measure, targets, who, "j")
     return list(made.values())
 
@@ -1507,8 +1808,18 @@ def _parent(pid: int) -> int | None:
         return None
 
 
-RUNNERS = {"a": scenario_a, "b": scenario_b, "c": scenario_c, "d": scenario_d, "e": scenario_e,
-           "f": scenario_f, "g": scenario_g, "h": scenario_h, "i": scenario_i, "j": scenario_j}
+RUNNERS = {
+    "a": scenario_a,
+    "b": scenario_b,
+    "c": scenario_c,
+    "d": scenario_d,
+    "e": scenario_e,
+    "f": scenario_f,
+    "g": scenario_g,
+    "h": scenario_h,
+    "i": scenario_i,
+    "j": scenario_j,
+}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1517,8 +1828,11 @@ RUNNERS = {"a": scenario_a, "b": scenario_b, "c": scenario_c, "d": scenario_d, "
 
 
 def machine() -> dict[str, str]:
-    info = {"python": platform.python_version(), "os": f"{platform.system()} {platform.release()}",
-            "cpus": str(os.cpu_count())}
+    info = {
+        "python": platform.python_version(),
+        "os": f"{platform.system()} {platform.release()}",
+        "cpus": str(os.cpu_count()),
+    }
     try:
         info["cpus_usable"] = str(len(os.sched_getaffinity(0)))
     except AttributeError:
@@ -1551,8 +1865,9 @@ def machine() -> dict[str, str]:
     return info
 
 
-def render_markdown(bench: Bench, rows: list[Row], command: str, wall: float, info: dict[str, str],
-                    started: str) -> str:
+def render_markdown(
+    bench: Bench, rows: list[Row], command: str, wall: float, info: dict[str, str], started: str
+) -> str:
     mode = "quick (CI smoke run: sizes cut down, timings not meaningful)" if bench.args.quick else "full"
     lines = [
         "# fsm-agent vs torchrun benchmarks",
@@ -1593,8 +1908,9 @@ def render_markdown(bench: Bench, rows: list[Row], command: str, wall: float, in
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Sizes]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="CI mode: every scenario once, small; no goals asserted")
     parser.add_argument("--scenarios", default=SCENARIOS, help="which scenarios to run, e.g. a,b,d (default: all)")
     parser.add_argument("--markdown", metavar="PATH", help="also write the report as Markdown to PATH")
@@ -1602,40 +1918,94 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Sizes]:
     parser.add_argument("--seed", type=int, default=1234, help="random crash ranks/moments (default 1234)")
     parser.add_argument("--keep-tmp", action="store_true", help="keep the per-trial directories (logs, events)")
     parser.add_argument("--tmp-dir", default=None, help="where the per-trial directories go (default: $TMPDIR)")
-    parser.add_argument("--pycache-prefix", default=None, metavar="DIR",
-                        help="bytecode cache (PYTHONPYCACHEPREFIX) for every launch; keep one across runs to skip "
-                             "the warm-up's compiling (default: a fresh one in the run's temporary directory)")
-    parser.add_argument("--fsm-agent-cmd", default=f"{shlex.quote(sys.executable)} -m fsm_agent run",
-                        help="how to start fsm-agent (default: %(default)s)")
-    parser.add_argument("--torchrun-cmd", default=f"{shlex.quote(sys.executable)} -m torch.distributed.run",
-                        help="how to start torchrun (default: %(default)s)")
-    parser.add_argument("--torchrun-shared-store", action="store_true",
-                        help="keep torch's shared rendezvous store in (c)/(g) (restarted gloo groups then fail, "
-                             "pytorch/pytorch#135712); default: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 there")
-    parser.add_argument("--fsm-single-node-args", default="--standalone",
-                        help="fsm-agent's rendezvous flags for single-node scenarios (default: %(default)s)")
-    parser.add_argument("--fsm-backend", default="auto",
-                        help="fsm-agent's backend for (f)/(g): auto = 'fsm' if registered, else c10d")
-    parser.add_argument("--fsm-preimport-launcher", default="auto",
-                        help="fsm-agent --launcher that pre-imports torch, for (c); auto = a registered launcher "
-                             "named like preload/preimport/fork/zygote/warm; 'none' to skip")
+    parser.add_argument(
+        "--pycache-prefix",
+        default=None,
+        metavar="DIR",
+        help="bytecode cache (PYTHONPYCACHEPREFIX) for every launch; keep one across runs to skip "
+        "the warm-up's compiling (default: a fresh one in the run's temporary directory)",
+    )
+    parser.add_argument(
+        "--fsm-agent-cmd",
+        default=f"{shlex.quote(sys.executable)} -m fsm_agent run",
+        help="how to start fsm-agent (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--torchrun-cmd",
+        default=f"{shlex.quote(sys.executable)} -m torch.distributed.run",
+        help="how to start torchrun (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--torchrun-shared-store",
+        action="store_true",
+        help="keep torch's shared rendezvous store in (c)/(g) (restarted gloo groups then fail, "
+        "pytorch/pytorch#135712); default: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 there",
+    )
+    parser.add_argument(
+        "--fsm-single-node-args",
+        default="--standalone",
+        help="fsm-agent's rendezvous flags for single-node scenarios (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--fsm-backend", default="auto", help="fsm-agent's backend for (f)/(g): auto = 'fsm' if registered, else c10d"
+    )
+    parser.add_argument(
+        "--fsm-preimport-launcher",
+        default="auto",
+        help="fsm-agent --launcher that pre-imports torch, for (c); auto = a registered launcher "
+        "named like preload/preimport/fork/zygote/warm; 'none' to skip",
+    )
     parser.add_argument("--fsm-preimport-args", default="", help="extra fsm-agent flags for that launcher")
     sizes = parser.add_argument_group("sizes (defaults: full mode, or quick mode with --quick)")
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
     floats = lambda s: [float(x) for x in s.split(",") if x.strip()]  # noqa: E731
-    for name, kind in (("trials", int), ("startup_p", ints), ("startup_torch_p", ints), ("startup_torch_trials", int), ("restart_p", int),
-                       ("restart_intervals", floats), ("torch_restart_p", int), ("torch_restart_intervals", floats),
-                       ("torch_restart_trials", int), ("torch_restarts_n", int), ("sigterm_p", int), ("idle_p", int), ("idle_s", float),
-                       ("idle_trials", int), ("rdzv_k", ints), ("rdzv_trials", int), ("node_loss_nproc", int),
-                       ("node_loss_trials_fsm", int), ("node_loss_trials_torchrun", int), ("node_loss_trials_etcd", int),
-                       ("node_loss_cutoff_s", float), ("node_loss_goal_s", float), ("node_loss_rdzv_conf", str),
-                       ("hang_p", int), ("hang_timeout_s", float), ("hang_grace_s", float),
-                       ("hang_trials_torchrun", int), ("idle_loss_trials", int), ("idle_loss_cutoff_s", float),
-                       ("idle_loss_rdzv_conf", str), ("trial_timeout_s", float)):
-        show = lambda v: ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v) if isinstance(v, list) \
-            else (f"{v:g}" if isinstance(v, float) else repr(v) if v == "" else str(v))  # noqa: E731
-        sizes.add_argument("--" + name.replace("_", "-"), type=kind, default=None, dest=name, metavar="V",
-                           help=f"full: {show(getattr(FULL, name))}; quick: {show(getattr(QUICK, name))}")
+    for name, kind in (
+        ("trials", int),
+        ("startup_p", ints),
+        ("startup_torch_p", ints),
+        ("startup_torch_trials", int),
+        ("restart_p", int),
+        ("restart_intervals", floats),
+        ("torch_restart_p", int),
+        ("torch_restart_intervals", floats),
+        ("torch_restart_trials", int),
+        ("torch_restarts_n", int),
+        ("sigterm_p", int),
+        ("idle_p", int),
+        ("idle_s", float),
+        ("idle_trials", int),
+        ("rdzv_k", ints),
+        ("rdzv_trials", int),
+        ("node_loss_nproc", int),
+        ("node_loss_trials_fsm", int),
+        ("node_loss_trials_torchrun", int),
+        ("node_loss_trials_etcd", int),
+        ("node_loss_cutoff_s", float),
+        ("node_loss_goal_s", float),
+        ("node_loss_rdzv_conf", str),
+        ("hang_p", int),
+        ("hang_timeout_s", float),
+        ("hang_grace_s", float),
+        ("hang_trials_torchrun", int),
+        ("idle_loss_trials", int),
+        ("idle_loss_cutoff_s", float),
+        ("idle_loss_rdzv_conf", str),
+        ("trial_timeout_s", float),
+    ):
+
+        def show(v):
+            if isinstance(v, list):
+                return ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v)
+            return f"{v:g}" if isinstance(v, float) else repr(v) if v == "" else str(v)
+
+        sizes.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=None,
+            dest=name,
+            metavar="V",
+            help=f"full: {show(getattr(FULL, name))}; quick: {show(getattr(QUICK, name))}",
+        )
     args = parser.parse_args(argv)
     base = QUICK if args.quick else FULL
     chosen = {k: getattr(args, k) for k in base.__dataclass_fields__ if getattr(args, k, None) is not None}
@@ -1687,10 +2057,20 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.markdown).write_text(render_markdown(bench, rows, command, wall, info, started_at))
         print(f"\nMarkdown written to {args.markdown}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": command, "machine": info, "wall_s": wall,
-                                               "quick": args.quick, "sizes": sizes.__dict__,
-                                               "fast_backend": bench.fast_backend,
-                                               "rows": [r.to_json() for r in rows]}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": command,
+                    "machine": info,
+                    "wall_s": wall,
+                    "quick": args.quick,
+                    "sizes": sizes.__dict__,
+                    "fast_backend": bench.fast_backend,
+                    "rows": [r.to_json() for r in rows],
+                },
+                indent=1,
+            )
+        )
     incomplete = [r for r in rows if not r.complete()]
     missing = [s for s in wanted if not any(r.sid == s for r in rows)]
     for r in incomplete:

@@ -109,8 +109,13 @@ def measure(k: int, window: float, seconds: float, directory: Path) -> tuple[col
     the re-rendezvous the agents recorded."""
     store_port = free_port()
     env = {**os.environ, "TMPDIR": str(directory)}
-    store = subprocess.Popen([sys.executable, "-m", "fsm_agent.store", "--host", "127.0.0.1", "--port", str(store_port)],
-                             start_new_session=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    store = subprocess.Popen(
+        [sys.executable, "-m", "fsm_agent.store", "--host", "127.0.0.1", "--port", str(store_port)],
+        start_new_session=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     agents: list[subprocess.Popen] = []
     proxy = None
     try:
@@ -127,12 +132,40 @@ def measure(k: int, window: float, seconds: float, directory: Path) -> tuple[col
         script = directory / "worker.py"
         script.write_text(textwrap.dedent(WORKER))
         for _ in range(k):
-            agents.append(subprocess.Popen(
-                [sys.executable, "-m", "fsm_agent", "run", "--nnodes", str(k), "--nproc-per-node", "1",
-                 "--rdzv-backend", "fsm", "--rdzv-endpoint", f"127.0.0.1:{proxy.port}", "--rdzv-id", f"bench{k}",
-                 "--rdzv-conf", "is_host=0", "--local-addr", "127.0.0.1", "--straggler-window", str(window),
-                 "--events-file", str(directory / f"events.{len(agents)}.jsonl"), str(script)], cwd=directory, start_new_session=True, env=env,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            agents.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "fsm_agent",
+                        "run",
+                        "--nnodes",
+                        str(k),
+                        "--nproc-per-node",
+                        "1",
+                        "--rdzv-backend",
+                        "fsm",
+                        "--rdzv-endpoint",
+                        f"127.0.0.1:{proxy.port}",
+                        "--rdzv-id",
+                        f"bench{k}",
+                        "--rdzv-conf",
+                        "is_host=0",
+                        "--local-addr",
+                        "127.0.0.1",
+                        "--straggler-window",
+                        str(window),
+                        "--events-file",
+                        str(directory / f"events.{len(agents)}.jsonl"),
+                        str(script),
+                    ],
+                    cwd=directory,
+                    start_new_session=True,
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         deadline = time.monotonic() + 60 + 10 * k
         while not all((directory / f"started.{r}.{k}").exists() for r in range(k)):
             if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
@@ -142,8 +175,11 @@ def measure(k: int, window: float, seconds: float, directory: Path) -> tuple[col
         before = proxy.snapshot()
         time.sleep(seconds)
         counted = proxy.snapshot() - before
-        changes = sum(line.count('"trigger": "membership_changed"') for path in directory.glob("events.*.jsonl")
-                      for line in path.read_text().splitlines())
+        changes = sum(
+            line.count('"trigger": "membership_changed"')
+            for path in directory.glob("events.*.jsonl")
+            for line in path.read_text().splitlines()
+        )
         return counted, changes
     finally:
         for proc in (*agents, store):
@@ -164,11 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", help="also write the table to this file")
     args = parser.parse_args(argv)
     rows = []
-    header = ("| agents K | store requests/s, straggler off | on | step times' requests/s | per agent per window "
-              "| step times' requests by op (per s) | re-rendezvous (off, on) |\n|---|---|---|---|---|---|---|")
+    header = (
+        "| agents K | store requests/s, straggler off | on | step times' requests/s | per agent per window "
+        "| step times' requests by op (per s) | re-rendezvous (off, on) |\n|---|---|---|---|---|---|---|"
+    )
     for k in (int(x) for x in args.agents.split(",")):
-        with tempfile.TemporaryDirectory(prefix="fsm_bench_straggler_") as off_dir, \
-                tempfile.TemporaryDirectory(prefix="fsm_bench_straggler_") as on_dir:
+        with (
+            tempfile.TemporaryDirectory(prefix="fsm_bench_straggler_") as off_dir,
+            tempfile.TemporaryDirectory(prefix="fsm_bench_straggler_") as on_dir,
+        ):
             off, off_changes = measure(k, 0.0, args.seconds, Path(off_dir))
             on, on_changes = measure(k, args.window, args.seconds, Path(on_dir))
 
@@ -178,12 +218,18 @@ def main(argv: list[str] | None = None) -> int:
         steps = {op.split(" ", 1)[1]: n / args.seconds for op, n in sorted(on.items()) if op.startswith("step_times ")}
         step_rate = sum(steps.values())
         by_op = ", ".join(f"{op} {n:.1f}" for op, n in steps.items())
-        row = (f"| {k} | {total(off):.1f} | {total(on):.1f} | {step_rate:.1f} | {step_rate * args.window / k:.2f} "
-               f"| {by_op} | {off_changes}, {on_changes} |")
+        row = (
+            f"| {k} | {total(off):.1f} | {total(on):.1f} | {step_rate:.1f} | {step_rate * args.window / k:.2f} "
+            f"| {by_op} | {off_changes}, {on_changes} |"
+        )
         rows.append(row)
         print(row, flush=True)
-    table = "\n".join([f"window {args.window:g} s, {args.seconds:g} s counted per run, fsm backend, loopback",
-                       "", header, *rows]) + "\n"
+    table = (
+        "\n".join(
+            [f"window {args.window:g} s, {args.seconds:g} s counted per run, fsm backend, loopback", "", header, *rows]
+        )
+        + "\n"
+    )
     print("\n" + table)
     if args.markdown:
         Path(args.markdown).write_text(table)

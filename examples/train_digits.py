@@ -56,10 +56,16 @@ def parse_args(argv=None):
     p.add_argument("--crash-epoch", type=int, default=None)
     p.add_argument("--crash-exit-code", type=int, default=None)
     p.add_argument("--crash-always", action="store_true", help="crash on every attempt")
-    p.add_argument("--stop-file", default=None,
-                   help="end training after the epoch in which this file appears (as if --epochs were reached)")
-    p.add_argument("--checkpoint-on-signal", action="store_true",
-                   help="SIGUSR1: checkpoint and go on; SIGTERM: checkpoint and exit 143")
+    p.add_argument(
+        "--stop-file",
+        default=None,
+        help="end training after the epoch in which this file appears (as if --epochs were reached)",
+    )
+    p.add_argument(
+        "--checkpoint-on-signal",
+        action="store_true",
+        help="SIGUSR1: checkpoint and go on; SIGTERM: checkpoint and exit 143",
+    )
     return p.parse_args(argv)
 
 
@@ -68,8 +74,11 @@ def load_data(seed):
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, random_state=seed, stratify=y)
     scaler = StandardScaler().fit(x_tr)
     as_t = lambda a, dt: torch.tensor(a, dtype=dt)  # noqa: E731
-    return (TensorDataset(as_t(scaler.transform(x_tr), torch.float32), as_t(y_tr, torch.long)),
-            as_t(scaler.transform(x_te), torch.float32), as_t(y_te, torch.long))
+    return (
+        TensorDataset(as_t(scaler.transform(x_tr), torch.float32), as_t(y_tr, torch.long)),
+        as_t(scaler.transform(x_te), torch.float32),
+        as_t(y_te, torch.long),
+    )
 
 
 #: What the last signal asked for: 0 nothing, 1 checkpoint (SIGUSR1), 2 checkpoint and stop (SIGTERM).
@@ -127,8 +136,7 @@ def main(argv=None):
     loss_fn = nn.CrossEntropyLoss()
 
     for epoch in range(start_epoch, args.epochs + 1):
-        if (rank == args.crash_rank and epoch == args.crash_epoch
-                and (args.crash_always or restart_count == 0)):
+        if rank == args.crash_rank and epoch == args.crash_epoch and (args.crash_always or restart_count == 0):
             print(f"[rank {rank}] injecting crash at epoch {epoch} (restart {restart_count})", flush=True)
             if args.crash_exit_code is not None:
                 sys.exit(args.crash_exit_code)
@@ -153,10 +161,20 @@ def main(argv=None):
                 dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # every rank decides at the same batch
                 if wanted.item():
                     if rank == 0:
-                        save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                     "epoch": epoch - 1, "signal": int(wanted.item())}, args.checkpoint)
-                        print(f"[rank 0] checkpoint saved on {'SIGTERM' if wanted.item() == 2 else 'SIGUSR1'} "
-                              f"in epoch {epoch}", flush=True)
+                        save_atomic(
+                            {
+                                "model": model.state_dict(),
+                                "optimizer": opt.state_dict(),
+                                "epoch": epoch - 1,
+                                "signal": int(wanted.item()),
+                            },
+                            args.checkpoint,
+                        )
+                        print(
+                            f"[rank 0] checkpoint saved on {'SIGTERM' if wanted.item() == 2 else 'SIGUSR1'} "
+                            f"in epoch {epoch}",
+                            flush=True,
+                        )
                     if wanted.item() == 2:
                         dist.barrier()
                         sys.exit(128 + signal.SIGTERM)
@@ -167,8 +185,7 @@ def main(argv=None):
         if rank == 0:
             print(f"epoch {epoch}/{args.epochs} loss {(stats[0] / stats[1]).item():.4f}", flush=True)
             os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
-            save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch},
-                        args.checkpoint)
+            save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch}, args.checkpoint)
         dist.barrier()
         if stats[2].item():
             print(f"[rank {rank}] {args.stop_file} appeared: training ends after epoch {epoch}", flush=True)
@@ -180,9 +197,14 @@ def main(argv=None):
     if rank == 0:
         print(f"final test accuracy: {acc:.3f}", flush=True)
         if args.result_file:
-            result = {"test_accuracy": acc, "epochs": args.epochs, "world_size": world,
-                      "resumed_from": resumed_from, "restart_count": restart_count,
-                      "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+            result = {
+                "test_accuracy": acc,
+                "epochs": args.epochs,
+                "world_size": world,
+                "resumed_from": resumed_from,
+                "restart_count": restart_count,
+                "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+            }
             os.makedirs(os.path.dirname(os.path.abspath(args.result_file)), exist_ok=True)
             tmp = f"{args.result_file}.tmp"
             with open(tmp, "w") as f:

@@ -36,5 +36,16 @@ def __getattr__(name: str) -> Any:  # the launcher pulls in the agent; keep `imp
     raise AttributeError(name)
 
 
-__all__ = ["LaunchConfig", "WorkerSpec", "Worker", "WorkerGroup", "WorkerState", "WorkerFailure",
-           "RunResult", "hookimpl", "heartbeat", "compute", *_LAUNCH_NAMES]
+__all__ = [
+    "LaunchConfig",
+    "WorkerSpec",
+    "Worker",
+    "WorkerGroup",
+    "WorkerState",
+    "WorkerFailure",
+    "RunResult",
+    "hookimpl",
+    "heartbeat",
+    "compute",
+    *_LAUNCH_NAMES,
+]

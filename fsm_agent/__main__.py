@@ -1,2 +1,3 @@
 from fsm_agent.cli import main
+
 main()

@@ -117,7 +117,9 @@ def install() -> None:
     _installed.append(True)
     args = argv[1:] if argv and os.path.basename(argv[0]) != "-m" else orig
     try:
-        stop_env = "FSM_AGENT_SIGNALS_TO_HANDLE" if "FSM_AGENT_SIGNALS_TO_HANDLE" in os.environ else "PET_SIGNALS_TO_HANDLE"
+        stop_env = (
+            "FSM_AGENT_SIGNALS_TO_HANDLE" if "FSM_AGENT_SIGNALS_TO_HANDLE" in os.environ else "PET_SIGNALS_TO_HANDLE"
+        )
         stop = _names(_option(args, "--signals-to-handle", stop_env, _DEFAULT_STOP))
         relay = _names(_option(args, "--forward-signals", "FSM_AGENT_FORWARD_SIGNALS", ""))
         for sig in relay:

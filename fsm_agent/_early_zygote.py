@@ -63,7 +63,10 @@ def spawn(modules: str) -> tuple[subprocess.Popen, socket.socket]:
     try:
         zygote = subprocess.Popen(
             [sys.executable, ZYGOTE, modules, str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), preexec_fn=parent_death_signal, stdin=subprocess.DEVNULL)
+            pass_fds=(theirs.fileno(),),
+            preexec_fn=parent_death_signal,
+            stdin=subprocess.DEVNULL,
+        )
     except BaseException:
         ours.close()
         raise

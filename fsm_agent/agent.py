@@ -38,9 +38,22 @@ from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.progress import Cycle, next_cycle, read_progress_file
 from fsm_agent.ranks import assign_ranks
 from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine
-from fsm_agent.worker import (DRAIN_EXIT_CODE, DRAIN_SCOPES, HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, DrainSettings,
-                              FailureClass, NodeProblem, RestartDecision, RunResult, Worker, WorkerFailure,
-                              WorkerGroup, WorkerSpec, first_failure)
+from fsm_agent.worker import (
+    DRAIN_EXIT_CODE,
+    DRAIN_SCOPES,
+    HANG_EXIT_CODE,
+    HEALTH_CHECK_EXIT_CODE,
+    DrainSettings,
+    FailureClass,
+    NodeProblem,
+    RestartDecision,
+    RunResult,
+    Worker,
+    WorkerFailure,
+    WorkerGroup,
+    WorkerSpec,
+    first_failure,
+)
 
 log = logging.getLogger(__name__)
 S = WorkerState
@@ -126,9 +139,11 @@ def _round_timeout(handler: Any, config: dict[str, Any]) -> tuple[str, float]:
     ``join_timeout`` it was given, else torch's default 600.
     """
     settings = getattr(handler, "settings", None)
-    for key, seconds in (("join_timeout", getattr(settings, "join_timeout", None)),
-                         ("join_timeout", getattr(getattr(settings, "timeout", None), "join", None)),
-                         ("timeout", getattr(handler, "timeout", None))):
+    for key, seconds in (
+        ("join_timeout", getattr(settings, "join_timeout", None)),
+        ("join_timeout", getattr(getattr(settings, "timeout", None), "join", None)),
+        ("timeout", getattr(handler, "timeout", None)),
+    ):
         seconds = seconds.total_seconds() if hasattr(seconds, "total_seconds") else seconds
         if isinstance(seconds, (int, float)):
             return key, float(seconds)
@@ -142,13 +157,17 @@ def _empty_rendezvous_error_detail(exc: BaseException, rdzv: Any, key: str, seco
     """What torch's message-less RendezvousTimeoutError / RendezvousClosedError mean, with the fix."""
     name = type(exc).__name__
     if name == "RendezvousTimeoutError":
-        return (f"the round did not complete within {key}={seconds:g}s: fewer than {rdzv.min_nodes} agents "
-                f"(--nnodes {rdzv.min_nodes}:{rdzv.max_nodes}) joined run id {rdzv.run_id!r} at "
-                f"{rdzv.endpoint or '(default)'}; start the other nodes, or give them longer with "
-                f"--rdzv-conf {key}=SECONDS")
+        return (
+            f"the round did not complete within {key}={seconds:g}s: fewer than {rdzv.min_nodes} agents "
+            f"(--nnodes {rdzv.min_nodes}:{rdzv.max_nodes}) joined run id {rdzv.run_id!r} at "
+            f"{rdzv.endpoint or '(default)'}; start the other nodes, or give them longer with "
+            f"--rdzv-conf {key}=SECONDS"
+        )
     if name == "RendezvousClosedError":
-        return (f"the rendezvous of run id {rdzv.run_id!r} at {rdzv.endpoint or '(default)'} is closed: a job "
-                f"with this id already ended there; start the job with a new --rdzv-id")
+        return (
+            f"the rendezvous of run id {rdzv.run_id!r} at {rdzv.endpoint or '(default)'} is closed: a job "
+            f"with this id already ended there; start the job with a new --rdzv-id"
+        )
     return "(no message)"
 
 
@@ -169,10 +188,18 @@ class ElasticAgent:
         forward_signals: signal names relayed to every live worker's process group (``--forward-signals``).
     """
 
-    def __init__(self, spec: WorkerSpec, plugin_manager: pluggy.PluginManager, rdzv_handler: Any,
-                 launcher: Any, logs: LogsLayout | TorchLogsSpecsLayout, events_path: str | None = None,
-                 signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT", config: Any = None,
-                 forward_signals: str = ""):
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        plugin_manager: pluggy.PluginManager,
+        rdzv_handler: Any,
+        launcher: Any,
+        logs: LogsLayout | TorchLogsSpecsLayout,
+        events_path: str | None = None,
+        signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        config: Any = None,
+        forward_signals: str = "",
+    ):
         self.spec = spec
         self.plugin_manager = plugin_manager
         self.config = config
@@ -184,8 +211,7 @@ class ElasticAgent:
             rdzv_handler.on_standby = self._on_standby
         self._launcher = launcher
         self._logs = logs
-        self.events_path = events_path or (
-            os.path.join(logs.run_log_dir, "events.jsonl") if logs.run_log_dir else None)
+        self.events_path = events_path or (os.path.join(logs.run_log_dir, "events.jsonl") if logs.run_log_dir else None)
         self._signals = [getattr(signal, n.strip()) for n in signals_to_handle.split(",") if n.strip()]
         self._forwarded = [getattr(signal, n.strip()) for n in forward_signals.split(",") if n.strip()]
         self._worker_group = WorkerGroup(spec)
@@ -256,8 +282,10 @@ class ElasticAgent:
             except FsmAgentError:
                 raise
             except Exception as exc:
-                raise PluginError(f"plugin {impl.plugin_name!r} failed to configure: {type(exc).__name__}: {exc}; "
-                                  f"fix its settings or disable it with --disable-plugin {impl.plugin_name}") from None
+                raise PluginError(
+                    f"plugin {impl.plugin_name!r} failed to configure: {type(exc).__name__}: {exc}; "
+                    f"fix its settings or disable it with --disable-plugin {impl.plugin_name}"
+                ) from None
 
     # -- public API (torch names) --------------------------------------------------------------
     def get_worker_group(self, role: str = "default") -> WorkerGroup:
@@ -309,15 +337,22 @@ class ElasticAgent:
             self._restore_wakeup_fd(previous)  # before _release closes the wake-up pipe
             self._release()
         gave_up = self.state == S.FAILED and self._decision is not None and not self._decision.restart
-        result = RunResult(state=self.state, return_values=dict(self._return_values),
-                           failures=dict(self._failures), error=self._error, signal=self._signal,
-                           restart_count=self.restart_count,
-                           verdict=(self._decision.reason or None) if gave_up else self._drain_verdict(),
-                           verdict_exit_code=self._decision.exit_code if gave_up else None,
-                           drain=self.drain["scope"] if self.drain is not None and self.state == S.FAILED else None)
+        result = RunResult(
+            state=self.state,
+            return_values=dict(self._return_values),
+            failures=dict(self._failures),
+            error=self._error,
+            signal=self._signal,
+            restart_count=self.restart_count,
+            verdict=(self._decision.reason or None) if gave_up else self._drain_verdict(),
+            verdict_exit_code=self._decision.exit_code if gave_up else None,
+            drain=self.drain["scope"] if self.drain is not None and self.state == S.FAILED else None,
+        )
         self._record_final_metrics(result)
-        self._broadcast("fsm_agent_record_event", event=self._event("run_end", state=result.state.value,
-                                                                    exit_code=result.exit_code, error=result.error))
+        self._broadcast(
+            "fsm_agent_record_event",
+            event=self._event("run_end", state=result.state.value, exit_code=result.exit_code, error=result.error),
+        )
         self._broadcast("fsm_agent_unconfigure", result=result)
         getattr(self._logs, "cleanup", lambda: None)()  # a temporary log dir goes; --log-dir stays
         return result
@@ -419,8 +454,7 @@ class ElasticAgent:
         # A backend's membership fd stays readable until the next rendezvous: watch it only here.
         membership = [self._membership_fd] if self._membership_fd is not None else []
         launcher_fds = list(self._launcher.wait_fds())
-        ready, _, _ = select.select([self._wake_r, *launcher_fds, *self._hang.wait_fds(), *membership],
-                                    [], [], timeout)
+        ready, _, _ = select.select([self._wake_r, *launcher_fds, *self._hang.wait_fds(), *membership], [], [], timeout)
         ticked = tick is not None and time.monotonic() >= self._next_tick
         if self._wake_r in ready:
             self._empty_wake_pipe()
@@ -450,8 +484,10 @@ class ElasticAgent:
             self._on_worker_exit(local_rank, exits[local_rank])
         failed = {r: code for r, code in exits.items() if code != 0}
         if failed and self._peer_left_by_drain():
-            log.warning("[%s] workers failed after a peer left the job by a drain: a membership change, not counted",
-                        self.spec.role)
+            log.warning(
+                "[%s] workers failed after a peer left the job by a drain: a membership change, not counted",
+                self.spec.role,
+            )
             return "membership_changed", {"change": FailureClass.NODE_LOST}
         if failed:
             times = self._launcher.exit_times()
@@ -459,8 +495,9 @@ class ElasticAgent:
         if len(exits) == self.spec.local_world_size:
             # Every worker has a return value, None for a program (torch's RunResult does the same).
             values = self._launcher.return_values()
-            return "workers_succeeded", {"return_values": {
-                w.global_rank: values.get(w.local_rank) for w in self._worker_group.workers}}
+            return "workers_succeeded", {
+                "return_values": {w.global_rank: values.get(w.local_rank) for w in self._worker_group.workers}
+            }
         if ticked:
             self._next_tick = time.monotonic() + tick
             if self._hang.enabled and (hung := self._hang.hung_workers(self._launcher.pids(), set(exits))):
@@ -558,11 +595,14 @@ class ElasticAgent:
             self._failures = self._exit_failures(exits, event.kwargs.get("exit_times") or {})
         cause = first_failure(self._failures)
         why = "" if cause.failure_class in (FailureClass.EXIT_CODE, FailureClass.SIGNAL) else f", {cause.failure_class}"
-        what = (f"workers failed (first: local_rank {cause.local_rank}, rank {cause.global_rank}, "
-                f"exitcode {cause.exitcode_text}{why})")
+        what = (
+            f"workers failed (first: local_rank {cause.local_rank}, rank {cause.global_rank}, "
+            f"exitcode {cause.exitcode_text}{why})"
+        )
         self._end_cycle(event, cause.failure_class)
-        self._ask_restart_policy(cause.failure_class, RestartDecision(self.restart_count < self.spec.max_restarts),
-                                 what)
+        self._ask_restart_policy(
+            cause.failure_class, RestartDecision(self.restart_count < self.spec.max_restarts), what
+        )
 
     def _decide_on_membership_change(self, event) -> None:
         """Ask the restart policy about a membership change (data ``change``: ``node_lost`` or
@@ -572,8 +612,9 @@ class ElasticAgent:
         self._decided_event = event
         change = str(event.kwargs.get("change") or FailureClass.MEMBERSHIP_CHANGE)
         self._end_cycle(event, change)
-        self._ask_restart_policy(change, RestartDecision(True, reason="re-rendezvous (not counted)"),
-                                 change.replace("_", " "))
+        self._ask_restart_policy(
+            change, RestartDecision(True, reason="re-rendezvous (not counted)"), change.replace("_", " ")
+        )
         if not self._decision.restart:
             self._error = f"{change}: {self._decision.reason or 'the restart policy gave up'}"
 
@@ -589,12 +630,21 @@ class ElasticAgent:
         scope = str(event.kwargs.get("scope") or self._drain_settings.scope)
         if scope not in DRAIN_SCOPES:
             raise ValueError(f"drain_requested: scope {scope!r} is not one of {', '.join(DRAIN_SCOPES)}")
-        self.drain = {"scope": scope, "source": str(event.kwargs.get("source") or "api"),
-                      "by": str(event.kwargs.get("by") or ""), "ts": time.time()}
+        self.drain = {
+            "scope": scope,
+            "source": str(event.kwargs.get("source") or "api"),
+            "by": str(event.kwargs.get("by") or ""),
+            "ts": time.time(),
+        }
         # A drain decides nothing about restarts: no earlier verdict or failure class applies.
         self._decision, self._decided_class = None, None
-        log.warning("[%s] draining (%s scope), requested by %s %s", self.spec.role, scope, self.drain["source"],
-                    self.drain["by"])
+        log.warning(
+            "[%s] draining (%s scope), requested by %s %s",
+            self.spec.role,
+            scope,
+            self.drain["source"],
+            self.drain["by"],
+        )
 
     def drain_on(self, settings: DrainSettings) -> None:
         """Watch for drain requests as ``settings`` says (signals, the drain file) and drain that way.
@@ -610,8 +660,9 @@ class ElasticAgent:
         for sig in settings.signals:
             for flag, taken in (("--signals-to-handle", self._signals), ("--forward-signals", self._forwarded)):
                 if sig in taken:
-                    raise ValueError(f"{signal.Signals(sig).name} is both a drain signal and in {flag}; "
-                                     f"list it in one of them")
+                    raise ValueError(
+                        f"{signal.Signals(sig).name} is both a drain signal and in {flag}; list it in one of them"
+                    )
         self._drain_settings = settings
 
     def request_drain(self, scope: str | None = None, source: str = "api", by: str = "") -> bool:
@@ -698,8 +749,9 @@ class ElasticAgent:
         else:
             announce = functools.partial(store.add, NODE_DRAIN_KEY, 1)
         try:  # bounded, as the exit-barrier check-in: a store host that is gone must not hold the drain
-            self._interruptible_call("announce-drain", announce, interruptible=False,
-                                     timeout=EXIT_BARRIER_RELEASE_WAIT_S)
+            self._interruptible_call(
+                "announce-drain", announce, interruptible=False, timeout=EXIT_BARRIER_RELEASE_WAIT_S
+            )
         except Exception as exc:  # the others then see this node leave, later
             log.warning("could not tell the other nodes of the drain: %s", exc)
 
@@ -734,16 +786,25 @@ class ElasticAgent:
             exits = dict(self._launcher.poll())
         by_themselves = {r: exits[r] for r in live if r in exits}
         if len(by_themselves) < len(live):
-            log.warning("[%s] drain: %d of %d workers still running after %gs: stopping them", self.spec.role,
-                        len(live) - len(by_themselves), len(live), settings.timeout_s)
+            log.warning(
+                "[%s] drain: %d of %d workers still running after %gs: stopping them",
+                self.spec.role,
+                len(live) - len(by_themselves),
+                len(live),
+                settings.timeout_s,
+            )
         self._stop_workers()
         self._wait_for_peers_to_see_the_drain()
         if drain is not None:
-            drain.update(checkpoint_signal=signal.Signals(settings.checkpoint_signal).name, timeout_s=settings.timeout_s,
-                         exits={str(r): c for r, c in sorted(by_themselves.items())},
-                         checkpointed=bool(live) and len(by_themselves) == len(live)
-                         and all(c == 0 for c in by_themselves.values()),
-                         duration_s=round(time.monotonic() - started, 6))
+            drain.update(
+                checkpoint_signal=signal.Signals(settings.checkpoint_signal).name,
+                timeout_s=settings.timeout_s,
+                exits={str(r): c for r, c in sorted(by_themselves.items())},
+                checkpointed=bool(live)
+                and len(by_themselves) == len(live)
+                and all(c == 0 for c in by_themselves.values()),
+                duration_s=round(time.monotonic() - started, 6),
+            )
             self._broadcast("fsm_agent_record_event", event=self._event("drain", **drain))
 
     def _wait_for_peers_to_see_the_drain(self) -> None:
@@ -751,8 +812,14 @@ class ElasticAgent:
         by a stop signal) until every other node has counted itself as having seen it: leaving
         first would take the store (c10d's, on its host) with it before they look."""
         group, drain = self._worker_group, self.drain
-        if (drain is None or drain["scope"] != "job" or drain["source"] == "peer" or group.store is None
-                or (group.group_world_size or 0) <= 1 or self._abandoned_call is not None):
+        if (
+            drain is None
+            or drain["scope"] != "job"
+            or drain["source"] == "peer"
+            or group.store is None
+            or (group.group_world_size or 0) <= 1
+            or self._abandoned_call is not None
+        ):
             return
         others = group.group_world_size - 1
         deadline = time.monotonic() + JOB_DRAIN_SEEN_WAIT_S
@@ -765,15 +832,18 @@ class ElasticAgent:
                 return
             select.select([self._wake_r], [], [], 0.1)
             self._empty_wake_pipe()
-        log.warning("[%s] drain: not every node saw the job-wide drain within %gs", self.spec.role,
-                    JOB_DRAIN_SEEN_WAIT_S)
+        log.warning(
+            "[%s] drain: not every node saw the job-wide drain within %gs", self.spec.role, JOB_DRAIN_SEEN_WAIT_S
+        )
 
     def _drain_verdict(self) -> str | None:
         drain = self.drain
         if drain is None or self.state != S.FAILED or self._signal is not None:
             return None
-        return (f"drained ({drain['scope']} scope, requested by {drain['source']} {drain['by']}".rstrip()
-                + f"): requeue (exit code {DRAIN_EXIT_CODE})")
+        return (
+            f"drained ({drain['scope']} scope, requested by {drain['source']} {drain['by']}".rstrip()
+            + f"): requeue (exit code {DRAIN_EXIT_CODE})"
+        )
 
     def track_progress(self, progress_file: str | None = None, max_no_progress_restarts: int = 0) -> None:
         """Read progress for the cycle records: every worker gets a heartbeat file (so
@@ -817,13 +887,20 @@ class ElasticAgent:
         progress = event.kwargs.get("progress")
         if progress is None:
             steps = self._hang.steps(self.spec.local_world_size)
-            progress = {"last_step": max(steps.values()) if steps else None,
-                        "checkpoint_step": read_progress_file(self._progress_file)}
+            progress = {
+                "last_step": max(steps.values()) if steps else None,
+                "checkpoint_step": read_progress_file(self._progress_file),
+            }
         now = time.time()
-        cycle = next_cycle(self.cycles, attempt=self.restart_count,
-                           start=self._cycle_start if self._cycle_start is not None else now, end=now,
-                           last_step=progress.get("last_step"), checkpoint_step=progress.get("checkpoint_step"),
-                           failure_class=failure_class)
+        cycle = next_cycle(
+            self.cycles,
+            attempt=self.restart_count,
+            start=self._cycle_start if self._cycle_start is not None else now,
+            end=now,
+            last_step=progress.get("last_step"),
+            checkpoint_step=progress.get("checkpoint_step"),
+            failure_class=failure_class,
+        )
         self.cycles.append(cycle)
         limit = {"max_no_progress_restarts": self._no_progress_limit} if self._no_progress_limit else {}
         self._broadcast("fsm_agent_record_event", event=self._event("cycle", **attrs.asdict(cycle), **limit))
@@ -831,8 +908,11 @@ class ElasticAgent:
     def _ask_restart_policy(self, failure_class: str, default: RestartDecision, what: str) -> None:
         """Hook ``fsm_agent_restart_policy``; ``default`` when no plugin answers."""
         decision = self.plugin_manager.hook.fsm_agent_restart_policy(
-            failures=dict(self._failures), worker_group=self._worker_group, restart_count=self.restart_count,
-            failure_class=failure_class)
+            failures=dict(self._failures),
+            worker_group=self._worker_group,
+            restart_count=self.restart_count,
+            failure_class=failure_class,
+        )
         self._decision, self._decided_class = decision or default, failure_class
         log.warning("[%s] %s: %s", self.spec.role, what, self._decision.reason or self._decision)
 
@@ -844,27 +924,41 @@ class ElasticAgent:
 
         def join():
             info = self._rdzv_handler.next_rendezvous()
-            return info, assign_ranks(info.store, info.rank, info.world_size, self.spec.role,
-                                      self.spec.local_world_size, self.restart_count)
+            return info, assign_ranks(
+                info.store, info.rank, info.world_size, self.spec.role, self.spec.local_world_size, self.restart_count
+            )
 
         info, ((base_global, world, base_role, role_world), job_restart_count) = self._interruptible_call(
-            "rendezvous", join, drainable=True)
+            "rendezvous", join, drainable=True
+        )
         self.standby = None  # ranked: a standby's seat, or it never was one
         if job_restart_count is not None:  # one job, one count: adopt the highest of the round
             self.restart_count = max(self.restart_count, job_restart_count)
         group.store, group.group_rank, group.group_world_size = info.store, info.rank, info.world_size
-        group.workers = [Worker(local_rank=r, global_rank=base_global + r, role_rank=base_role + r,
-                                world_size=world, role_world_size=role_world)
-                         for r in range(self.spec.local_world_size)]
+        group.workers = [
+            Worker(
+                local_rank=r,
+                global_rank=base_global + r,
+                role_rank=base_role + r,
+                world_size=world,
+                role_world_size=role_world,
+            )
+            for r in range(self.spec.local_world_size)
+        ]
         group.master_addr = self.spec.master_addr or info.bootstrap_store_info.master_addr
         group.master_port = self.spec.master_port or info.bootstrap_store_info.master_port
         self._host_worker_store()
-        log.info("[%s] rendezvous complete: restart_count=%s group_rank=%s group_world_size=%s "
-                 "master=%s:%s global_ranks=%s", self.spec.role, self.restart_count, group.group_rank,
-                 group.group_world_size, group.master_addr, group.master_port,
-                 [w.global_rank for w in group.workers])
-        self._broadcast("fsm_agent_rendezvous_completed", worker_group=group,
-                        duration_s=time.monotonic() - started)
+        log.info(
+            "[%s] rendezvous complete: restart_count=%s group_rank=%s group_world_size=%s master=%s:%s global_ranks=%s",
+            self.spec.role,
+            self.restart_count,
+            group.group_rank,
+            group.group_world_size,
+            group.master_addr,
+            group.master_port,
+            [w.global_rank for w in group.workers],
+        )
+        self._broadcast("fsm_agent_rendezvous_completed", worker_group=group, duration_s=time.monotonic() - started)
 
     def _on_standby(self, message: str) -> None:
         """The rendezvous made this node a hot spare (called from inside ``next_rendezvous``; the
@@ -884,9 +978,14 @@ class ElasticAgent:
             # torch's TCPStore server listens on every interface; bind MASTER_ADDR's address only.
             # The store takes ownership of the socket's fd.
             listener = listen_on(group.master_addr, group.master_port)
-            self._worker_store = TCPStore(host_name=group.master_addr, port=group.master_port, is_master=True,
-                                          multi_tenant=True, wait_for_workers=False,
-                                          master_listen_fd=listener.detach())
+            self._worker_store = TCPStore(
+                host_name=group.master_addr,
+                port=group.master_port,
+                is_master=True,
+                multi_tenant=True,
+                wait_for_workers=False,
+                master_listen_fd=listener.detach(),
+            )
         elif group.group_rank == 0 and self._launcher_hosts_worker_store:
             self._launcher.host_worker_store(group.master_addr, group.master_port)
 
@@ -940,16 +1039,24 @@ class ElasticAgent:
         self._hang.new_attempt(spec.local_world_size)
         self._cycle_start = time.time()
         self._hung, self._hung_stacks, self._health_problem = {}, {}, None
-        self._worker_logs = self._logs.reify(self.restart_count, spec.local_world_size, spec.role,
-                                             {w.local_rank: w.global_rank for w in group.workers})
+        self._worker_logs = self._logs.reify(
+            self.restart_count, spec.local_world_size, spec.role, {w.local_rank: w.global_rank for w in group.workers}
+        )
         envs = {}
         for worker in group.workers:
-            extra = [self._hang.worker_env(worker.local_rank),
-                     *self.plugin_manager.hook.fsm_agent_worker_env(worker=worker, worker_group=group)]
+            extra = [
+                self._hang.worker_env(worker.local_rank),
+                *self.plugin_manager.hook.fsm_agent_worker_env(worker=worker, worker_group=group),
+            ]
             envs[worker.local_rank] = worker_env(
-                worker, group, restart_count=self.restart_count, run_id=self.run_id,
+                worker,
+                group,
+                restart_count=self.restart_count,
+                run_id=self.run_id,
                 error_file=self._worker_logs[worker.local_rank].error_file,
-                use_agent_store=self._use_agent_store, extra=extra)
+                use_agent_store=self._use_agent_store,
+                extra=extra,
+            )
         self._failures, self._reported_exits, self._return_values, self._exits = {}, set(), {}, None
         pids = self._launcher.start(spec, envs, self._worker_logs, self._logs.filtered_paths(self.restart_count))
         for worker in group.workers:
@@ -1023,11 +1130,18 @@ class ElasticAgent:
         # verdict (first_failure: earliest, then lowest rank) names it, not the lowest local rank.
         return {
             worker.global_rank: WorkerFailure(
-                local_rank=worker.local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank,
-                pid=worker.id, exitcode=HEALTH_CHECK_EXIT_CODE,
+                local_rank=worker.local_rank,
+                global_rank=worker.global_rank,
+                role_rank=worker.role_rank,
+                pid=worker.id,
+                exitcode=HEALTH_CHECK_EXIT_CODE,
                 timestamp=now if cause in (None, worker.global_rank) else now + 1e-3,
-                message=f"{what}: {self._health_problem}", hostname=self.hostname, failure_class=kind)
-            for worker in self._worker_group.workers}
+                message=f"{what}: {self._health_problem}",
+                hostname=self.hostname,
+                failure_class=kind,
+            )
+            for worker in self._worker_group.workers
+        }
 
     def _hang_failures(self) -> dict[int, WorkerFailure]:
         """Each hung worker fails (class ``hang``), with the stacks ``_dump_worker_stacks`` found."""
@@ -1036,12 +1150,22 @@ class ElasticAgent:
             worker = self._worker_group.workers[local_rank]
             wlogs = self._worker_logs.get(local_rank)
             trace = self._hung_stacks.get(local_rank) or (
-                f"(faulthandler stack dump in {wlogs.stderr})" if wlogs and wlogs.stderr else
-                "(faulthandler stack dump on the worker's stderr)")
+                f"(faulthandler stack dump in {wlogs.stderr})"
+                if wlogs and wlogs.stderr
+                else "(faulthandler stack dump on the worker's stderr)"
+            )
             failures[worker.global_rank] = WorkerFailure(
-                local_rank=local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank, pid=worker.id,
-                exitcode=HANG_EXIT_CODE, timestamp=time.time(), message=f"hang: {why}", traceback=trace,
-                hostname=self.hostname, failure_class=FailureClass.HANG)
+                local_rank=local_rank,
+                global_rank=worker.global_rank,
+                role_rank=worker.role_rank,
+                pid=worker.id,
+                exitcode=HANG_EXIT_CODE,
+                timestamp=time.time(),
+                message=f"hang: {why}",
+                traceback=trace,
+                hostname=self.hostname,
+                failure_class=FailureClass.HANG,
+            )
         return failures
 
     def _exit_barrier(self, event=None) -> None:
@@ -1065,8 +1189,9 @@ class ElasticAgent:
         except Exception as exc:  # torch swallows barrier errors too: the local result stands
             network_error = getattr(sys.modules.get("torch.distributed"), "DistNetworkError", ())
             if isinstance(exc, network_error):  # the connection broke: no timeout passed
-                log.warning("the store host left before the exit barrier completed (%s); this node's result "
-                            "stands", exc)
+                log.warning(
+                    "the store host left before the exit barrier completed (%s); this node's result stands", exc
+                )
             else:
                 log.warning("exit barrier did not complete within %ss: %s", self.spec.exit_barrier_timeout, exc)
 
@@ -1078,12 +1203,19 @@ class ElasticAgent:
         if self._checked_in_at_exit_barrier:
             return  # stopped while waiting in the barrier: this node is counted already
         if self._abandoned_call is not None:
-            log.warning("not releasing the exit barrier: the store is still busy with the abandoned %s; "
-                        "the other nodes wait for the barrier's timeout", self._abandoned_call)
+            log.warning(
+                "not releasing the exit barrier: the store is still busy with the abandoned %s; "
+                "the other nodes wait for the barrier's timeout",
+                self._abandoned_call,
+            )
             return
         try:  # bounded: a store host that is gone without a reset would hold a stop for the store's timeout
-            self._interruptible_call("exit-barrier-release", self._check_in_at_exit_barrier,
-                                     interruptible=False, timeout=EXIT_BARRIER_RELEASE_WAIT_S)
+            self._interruptible_call(
+                "exit-barrier-release",
+                self._check_in_at_exit_barrier,
+                interruptible=False,
+                timeout=EXIT_BARRIER_RELEASE_WAIT_S,
+            )
         except Exception as exc:  # the store may be gone with the failure; peers then time out
             log.warning("could not release the exit barrier: %s", exc)
 
@@ -1098,9 +1230,17 @@ class ElasticAgent:
     def _on_worker_exit(self, local_rank: int, exitcode: int) -> None:
         worker = self._worker_group.workers[local_rank]
         self._broadcast("fsm_agent_worker_exited", worker=worker, worker_group=self._worker_group, exitcode=exitcode)
-        self._broadcast("fsm_agent_record_event", event=self._event(
-            "worker_exit", local_rank=local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank,
-            pid=worker.id, exit_code=exitcode))
+        self._broadcast(
+            "fsm_agent_record_event",
+            event=self._event(
+                "worker_exit",
+                local_rank=local_rank,
+                global_rank=worker.global_rank,
+                role_rank=worker.role_rank,
+                pid=worker.id,
+                exit_code=exitcode,
+            ),
+        )
 
     def _exit_failures(self, failed: dict[int, int], times: dict[int, float]) -> dict[int, WorkerFailure]:
         """The failed workers (``{local_rank: exitcode}``, exit ``times`` in seconds since the
@@ -1114,15 +1254,26 @@ class ElasticAgent:
             if parsed is not None:
                 message, trace, error_ts = parsed
             else:
-                message = (f"Signal {-code} ({signal.Signals(-code).name}) received by PID {worker.id}"
-                           if code < 0 else f"exited with code {code}")
+                message = (
+                    f"Signal {-code} ({signal.Signals(-code).name}) received by PID {worker.id}"
+                    if code < 0
+                    else f"exited with code {code}"
+                )
                 trace, error_ts = errorfile.tail(wlogs.stderr if wlogs else None), None
             failures[worker.global_rank] = WorkerFailure(
-                local_rank=local_rank, global_rank=worker.global_rank, role_rank=worker.role_rank,
-                pid=worker.id, exitcode=code, timestamp=times.get(local_rank, time.time()),
-                error_file=error_file if parsed is not None else "<N/A>", message=message, traceback=trace,
-                hostname=self.hostname, failure_class=FailureClass.SIGNAL if code < 0 else FailureClass.EXIT_CODE,
-                error_timestamp=error_ts)
+                local_rank=local_rank,
+                global_rank=worker.global_rank,
+                role_rank=worker.role_rank,
+                pid=worker.id,
+                exitcode=code,
+                timestamp=times.get(local_rank, time.time()),
+                error_file=error_file if parsed is not None else "<N/A>",
+                message=message,
+                traceback=trace,
+                hostname=self.hostname,
+                failure_class=FailureClass.SIGNAL if code < 0 else FailureClass.EXIT_CODE,
+                error_timestamp=error_ts,
+            )
         return failures
 
     # -- hooks after every transition ------------------------------------------------------------
@@ -1133,9 +1284,15 @@ class ElasticAgent:
 
     def _on_state_changed(self, source: str, dest: str, trigger: str, decided_class: str | None = None) -> None:
         now = time.monotonic()
-        record = TransitionRecord(source=str(source), dest=str(dest), trigger=trigger, ts=time.time(),
-                                  restart_count=self.restart_count, duration_s=now - self._state_since,
-                                  error=self._error if dest in ("FAILED", "UNKNOWN") else None)
+        record = TransitionRecord(
+            source=str(source),
+            dest=str(dest),
+            trigger=trigger,
+            ts=time.time(),
+            restart_count=self.restart_count,
+            duration_s=now - self._state_since,
+            error=self._error if dest in ("FAILED", "UNKNOWN") else None,
+        )
         self._state_since = now
         self._worker_group.state = WorkerState(dest)
         self.transitions.append(record)
@@ -1144,9 +1301,18 @@ class ElasticAgent:
         decided: dict[str, Any] = {"failure_class": decided_class} if decided_class else {}
         if trigger == "drain_requested" and self.drain is not None:  # a drain, not a failure
             decided.update(drain_scope=self.drain["scope"], drain_source=self.drain["source"])
-        self._broadcast("fsm_agent_record_event", event=self._event(
-            "transition", source=record.source, dest=record.dest, trigger=trigger,
-            duration_s=round(record.duration_s, 6), error=record.error, **decided))
+        self._broadcast(
+            "fsm_agent_record_event",
+            event=self._event(
+                "transition",
+                source=record.source,
+                dest=record.dest,
+                trigger=trigger,
+                duration_s=round(record.duration_s, 6),
+                error=record.error,
+                **decided,
+            ),
+        )
         self._put_metric("torchelastic", f"workers.{role}.remaining_restarts", self.remaining_restarts)
         self._put_metric("torchelastic", f"workers.{role}.{dest.lower()}", 1)
         self._put_metric("fsm_agent", f"state.{source}.duration_s", record.duration_s)
@@ -1160,7 +1326,8 @@ class ElasticAgent:
         failed = result.is_failed() and not drained  # a drain is counted apart (run_drained)
         flakiness = 100.0 if failed else 100.0 - 100.0 * (self.remaining_restarts + 1) / (spec.max_restarts + 1)
         values = {
-            "run_total": 1, "flakiness": flakiness,
+            "run_total": 1,
+            "flakiness": flakiness,
             "run_success_with_retries": int(not failed and restarted),
             "run_success_no_retries": int(not failed and not restarted),
             "run_failed_with_retries": int(failed and restarted),
@@ -1180,16 +1347,33 @@ class ElasticAgent:
         except Exception:
             run_id = self.spec.rendezvous.run_id
         return {
-            "ts": time.time(), "kind": kind, "node": self.hostname, "pid": os.getpid(), "role": self.spec.role,
-            "run_id": run_id, "restart_count": self.restart_count, "max_restarts": self.spec.max_restarts,
+            "ts": time.time(),
+            "kind": kind,
+            "node": self.hostname,
+            "pid": os.getpid(),
+            "role": self.spec.role,
+            "run_id": run_id,
+            "restart_count": self.restart_count,
+            "max_restarts": self.spec.max_restarts,
             "state": self.state.value if hasattr(self, "state") else None,
-            "group_rank": group.group_rank, "group_world_size": group.group_world_size,
-            "local_world_size": self.spec.local_world_size, "rdzv_backend": self.spec.rendezvous.backend,
-            "master_addr": group.master_addr, "master_port": group.master_port,
+            "group_rank": group.group_rank,
+            "group_world_size": group.group_world_size,
+            "local_world_size": self.spec.local_world_size,
+            "rdzv_backend": self.spec.rendezvous.backend,
+            "master_addr": group.master_addr,
+            "master_port": group.master_port,
             "entrypoint": self.spec.get_entrypoint_name(),
-            "workers": [{"local_rank": w.local_rank, "global_rank": w.global_rank, "role_rank": w.role_rank,
-                         "world_size": w.world_size, "role_world_size": w.role_world_size, "pid": w.id}
-                        for w in group.workers],
+            "workers": [
+                {
+                    "local_rank": w.local_rank,
+                    "global_rank": w.global_rank,
+                    "role_rank": w.role_rank,
+                    "world_size": w.world_size,
+                    "role_world_size": w.role_world_size,
+                    "pid": w.id,
+                }
+                for w in group.workers
+            ],
             **fields,
         }
 
@@ -1227,8 +1411,15 @@ class ElasticAgent:
         for local_rank in pids:
             self._launcher.signal_worker(local_rank, signal.SIGKILL)
 
-    def _interruptible_call(self, name: str, call: Callable[[], Any], *, interruptible: bool = True,
-                            timeout: float | None = None, drainable: bool = False) -> Any:
+    def _interruptible_call(
+        self,
+        name: str,
+        call: Callable[[], Any],
+        *,
+        interruptible: bool = True,
+        timeout: float | None = None,
+        drainable: bool = False,
+    ) -> Any:
         """``call()`` (a rendezvous or store call that may block), cut short by a stop signal.
 
         torch's store calls (TCPStore's connect and ``wait_for_workers`` in StaticTCPRendezvous,
@@ -1378,12 +1569,18 @@ class ElasticAgent:
         # torch does) and when this node was excluded (the others carry on without it); a backend
         # whose shutdown only leaves says so and always gets it. A backend with ``leave()`` (c10d,
         # etcd-v3) leaves the round instead, so the others notice at once, not after a keep-alive.
-        leaving_alone = self._signal is not None or self.excludes_this_node() or (
-            self.drain is not None and not self.drains_whole_job())
+        leaving_alone = (
+            self._signal is not None
+            or self.excludes_this_node()
+            or (self.drain is not None and not self.drains_whole_job())
+        )
         leave = getattr(self._rdzv_handler, "leave", None) if leaving_alone else None
         if leave is not None and self._abandoned_call is not None:
-            log.warning("not leaving the rendezvous: its store is still busy with the abandoned %s; the other "
-                        "nodes notice this node after its keep-alive timeout", self._abandoned_call)
+            log.warning(
+                "not leaving the rendezvous: its store is still busy with the abandoned %s; the other "
+                "nodes notice this node after its keep-alive timeout",
+                self._abandoned_call,
+            )
         elif not leaving_alone or not getattr(self._rdzv_handler, "shutdown_closes_rendezvous", True) or leave:
             try:
                 (leave or self._rdzv_handler.shutdown)()
@@ -1395,8 +1592,9 @@ class ElasticAgent:
     def _describe_rendezvous_error(self, exc: BaseException) -> str:
         rdzv = self.spec.rendezvous
         key, seconds = _round_timeout(self._rdzv_handler, rdzv.config)
-        where = (f"backend={rdzv.backend} endpoint={rdzv.endpoint or '(default)'} run_id={rdzv.run_id} "
-                 f"{key}={seconds:g}s")
+        where = (
+            f"backend={rdzv.backend} endpoint={rdzv.endpoint or '(default)'} run_id={rdzv.run_id} {key}={seconds:g}s"
+        )
         if "is_host" in (rdzv.conf_keys or ()):  # a backend that does not read is_host: it means nothing
             where += f" is_host={rdzv.config.get('is_host', 'inferred from the endpoint')}"
         detail = str(exc) or _empty_rendezvous_error_detail(exc, rdzv, key, seconds)

@@ -22,8 +22,11 @@ class OneLineParser(argparse.ArgumentParser):
     what the user typed wrong. ``--help`` and ``--version`` still print and exit 0 as usual.
     """
 
-    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
-                   namespace: Any = None) -> Any:
+    def parse_args(
+        self,
+        args: Sequence[str] | None = None,  # type: ignore[override]
+        namespace: Any = None,
+    ) -> Any:
         try:
             return super().parse_args(args, namespace)
         except ConfigError:

@@ -26,19 +26,58 @@ from typing import Any, NoReturn
 from fsm_agent.config import ConfigFile, LaunchConfig
 from fsm_agent.errors import FsmAgentError
 from fsm_agent.reference import configuration_reference
-from fsm_agent.resolve import (STANDALONE_RENDEZVOUS, ResolvedRun, Source, _cpu_count, check_rdzv_conf,
-                               check_rdzv_endpoint,
-                               cli_given, config_from_args, effective_rows, resolve_nproc_per_node,
-                               resolve_run_args, run_script_path, standalone_reason)
+from fsm_agent.resolve import (
+    STANDALONE_RENDEZVOUS,
+    ResolvedRun,
+    Source,
+    _cpu_count,
+    check_rdzv_conf,
+    check_rdzv_endpoint,
+    cli_given,
+    config_from_args,
+    effective_rows,
+    resolve_nproc_per_node,
+    resolve_run_args,
+    run_script_path,
+    standalone_reason,
+)
 from fsm_agent.run_parser import _EnvAction, _Parser, env_vars, get_run_parser
-from fsm_agent.settings import (DEFAULT_MASTER_PORT, DISABLE_PLUGINS_ENV, parse_local_ranks_filter, parse_nnodes,
-                                parse_rdzv_conf)
+from fsm_agent.settings import (
+    DEFAULT_MASTER_PORT,
+    DISABLE_PLUGINS_ENV,
+    parse_local_ranks_filter,
+    parse_nnodes,
+    parse_rdzv_conf,
+)
 
-__all__ = ["DEFAULT_MASTER_PORT", "DISABLE_PLUGINS_ENV", "STANDALONE_RENDEZVOUS", "ResolvedRun", "Source",
-           "_EnvAction", "_cpu_count", "check_rdzv_conf", "check_rdzv_endpoint", "cli_given", "config_command", "config_from_args",
-           "configuration_reference", "effective_rows", "env_vars", "fsmrun_main", "get_run_parser", "main",
-           "parse_local_ranks_filter", "parse_nnodes", "parse_rdzv_conf", "resolve_nproc_per_node",
-           "resolve_run_args", "run_main", "run_script_path", "standalone_reason"]
+__all__ = [
+    "DEFAULT_MASTER_PORT",
+    "DISABLE_PLUGINS_ENV",
+    "STANDALONE_RENDEZVOUS",
+    "ResolvedRun",
+    "Source",
+    "_EnvAction",
+    "_cpu_count",
+    "check_rdzv_conf",
+    "check_rdzv_endpoint",
+    "cli_given",
+    "config_command",
+    "config_from_args",
+    "configuration_reference",
+    "effective_rows",
+    "env_vars",
+    "fsmrun_main",
+    "get_run_parser",
+    "main",
+    "parse_local_ranks_filter",
+    "parse_nnodes",
+    "parse_rdzv_conf",
+    "resolve_nproc_per_node",
+    "resolve_run_args",
+    "run_main",
+    "run_script_path",
+    "standalone_reason",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +99,6 @@ _LOCAL_COMMANDS = {
 }
 
 
-
 # ------------------------------------------------------------------------------------------------
 # fsm-agent config: the effective configuration and where each value came from.
 # ------------------------------------------------------------------------------------------------
@@ -76,13 +114,14 @@ def config_command(argv: list[str]) -> int:
     check_rdzv_conf(resolved, config)
     rows = effective_rows(resolved, config)
     if resolved.args.json:
-        doc = {"config_file": resolved.config_file.label if resolved.config_file else None,
-               "values": {key: {"value": value, "source": str(source)} for key, value, source in rows}}
+        doc = {
+            "config_file": resolved.config_file.label if resolved.config_file else None,
+            "values": {key: {"value": value, "source": str(source)} for key, value, source in rows},
+        }
         print(json.dumps(doc, indent=2, default=list))
         return 0
     _print_rows(rows, resolved.config_file)
     return 0
-
 
 
 def _print_rows(rows: list[tuple[str, Any, Source]], config_file: ConfigFile | None) -> None:
@@ -112,7 +151,6 @@ def _print_rows(rows: list[tuple[str, Any, Source]], config_file: ConfigFile | N
     Console().print(table)
 
 
-
 # ------------------------------------------------------------------------------------------------
 # Entry points. Exceptions become exit codes here and nowhere else.
 # ------------------------------------------------------------------------------------------------
@@ -125,8 +163,10 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
 
 def fsmrun_main(argv: Sequence[str] | None = None) -> NoReturn:
     """Console script ``fsmrun``: the torchrun drop-in, same as ``fsm-agent run ARGS``."""
-    _exit(_exit_code(run_command, list(sys.argv[1:] if argv is None else argv), "fsmrun", name="fsmrun"),
-          from_console=argv is None)
+    _exit(
+        _exit_code(run_command, list(sys.argv[1:] if argv is None else argv), "fsmrun", name="fsmrun"),
+        from_console=argv is None,
+    )
 
 
 def _exit(code: int, from_console: bool) -> NoReturn:
@@ -166,8 +206,9 @@ def run_main(argv: Sequence[str] | None = None) -> None:
     launch_agent(config, entrypoint, entrypoint_args, plugin_manager=pm)
 
 
-def _parse_run(argv: list[str], prog: str = "fsm-agent run") -> tuple[LaunchConfig, str | Callable[..., Any],
-                                                                      tuple[str, ...], Any]:
+def _parse_run(
+    argv: list[str], prog: str = "fsm-agent run"
+) -> tuple[LaunchConfig, str | Callable[..., Any], tuple[str, ...], Any]:
     """``argv`` parsed like torchrun (plus env vars, the config file and plugin options): the config,
     the entrypoint, its arguments and the plugin manager that was loaded to read the plugins'
     options (handed down, so the plugins load once per process). Raises ConfigError / PluginError
@@ -221,8 +262,9 @@ def _delegate(module_name: str, argv: list[str]) -> int:
     except ModuleNotFoundError as exc:
         if not exc.name or not (module_name + ".").startswith(exc.name + "."):
             raise
-        raise FsmAgentError(f"this command is not available: module {module_name} is missing "
-                            f"from this fsm-agent installation") from None
+        raise FsmAgentError(
+            f"this command is not available: module {module_name} is missing from this fsm-agent installation"
+        ) from None
     return int(module.cli_main(argv) or 0)
 
 

@@ -35,11 +35,35 @@ from typing import Any, cast
 import attrs
 
 from fsm_agent.errors import ConfigError, PluginError
-from fsm_agent.settings import (CONFIG_DESTS, KEYS, RAW, RENDEZVOUS_OPTIONS, SECTIONS, START_METHODS, TYPE_KINDS,
-                                Kind, bool_word, choice_kind, env_name, show)
+from fsm_agent.settings import (
+    CONFIG_DESTS,
+    KEYS,
+    RAW,
+    RENDEZVOUS_OPTIONS,
+    SECTIONS,
+    START_METHODS,
+    TYPE_KINDS,
+    Kind,
+    bool_word,
+    choice_kind,
+    env_name,
+    show,
+)
 
-__all__ = ["CONFIG_DESTS", "KEYS", "RENDEZVOUS_OPTIONS", "SECTIONS", "ConfigFile", "FileValues", "LaunchConfig",
-           "OptionRegistry", "PluginOption", "env_name", "find_config_file", "load_file_values"]
+__all__ = [
+    "CONFIG_DESTS",
+    "KEYS",
+    "RENDEZVOUS_OPTIONS",
+    "SECTIONS",
+    "ConfigFile",
+    "FileValues",
+    "LaunchConfig",
+    "OptionRegistry",
+    "PluginOption",
+    "env_name",
+    "find_config_file",
+    "load_file_values",
+]
 
 try:  # Python >= 3.11
     import tomllib
@@ -146,19 +170,26 @@ class LaunchConfig:
         if self.numa_options is not None and self.numa_binding is None:
             mode = getattr(self.numa_options, "affinity_mode", None)
             object.__setattr__(self, "numa_binding", str(getattr(mode, "value", mode)))
-        _check(0 < self.min_nodes <= self.max_nodes,
-               f"--nnodes {self.min_nodes}:{self.max_nodes}: need 0 < MIN <= MAX (e.g. --nnodes 1:2)")
-        _check(self.nproc_per_node > 0,
-               f"--nproc-per-node {self.nproc_per_node}: must be > 0 (e.g. --nproc-per-node 2)")
+        _check(
+            0 < self.min_nodes <= self.max_nodes,
+            f"--nnodes {self.min_nodes}:{self.max_nodes}: need 0 < MIN <= MAX (e.g. --nnodes 1:2)",
+        )
+        _check(
+            self.nproc_per_node > 0, f"--nproc-per-node {self.nproc_per_node}: must be > 0 (e.g. --nproc-per-node 2)"
+        )
         _check(self.max_restarts >= 0, f"--max-restarts {self.max_restarts}: must be >= 0")
         _check(self.monitor_interval > 0, f"--monitor-interval {self.monitor_interval}: must be > 0 seconds")
         _check(self.shutdown_timeout >= 0, f"--shutdown-timeout {self.shutdown_timeout}: must be >= 0 seconds")
-        _check(self.exit_barrier_timeout >= 0,
-               f"--exit-barrier-timeout {self.exit_barrier_timeout}: must be >= 0 seconds")
-        _check(self.hang_timeout is None or self.hang_timeout > 0,
-               f"--hang-timeout {self.hang_timeout}: must be > 0 seconds")
-        _check(self.start_method in START_METHODS,
-               f"--start-method {self.start_method!r}: use spawn, fork or forkserver")
+        _check(
+            self.exit_barrier_timeout >= 0, f"--exit-barrier-timeout {self.exit_barrier_timeout}: must be >= 0 seconds"
+        )
+        _check(
+            self.hang_timeout is None or self.hang_timeout > 0,
+            f"--hang-timeout {self.hang_timeout}: must be > 0 seconds",
+        )
+        _check(
+            self.start_method in START_METHODS, f"--start-method {self.start_method!r}: use spawn, fork or forkserver"
+        )
 
     def evolve(self, **changes: Any) -> "LaunchConfig":
         return attrs.evolve(self, **changes)
@@ -179,8 +210,10 @@ class LaunchConfig:
             return config
         torch_names = ("min_nodes", "max_nodes", "nproc_per_node", "rdzv_backend", "rdzv_configs")
         if not all(hasattr(config, name) for name in torch_names):
-            raise ConfigError(f"launch config {type(config).__name__!r}: expected fsm_agent.LaunchConfig or "
-                              "torch.distributed.launcher.api.LaunchConfig")
+            raise ConfigError(
+                f"launch config {type(config).__name__!r}: expected fsm_agent.LaunchConfig or "
+                "torch.distributed.launcher.api.LaunchConfig"
+            )
         if not config.run_id:
             import logging
             import uuid
@@ -189,17 +222,38 @@ class LaunchConfig:
             logging.getLogger(__name__).warning("config has no run_id, generated a random run_id: %s", config.run_id)
         rdzv_configs = dict(config.rdzv_configs)
         node_rank = int(rdzv_configs.get("rank", 0)) if config.rdzv_backend == "static" else 0
-        same = ("min_nodes", "max_nodes", "nproc_per_node", "run_id", "role", "rdzv_endpoint", "rdzv_backend",
-                "max_restarts", "monitor_interval", "start_method", "log_line_prefix_template", "local_addr",
-                "event_log_handler", "signals_to_handle", "virtual_local_rank", "logs_specs", "numa_options")
+        same = (
+            "min_nodes",
+            "max_nodes",
+            "nproc_per_node",
+            "run_id",
+            "role",
+            "rdzv_endpoint",
+            "rdzv_backend",
+            "max_restarts",
+            "monitor_interval",
+            "start_method",
+            "log_line_prefix_template",
+            "local_addr",
+            "event_log_handler",
+            "signals_to_handle",
+            "virtual_local_rank",
+            "logs_specs",
+            "numa_options",
+        )
         values = {name: getattr(config, name) for name in same if hasattr(config, name)}
         shutdown_timeout = getattr(config, "shutdown_timeout", None)
-        return cls(**values, rdzv_configs=rdzv_configs, node_rank=node_rank,
-                   metrics_cfg=dict(getattr(config, "metrics_cfg", None) or {}),
-                   duplicate_stdout_filters=tuple(getattr(config, "duplicate_stdout_filters", None) or ()),
-                   duplicate_stderr_filters=tuple(getattr(config, "duplicate_stderr_filters", None) or ()),
-                   shutdown_timeout=float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
-                                          if shutdown_timeout is None else shutdown_timeout))
+        return cls(
+            **values,
+            rdzv_configs=rdzv_configs,
+            node_rank=node_rank,
+            metrics_cfg=dict(getattr(config, "metrics_cfg", None) or {}),
+            duplicate_stdout_filters=tuple(getattr(config, "duplicate_stdout_filters", None) or ()),
+            duplicate_stderr_filters=tuple(getattr(config, "duplicate_stderr_filters", None) or ()),
+            shutdown_timeout=float(
+                os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30") if shutdown_timeout is None else shutdown_timeout
+            ),
+        )
 
     def plugin_options(self, plugin: str) -> Mapping[str, Any]:
         """The options plugin ``plugin`` declared in ``fsm_agent_addoption``, as resolved (read-only).
@@ -306,9 +360,18 @@ class OptionRegistry:
     _options: dict[tuple[str, str], PluginOption] = attrs.Factory(dict)
     current_plugin: str = "?"
 
-    def add(self, name: str, *, type: type = str, default: Any = None, help: str = "",  # noqa: A002
-            flag: str | None = None, env: str | None = None, choices: Iterable[Any] | None = None,
-            check: Callable[[Any], None] | None = None) -> PluginOption:
+    def add(
+        self,
+        name: str,
+        *,
+        type: type = str,
+        default: Any = None,
+        help: str = "",  # noqa: A002
+        flag: str | None = None,
+        env: str | None = None,
+        choices: Iterable[Any] | None = None,
+        check: Callable[[Any], None] | None = None,
+    ) -> PluginOption:
         """Declare option ``name`` of the current plugin.
 
         Args:
@@ -329,22 +392,34 @@ class OptionRegistry:
         """
         plugin = self.current_plugin
         if not _OPTION_NAME.fullmatch(name):
-            raise PluginError(f"plugin {plugin!r} declared option {name!r}: names are snake_case "
-                              f"([a-z][a-z0-9_]*), e.g. 'port'")
+            raise PluginError(
+                f"plugin {plugin!r} declared option {name!r}: names are snake_case ([a-z][a-z0-9_]*), e.g. 'port'"
+            )
         if type not in TYPE_KINDS:
-            raise PluginError(f"plugin {plugin!r} option {name!r}: type must be str, int, float or bool, "
-                              f"not {getattr(type, '__name__', type)!r}")
+            raise PluginError(
+                f"plugin {plugin!r} option {name!r}: type must be str, int, float or bool, "
+                f"not {getattr(type, '__name__', type)!r}"
+            )
         option = PluginOption(
-            plugin=plugin, name=name, type=type, default=default, help=help,
-            flag=flag or f"--{plugin}-{name}".replace("_", "-"), env=env or env_name(plugin, name),
-            choices=tuple(choices) if choices is not None else None, check=check)
+            plugin=plugin,
+            name=name,
+            type=type,
+            default=default,
+            help=help,
+            flag=flag or f"--{plugin}-{name}".replace("_", "-"),
+            env=env or env_name(plugin, name),
+            choices=tuple(choices) if choices is not None else None,
+            check=check,
+        )
         if not option.flag.startswith("--"):
             raise PluginError(f"plugin {plugin!r} option {name!r}: flag {option.flag!r} must start with '--'")
         for other in self._options.values():
             for attr in ("key", "flag", "env"):
                 if getattr(other, attr) == getattr(option, attr):
-                    raise PluginError(f"plugin {plugin!r} declares {attr} {getattr(option, attr)!r}, "
-                                      f"already declared by plugin {other.plugin!r}")
+                    raise PluginError(
+                        f"plugin {plugin!r} declares {attr} {getattr(option, attr)!r}, "
+                        f"already declared by plugin {other.plugin!r}"
+                    )
         self._options[(plugin, name)] = option
         return option
 
@@ -450,8 +525,10 @@ def _check_table_name(path: str, tool: Any) -> None:
     wanted = PYPROJECT_TABLE[-1]
     for name in tool:
         if difflib.get_close_matches(re.sub(r"[-.\s]", "_", name.lower()), [wanted], n=1, cutoff=0.8):
-            raise ConfigError(f"{path}: [tool.{name}] is not read; fsm-agent's table is [tool.{wanted}] "
-                              f"(an underscore, as in the module name): rename it")
+            raise ConfigError(
+                f"{path}: [tool.{name}] is not read; fsm-agent's table is [tool.{wanted}] "
+                f"(an underscore, as in the module name): rename it"
+            )
 
 
 def raw_disabled_plugins(data: Mapping[str, Any]) -> tuple[str, ...]:
@@ -474,8 +551,11 @@ def _optional_fields(pairs: Iterable[tuple[str, Any]]) -> dict[str, Any]:
 def _schema() -> type:
     """The file's attrs class, generated from ``KEYS``: top-level keys plus one class per section."""
     sections = {
-        section: attrs.make_class(f"{section.capitalize()}Section", _optional_fields(
-            (k.name, cast(Kind, k.kind).type) for k in KEYS if k.section == section), frozen=True)
+        section: attrs.make_class(
+            f"{section.capitalize()}Section",
+            _optional_fields((k.name, cast(Kind, k.kind).type) for k in KEYS if k.section == section),
+            frozen=True,
+        )
         for section in SECTIONS
     }
     top = [(k.name, cast(Kind, k.kind).type) for k in KEYS if not k.section]  # every file key has a kind
@@ -500,8 +580,10 @@ def make_config_converter() -> Any:
     converter = cattrs.Converter(forbid_extra_keys=True)
     converter.register_structure_hook_func(
         lambda t: isinstance(getattr(t, "fsm_agent_kind", None), Kind),
-        lambda value, t: t.fsm_agent_kind.structure(value))
+        lambda value, t: t.fsm_agent_kind.structure(value),
+    )
     for python_type, kind in TYPE_KINDS.items():
+
         def structure_kind(value: Any, _t: type, kind: Kind = kind) -> Any:
             return kind.structure(value)
 
@@ -527,8 +609,13 @@ def make_config_converter() -> Any:
 
 def _error_lines(exc: BaseException, path: str) -> Iterator[str]:
     """``key.path: message`` for every leaf of a cattrs error group."""
-    from cattrs.errors import (AttributeValidationNote, ClassValidationError, ForbiddenExtraKeysError,
-                               IterableValidationError, IterableValidationNote)
+    from cattrs.errors import (
+        AttributeValidationNote,
+        ClassValidationError,
+        ForbiddenExtraKeysError,
+        IterableValidationError,
+        IterableValidationNote,
+    )
 
     def join(name: Any) -> str:
         return f"{path}.{toml_key(name)}" if path else toml_key(name)
@@ -557,8 +644,10 @@ def _error_lines(exc: BaseException, path: str) -> Iterator[str]:
 def _unknown_key_hint(section: str, key: str, known: list[str]) -> str:
     where = f"in [{section}]" if section else "at the top level"
     if not section and key == "tool":
-        return ("unknown key at the top level; a [tool.fsm_agent] table is read from pyproject.toml only: "
-                "in this file put its keys at the top level")
+        return (
+            "unknown key at the top level; a [tool.fsm_agent] table is read from pyproject.toml only: "
+            "in this file put its keys at the top level"
+        )
     elsewhere = [k.key for k in KEYS if k.name == key and k.section != section]
     if elsewhere:
         return f"unknown key {where}; did you mean {elsewhere[0]}?"
@@ -593,8 +682,9 @@ class FileValues:
     plugins: dict[str, dict[str, Any]]
 
 
-def load_file_values(config_file: ConfigFile, options: OptionRegistry | Iterable[PluginOption] = (),
-                     disabled: Iterable[str] = ()) -> FileValues:
+def load_file_values(
+    config_file: ConfigFile, options: OptionRegistry | Iterable[PluginOption] = (), disabled: Iterable[str] = ()
+) -> FileValues:
     """Check a file against the schema (``KEYS`` plus the declared plugin options), all at once.
 
     A ``[plugins.<name>]`` table of a disabled plugin is ignored; one of a plugin that declares
@@ -623,17 +713,21 @@ def load_file_values(config_file: ConfigFile, options: OptionRegistry | Iterable
             if value is not None:
                 values[cast(str, key.key)] = value  # KEYS: the settings with a key
 
-    plugins = _load_plugin_tables(config_file.data.get(PLUGINS_SECTION), list(options), set(disabled),
-                                  converter, errors)
+    plugins = _load_plugin_tables(
+        config_file.data.get(PLUGINS_SECTION), list(options), set(disabled), converter, errors
+    )
     if errors:
         count = f"{len(errors)} error{'s' if len(errors) > 1 else ''}"
-        raise ConfigError(f"{config_file.label}: {count}: " + "; ".join(errors),
-                          details=[f"{config_file.label}: {error}" for error in errors])
+        raise ConfigError(
+            f"{config_file.label}: {count}: " + "; ".join(errors),
+            details=[f"{config_file.label}: {error}" for error in errors],
+        )
     return FileValues(values=values, plugins=plugins)
 
 
-def _load_plugin_tables(tables: Any, options: list[PluginOption], disabled: set[str], converter: Any,
-                        errors: list[str]) -> dict[str, dict[str, Any]]:
+def _load_plugin_tables(
+    tables: Any, options: list[PluginOption], disabled: set[str], converter: Any, errors: list[str]
+) -> dict[str, dict[str, Any]]:
     from cattrs.errors import BaseValidationError
 
     if tables is None:
@@ -649,11 +743,13 @@ def _load_plugin_tables(tables: Any, options: list[PluginOption], disabled: set[
             continue
         if plugin not in declared:
             known = ", ".join(declared) or "none"
-            errors.append(f"{path}: no loaded plugin named {plugin!r} declares options "
-                          f"(plugins with options: {known})")
+            errors.append(f"{path}: no loaded plugin named {plugin!r} declares options (plugins with options: {known})")
             continue
-        schema = attrs.make_class(f"PluginSection_{len(result)}", _optional_fields(
-            (o.name, o.kind.type) for o in options if o.plugin == plugin), frozen=True)
+        schema = attrs.make_class(
+            f"PluginSection_{len(result)}",
+            _optional_fields((o.name, o.kind.type) for o in options if o.plugin == plugin),
+            frozen=True,
+        )
         try:
             parsed = converter.structure(table, schema)
         except BaseValidationError as exc:
@@ -662,6 +758,7 @@ def _load_plugin_tables(tables: Any, options: list[PluginOption], disabled: set[
         except (ValueError, TypeError) as exc:
             errors.append(f"{path}: {exc}")
             continue
-        result[plugin] = {name: value for name, value in attrs.asdict(parsed, recurse=False).items()
-                          if value is not None}
+        result[plugin] = {
+            name: value for name, value in attrs.asdict(parsed, recurse=False).items() if value is not None
+        }
     return result

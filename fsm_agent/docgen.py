@@ -38,8 +38,11 @@ def stale(root: Path | None = None) -> list[str]:
     """The generated documents under ``root`` (default: ``ROOT``) whose bytes differ from their
     renderer's output."""
     root = ROOT if root is None else root
-    return [path for path in GENERATED
-            if not (root / path).exists() or (root / path).read_bytes() != renderer(path)().encode("utf-8")]
+    return [
+        path
+        for path in GENERATED
+        if not (root / path).exists() or (root / path).read_bytes() != renderer(path)().encode("utf-8")
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,12 +8,27 @@ from fsm_agent.errors import PluginError
 from fsm_agent.worker import Worker, WorkerGroup
 
 #: Variables torchrun sets for every worker; plugins may not override them.
-STANDARD_KEYS = frozenset({
-    "RANK", "LOCAL_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
-    "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-})
+STANDARD_KEYS = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "ROLE_WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCHELASTIC_ERROR_FILE",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    }
+)
 
 
 def worker_env(
@@ -48,25 +63,27 @@ def worker_env(
     env = dict(os.environ if base is None else base)
     # torchrun leaks this into workers (torch issue noted in torchrun-contract §6.19); we do not.
     env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-    env.update({
-        "LOCAL_RANK": "0" if spec.virtual_local_rank else str(worker.local_rank),
-        "RANK": str(worker.global_rank),
-        "GROUP_RANK": str(group.group_rank),
-        "ROLE_RANK": str(worker.role_rank),
-        "ROLE_NAME": spec.role,
-        "LOCAL_WORLD_SIZE": str(spec.local_world_size),
-        "WORLD_SIZE": str(worker.world_size),
-        "GROUP_WORLD_SIZE": str(group.group_world_size),
-        "ROLE_WORLD_SIZE": str(worker.role_world_size),
-        "MASTER_ADDR": str(group.master_addr),
-        "MASTER_PORT": str(group.master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
-        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-        "TORCHELASTIC_RUN_ID": run_id,
-        "TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store),
-        "TORCHELASTIC_ERROR_FILE": error_file,
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-    })
+    env.update(
+        {
+            "LOCAL_RANK": "0" if spec.virtual_local_rank else str(worker.local_rank),
+            "RANK": str(worker.global_rank),
+            "GROUP_RANK": str(group.group_rank),
+            "ROLE_RANK": str(worker.role_rank),
+            "ROLE_NAME": spec.role,
+            "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+            "WORLD_SIZE": str(worker.world_size),
+            "GROUP_WORLD_SIZE": str(group.group_world_size),
+            "ROLE_WORLD_SIZE": str(worker.role_world_size),
+            "MASTER_ADDR": str(group.master_addr),
+            "MASTER_PORT": str(group.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+            "TORCHELASTIC_RUN_ID": run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store),
+            "TORCHELASTIC_ERROR_FILE": error_file,
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        }
+    )
     if spec.virtual_local_rank:
         env["CUDA_VISIBLE_DEVICES"] = _visible_device(worker.local_rank)
     for contribution in extra:

@@ -55,8 +55,15 @@ def format_summary(name: str, result: RunResult) -> str:
     """
     width = 72
     if result.drain is not None and result.signal is None:  # an orderly stop, not a failure
-        return "\n".join(["=" * width, f"{name} DRAINED ({result.drain} scope)", "-" * width,
-                          f"Verdict: {result.verdict or 'drained'}", "=" * width])
+        return "\n".join(
+            [
+                "=" * width,
+                f"{name} DRAINED ({result.drain} scope)",
+                "-" * width,
+                f"Verdict: {result.verdict or 'drained'}",
+                "=" * width,
+            ]
+        )
     lines = ["=" * width, f"{name} FAILED", "-" * width]
     if result.verdict:  # what the restart policy decided, e.g. "no restarts left (max_restarts=3)"
         lines += [f"Verdict: {result.verdict}", "-" * width]
@@ -111,8 +118,10 @@ def _error_file_text(path: str) -> str:
     """The path, or what became of it: the summary is printed after a temporary log dir is removed."""
     if not path or path == "<N/A>" or os.path.exists(path):
         return path
-    return (f"{path} (removed at exit with the temporary log directory; its message and traceback are above; "
-            f"--log-dir DIR keeps it)")
+    return (
+        f"{path} (removed at exit with the temporary log directory; its message and traceback are above; "
+        f"--log-dir DIR keeps it)"
+    )
 
 
 def propagate_to_parent(result: RunResult, name: str) -> None:
@@ -136,8 +145,15 @@ def propagate_to_parent(result: RunResult, name: str) -> None:
             data = None
     if data is None:
         text = cause.message if cause is not None else (result.error or "agent failed")
-        data = {"message": {"message": f"{name} FAILED: {text}", "extraInfo": {
-            "py_callstack": cause.traceback if cause is not None else "", "timestamp": str(int(time.time()))}}}
+        data = {
+            "message": {
+                "message": f"{name} FAILED: {text}",
+                "extraInfo": {
+                    "py_callstack": cause.traceback if cause is not None else "",
+                    "timestamp": str(int(time.time())),
+                },
+            }
+        }
     os.makedirs(os.path.dirname(parent_file) or ".", exist_ok=True)
     with open(parent_file, "w") as f:
         json.dump(data, f)

@@ -172,8 +172,10 @@ def announce_stack_dump(stderr_path: str | None, local_rank: int, pid: int) -> N
     line goes to the agent's log (the console, where an unredirected worker's stderr goes too) and,
     when the worker's stderr is a file, into that file just before the dump.
     """
-    note = (f"fsm-agent: local_rank {local_rank} (pid {pid}) is hung: the agent sent it SIGABRT for a stack dump "
-            f"(no py-spy installed); the 'Fatal Python error: Aborted' that follows is that dump, not a crash")
+    note = (
+        f"fsm-agent: local_rank {local_rank} (pid {pid}) is hung: the agent sent it SIGABRT for a stack dump "
+        f"(no py-spy installed); the 'Fatal Python error: Aborted' that follows is that dump, not a crash"
+    )
     log.warning("%s", note)
     if stderr_path and stderr_path != os.devnull:
         try:

@@ -34,27 +34,46 @@ log = logging.getLogger(__name__)
 
 def _configure_logging() -> None:
     level = os.environ.get("LOGLEVEL", "WARNING").upper()
-    logging.basicConfig(level=level, format="[fsm-agent %(levelname).1s %(asctime)s] %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(level=level, format="[fsm-agent %(levelname).1s %(asctime)s] %(message)s", stream=sys.stderr)
     logging.getLogger("transitions").setLevel(logging.WARNING)  # one line per callback is noise
 
 
-def build_spec(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...],
-               conf_keys: frozenset[str] | None = None) -> WorkerSpec:
+def build_spec(
+    config: LaunchConfig,
+    entrypoint: str | Callable[..., Any],
+    args: tuple[Any, ...],
+    conf_keys: frozenset[str] | None = None,
+) -> WorkerSpec:
     """The ``WorkerSpec`` for ``config``; ``conf_keys``: the ``--rdzv-conf`` keys the rendezvous backend
     declared in the registry (None: not declared)."""
-    rdzv = RendezvousSpec(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
-                          min_nodes=config.min_nodes, max_nodes=config.max_nodes,
-                          config=dict(config.rdzv_configs), local_addr=config.local_addr,
-                          node_rank=config.node_rank, conf_keys=conf_keys)
-    return WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
-                      args=tuple(args), rendezvous=rdzv, max_restarts=config.max_restarts,
-                      monitor_interval=config.monitor_interval, shutdown_timeout=config.shutdown_timeout,
-                      exit_barrier_timeout=config.exit_barrier_timeout, start_method=config.start_method,
-                      virtual_local_rank=config.virtual_local_rank, numa_binding=config.numa_binding,
-                      hang_timeout=config.hang_timeout,
-                      duplicate_stdout_filters=tuple(config.duplicate_stdout_filters),
-                      duplicate_stderr_filters=tuple(config.duplicate_stderr_filters))
+    rdzv = RendezvousSpec(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        config=dict(config.rdzv_configs),
+        local_addr=config.local_addr,
+        node_rank=config.node_rank,
+        conf_keys=conf_keys,
+    )
+    return WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rendezvous=rdzv,
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        shutdown_timeout=config.shutdown_timeout,
+        exit_barrier_timeout=config.exit_barrier_timeout,
+        start_method=config.start_method,
+        virtual_local_rank=config.virtual_local_rank,
+        numa_binding=config.numa_binding,
+        hang_timeout=config.hang_timeout,
+        duplicate_stdout_filters=tuple(config.duplicate_stdout_filters),
+        duplicate_stderr_filters=tuple(config.duplicate_stderr_filters),
+    )
 
 
 def _logs_layout(config: LaunchConfig) -> LogsLayout | TorchLogsSpecsLayout:
@@ -64,16 +83,21 @@ def _logs_layout(config: LaunchConfig) -> LogsLayout | TorchLogsSpecsLayout:
         if isinstance(specs, str):  # a torchrun.logs_specs entry point name (--logs-specs)
             specs = load_logs_specs(specs, config.log_dir, config.redirects, config.tee, filters)
         return TorchLogsSpecsLayout(specs, config.run_id, config.log_line_prefix_template)
-    return LogsLayout(log_dir=config.log_dir, run_id=config.run_id,
-                      redirects=parse_std(config.redirects, "-r/--redirects"),
-                      tee=parse_std(config.tee, "-t/--tee"), local_ranks_filter=filters,
-                      prefix_template=config.log_line_prefix_template,
-                      duplicate_stdout_filters=tuple(config.duplicate_stdout_filters),
-                      duplicate_stderr_filters=tuple(config.duplicate_stderr_filters))
+    return LogsLayout(
+        log_dir=config.log_dir,
+        run_id=config.run_id,
+        redirects=parse_std(config.redirects, "-r/--redirects"),
+        tee=parse_std(config.tee, "-t/--tee"),
+        local_ranks_filter=filters,
+        prefix_template=config.log_line_prefix_template,
+        duplicate_stdout_filters=tuple(config.duplicate_stdout_filters),
+        duplicate_stderr_filters=tuple(config.duplicate_stderr_filters),
+    )
 
 
-def create_agent(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...], *,
-                 plugin_manager: Any = None) -> ElasticAgent:
+def create_agent(
+    config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...], *, plugin_manager: Any = None
+) -> ElasticAgent:
     """Build (but do not run) the agent for ``config``.
 
     ``plugin_manager``: the process's plugin manager when the caller built one already (the CLI
@@ -95,11 +119,21 @@ def create_agent(config: LaunchConfig, entrypoint: str | Callable[..., Any], arg
         except FsmAgentError:
             raise
         except Exception as exc:
-            raise ConfigError(f"--rdzv-backend {config.rdzv_backend} at "
-                              f"{config.rdzv_endpoint or '(default endpoint)'}: {type(exc).__name__}: {exc}") from None
-        return ElasticAgent(spec, pm, handler, launcher_factory(_LauncherOwner(config)), logs, events_path=config.events_file,
-                            signals_to_handle=config.signals_to_handle, forward_signals=config.forward_signals,
-                            config=config)
+            raise ConfigError(
+                f"--rdzv-backend {config.rdzv_backend} at "
+                f"{config.rdzv_endpoint or '(default endpoint)'}: {type(exc).__name__}: {exc}"
+            ) from None
+        return ElasticAgent(
+            spec,
+            pm,
+            handler,
+            launcher_factory(_LauncherOwner(config)),
+            logs,
+            events_path=config.events_file,
+            signals_to_handle=config.signals_to_handle,
+            forward_signals=config.forward_signals,
+            config=config,
+        )
     except BaseException:
         getattr(logs, "cleanup", lambda: None)()  # the temporary log directory of a run that never started
         raise
@@ -113,8 +147,13 @@ class _LauncherOwner:
     config: LaunchConfig
 
 
-def run_agent(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...] = (), *,
-              plugin_manager: Any = None) -> RunResult:
+def run_agent(
+    config: LaunchConfig,
+    entrypoint: str | Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    *,
+    plugin_manager: Any = None,
+) -> RunResult:
     """Run one agent to the end; on failure print the summary and copy the root cause's error file
     to an outer launcher's ``TORCHELASTIC_ERROR_FILE``. What ``fsm-agent run`` does.
 
@@ -138,8 +177,14 @@ def run_agent(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: 
     return result
 
 
-def launch_agent(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...] | list[Any] = (),
-                 health_check_server: Any = None, *, plugin_manager: Any = None) -> dict[int, Any]:
+def launch_agent(
+    config: LaunchConfig,
+    entrypoint: str | Callable[..., Any],
+    args: tuple[Any, ...] | list[Any] = (),
+    health_check_server: Any = None,
+    *,
+    plugin_manager: Any = None,
+) -> dict[int, Any]:
     """Run one agent to the end. Mirrors ``torch.distributed.launcher.api.launch_agent``.
 
     Args:
@@ -171,13 +216,13 @@ def launch_agent(config: LaunchConfig, entrypoint: str | Callable[..., Any], arg
 
         # torch annotates sigval as signal.Signals; fsm-agent has always passed the plain signal
         # number (an int, equal to the Signals member), kept as it is.
-        raise SignalException(f"Process {os.getpid()} got signal: {result.signal}",
-                              sigval=result.signal)  # type: ignore[arg-type]
+        raise SignalException(f"Process {os.getpid()} got signal: {result.signal}", sigval=result.signal)  # type: ignore[arg-type]
     raise AgentFailedError(name, result)
 
 
-def _launch_in_scope(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...],
-                     plugin_manager: Any = None) -> tuple[RunResult, str]:
+def _launch_in_scope(
+    config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...], plugin_manager: Any = None
+) -> tuple[RunResult, str]:
     config = LaunchConfig.coerce(config)
     _configure_logging()
     _initialize_metrics(config.metrics_cfg)
@@ -188,12 +233,15 @@ def _launch_in_scope(config: LaunchConfig, entrypoint: str | Callable[..., Any],
     stop = _StopBeforeRun()
     original = {sig: signal.signal(sig, stop) for sig in _stop_signals(config.signals_to_handle)}
     # A signal to relay (--forward-signals) that comes before there are workers is dropped, not fatal.
-    original.update({sig: signal.signal(sig, _drop_signal) for sig in _signals(config.forward_signals)
-                     if sig not in original})
+    original.update(
+        {sig: signal.signal(sig, _drop_signal) for sig in _signals(config.forward_signals) if sig not in original}
+    )
     try:
         return _launch(config, entrypoint, args, stop, plugin_manager)
     except _SignalBeforeRun as exc:
-        return RunResult(state=WorkerState.FAILED, signal=exc.signum), build_spec(config, entrypoint, args).get_entrypoint_name()
+        return RunResult(state=WorkerState.FAILED, signal=exc.signum), build_spec(
+            config, entrypoint, args
+        ).get_entrypoint_name()
     finally:
         for sig, handler in original.items():
             signal.signal(sig, handler)
@@ -208,8 +256,13 @@ def _initialize_metrics(metrics_cfg: dict[str, str]) -> None:
         metrics.initialize_metrics(MetricsConfig(dict(metrics_cfg)))
 
 
-def _launch(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...],
-            stop: _StopBeforeRun, plugin_manager: Any = None) -> tuple[RunResult, str]:
+def _launch(
+    config: LaunchConfig,
+    entrypoint: str | Callable[..., Any],
+    args: tuple[Any, ...],
+    stop: _StopBeforeRun,
+    plugin_manager: Any = None,
+) -> tuple[RunResult, str]:
     agent = create_agent(config, entrypoint, args, plugin_manager=plugin_manager)
     try:
         if agent.run_log_dir:
@@ -328,11 +381,13 @@ def _process_failures(result: RunResult) -> dict[int, Any]:
     failures = {}
     for rank, failure in sorted(result.failures.items(), key=lambda item: item[1] is not root):
         try:
-            process = ProcessFailure(local_rank=failure.local_rank, pid=failure.pid, exitcode=failure.exitcode,
-                                     error_file=failure.error_file)
+            process = ProcessFailure(
+                local_rank=failure.local_rank, pid=failure.pid, exitcode=failure.exitcode, error_file=failure.error_file
+            )
         except Exception:  # an error.json torch cannot parse: described without it
-            process = ProcessFailure(local_rank=failure.local_rank, pid=failure.pid, exitcode=failure.exitcode,
-                                     error_file="<N/A>")
+            process = ProcessFailure(
+                local_rank=failure.local_rank, pid=failure.pid, exitcode=failure.exitcode, error_file="<N/A>"
+            )
         process.timestamp = int(failure.error_timestamp or failure.timestamp)
         failures[rank] = process
     return failures

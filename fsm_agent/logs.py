@@ -89,8 +89,10 @@ class LogsLayout:
             os.makedirs(base, exist_ok=True)
             self.run_log_dir = tempfile.mkdtemp(prefix=f"{self.run_id}_", dir=base)
         except OSError as exc:
-            raise ConfigError(f"--log-dir {base!r}: cannot create the run's log directory there "
-                              f"({exc.strerror or exc}); pass a writable directory") from None
+            raise ConfigError(
+                f"--log-dir {base!r}: cannot create the run's log directory there "
+                f"({exc.strerror or exc}); pass a writable directory"
+            ) from None
 
     def cleanup(self) -> None:
         """Remove the temporary log directory made when no ``--log-dir`` was given (torch keeps it),
@@ -121,7 +123,9 @@ class LogsLayout:
             return None
         return os.path.join(self.run_log_dir, f"attempt_{restart_count}")
 
-    def reify(self, restart_count: int, local_world_size: int, role: str, global_ranks: dict[int, int]) -> dict[int, WorkerLogs]:
+    def reify(
+        self, restart_count: int, local_world_size: int, role: str, global_ranks: dict[int, int]
+    ) -> dict[int, WorkerLogs]:
         """Create this attempt's directories and return each local rank's WorkerLogs."""
         attempt = self.attempt_dir(restart_count)
         if attempt is not None:
@@ -154,8 +158,10 @@ class LogsLayout:
         attempt = self.attempt_dir(restart_count)
         if attempt is None:
             return None, None
-        return (os.path.join(attempt, "filtered_stdout.log") if self.duplicate_stdout_filters else None,
-                os.path.join(attempt, "filtered_stderr.log") if self.duplicate_stderr_filters else None)
+        return (
+            os.path.join(attempt, "filtered_stdout.log") if self.duplicate_stdout_filters else None,
+            os.path.join(attempt, "filtered_stderr.log") if self.duplicate_stderr_filters else None,
+        )
 
     def _prefix(self, role: str, local_rank: int, rank: int) -> str:
         if self.prefix_template:
@@ -205,24 +211,36 @@ class TorchLogsSpecsLayout:
 
     to_devnull = False
 
-    def reify(self, restart_count: int, local_world_size: int, role: str, global_ranks: dict[int, int]) -> dict[int, WorkerLogs]:
-        envs = {r: {"TORCHELASTIC_RUN_ID": self._run_id, "TORCHELASTIC_RESTART_COUNT": str(restart_count)}
-                for r in range(local_world_size)}
+    def reify(
+        self, restart_count: int, local_world_size: int, role: str, global_ranks: dict[int, int]
+    ) -> dict[int, WorkerLogs]:
+        envs = {
+            r: {"TORCHELASTIC_RUN_ID": self._run_id, "TORCHELASTIC_RESTART_COUNT": str(restart_count)}
+            for r in range(local_world_size)
+        }
         dest = self._last = self._specs.reify(envs)
         naming = LogsLayout(log_dir=os.devnull, run_id=self._run_id, prefix_template=self._prefix_template)
-        return {r: WorkerLogs(
-            stdout=dest.stdouts.get(r) or None, stderr=dest.stderrs.get(r) or None,
-            tee_stdout=bool(dest.tee_stdouts.get(r)), tee_stderr=bool(dest.tee_stderrs.get(r)), show=True,
-            error_file=dest.error_files.get(r, ""), prefix=naming._prefix(role, r, global_ranks.get(r, r)))
-            for r in range(local_world_size)}
+        return {
+            r: WorkerLogs(
+                stdout=dest.stdouts.get(r) or None,
+                stderr=dest.stderrs.get(r) or None,
+                tee_stdout=bool(dest.tee_stdouts.get(r)),
+                tee_stderr=bool(dest.tee_stderrs.get(r)),
+                show=True,
+                error_file=dest.error_files.get(r, ""),
+                prefix=naming._prefix(role, r, global_ranks.get(r, r)),
+            )
+            for r in range(local_world_size)
+        }
 
     def filtered_paths(self, restart_count: int) -> tuple[str | None, str | None]:
         dest = self._last
         return (getattr(dest, "filtered_stdout", "") or None, getattr(dest, "filtered_stderr", "") or None)
 
 
-def load_logs_specs(name: str, log_dir: str | None, redirects: str, tee: str,
-                    local_ranks_filter: frozenset[int] | None):
+def load_logs_specs(
+    name: str, log_dir: str | None, redirects: str, tee: str, local_ranks_filter: frozenset[int] | None
+):
     """Instantiate the ``torchrun.logs_specs`` entry point ``name`` as torch's run.py does.
 
     Raises:
@@ -238,16 +256,23 @@ def load_logs_specs(name: str, log_dir: str | None, redirects: str, tee: str,
 
     ep = eps[name]
     where = f"torchrun.logs_specs entry point {name!r} from " + (
-        f"{ep.dist.name} {ep.dist.version}" if ep.dist else "an unknown distribution")
+        f"{ep.dist.name} {ep.dist.version}" if ep.dist else "an unknown distribution"
+    )
     try:
         cls = ep.load()
     except Exception as exc:  # any import-time failure of a third-party module
-        raise ConfigError(f"--logs-specs {name!r}: {where} failed to load: {type(exc).__name__}: {exc}; "
-                          f"fix or uninstall it, or pick another --logs-specs") from None
+        raise ConfigError(
+            f"--logs-specs {name!r}: {where} failed to load: {type(exc).__name__}: {exc}; "
+            f"fix or uninstall it, or pick another --logs-specs"
+        ) from None
     if not (isinstance(cls, type) and issubclass(cls, LogsSpecs)):
         raise ConfigError(f"--logs-specs {name!r}: {cls!r} is not a torch LogsSpecs subclass")
     try:
-        return cls(log_dir=log_dir, redirects=Std.from_str(redirects), tee=Std.from_str(tee),
-                   local_ranks_filter=set(local_ranks_filter) if local_ranks_filter else None)
+        return cls(
+            log_dir=log_dir,
+            redirects=Std.from_str(redirects),
+            tee=Std.from_str(tee),
+            local_ranks_filter=set(local_ranks_filter) if local_ranks_filter else None,
+        )
     except Exception as exc:
         raise ConfigError(f"--logs-specs {name!r}: {where} failed to start: {type(exc).__name__}: {exc}") from None

@@ -54,8 +54,16 @@ class Cycle:
     no_progress_cycles: int
 
 
-def next_cycle(previous: Sequence[Cycle], *, attempt: int, start: float, end: float, last_step: int | None,
-               checkpoint_step: int | None, failure_class: str | None) -> Cycle:
+def next_cycle(
+    previous: Sequence[Cycle],
+    *,
+    attempt: int,
+    start: float,
+    end: float,
+    last_step: int | None,
+    checkpoint_step: int | None,
+    failure_class: str | None,
+) -> Cycle:
     """The Cycle that follows ``previous``, with its progress judged against them."""
     checkpoints = [c.checkpoint_step for c in previous if c.checkpoint_step is not None]
     steps = [c.last_step for c in previous if c.last_step is not None]
@@ -72,8 +80,16 @@ def next_cycle(previous: Sequence[Cycle], *, attempt: int, start: float, end: fl
         count = before
     else:
         count = before + 1
-    return Cycle(attempt=attempt, start=start, end=end, last_step=last_step, checkpoint_step=checkpoint_step,
-                 failure_class=failure_class, progress=progress, no_progress_cycles=count)
+    return Cycle(
+        attempt=attempt,
+        start=start,
+        end=end,
+        last_step=last_step,
+        checkpoint_step=checkpoint_step,
+        failure_class=failure_class,
+        progress=progress,
+        no_progress_cycles=count,
+    )
 
 
 _STEP = re.compile(r"\s*(-?\d+)\s*")

@@ -30,8 +30,9 @@ def compute_assignments(role_infos: list[tuple[str, int]]) -> list[tuple[int, in
     return result
 
 
-def assign_ranks(store, group_rank: int, group_world_size: int, role: str, local_world_size: int,
-                 restart_count: int = 0) -> tuple[tuple[int, int, int, int], int | None]:
+def assign_ranks(
+    store, group_rank: int, group_world_size: int, role: str, local_world_size: int, restart_count: int = 0
+) -> tuple[tuple[int, int, int, int], int | None]:
     """Exchange role info through the round's store.
 
     Every agent writes ``torchelastic/role_info/<group_rank>``; group rank 0 computes and writes
@@ -46,8 +47,9 @@ def assign_ranks(store, group_rank: int, group_world_size: int, role: str, local
     Returns:
         ((base_global_rank, global_world_size, base_role_rank, role_world_size), job_restart_count or None)
     """
-    info = json.dumps({"role": role, "rank": group_rank, "local_world_size": local_world_size,
-                       "restart_count": restart_count})
+    info = json.dumps(
+        {"role": role, "rank": group_rank, "local_world_size": local_world_size, "restart_count": restart_count}
+    )
     store.set(f"{ROLE_INFO_PREFIX}{group_rank}", info.encode())
     if group_rank == 0:
         raw = store.multi_get([f"{ROLE_INFO_PREFIX}{i}" for i in range(group_world_size)])
@@ -57,7 +59,8 @@ def assign_ranks(store, group_rank: int, group_world_size: int, role: str, local
             job_count = max(int(i["restart_count"]) for i in infos)
             for a in assignments:
                 a.append(job_count)
-        store.multi_set([f"{ASSIGNED_RANKS_PREFIX}{i}" for i in range(group_world_size)],
-                        [json.dumps(a) for a in assignments])
+        store.multi_set(
+            [f"{ASSIGNED_RANKS_PREFIX}{i}" for i in range(group_world_size)], [json.dumps(a) for a in assignments]
+        )
     values = json.loads(bytes(store.get(f"{ASSIGNED_RANKS_PREFIX}{group_rank}")).decode())
     return tuple(values[:4]), (values[4] if len(values) > 4 else None)

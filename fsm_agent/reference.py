@@ -78,34 +78,34 @@ def configuration_reference() -> str:
         "not ignored.",
         "",
         "```toml",
-        "nnodes = \"1:4\"",
+        'nnodes = "1:4"',
         "nproc_per_node = 8",
         "max_restarts = 3",
         "",
         "[rendezvous]",
-        "backend = \"c10d\"",
-        "endpoint = \"node0.example.com:29400\"",
-        "run_id = \"llm-pretrain\"",
+        'backend = "c10d"',
+        'endpoint = "node0.example.com:29400"',
+        'run_id = "llm-pretrain"',
         "join_timeout = 900",
         "",
         "[logs]",
-        "log_dir = \"/scratch/logs\"",
+        'log_dir = "/scratch/logs"',
         "tee = 3",
         "",
         "[plugins.status-http]",
         "port = 8600",
         "```",
         "",
-        "Loading is strict and complete. Types are checked exactly (`\"false\"` is not a boolean, `2.7` is",
-        "not an integer, `\"3\"` is not a number), ranges and formats are checked (`monitor_interval > 0`,",
-        "`nnodes` as `N` or `\"MIN:MAX\"` with `MIN <= MAX`, signal names, ...), unknown keys are errors",
+        'Loading is strict and complete. Types are checked exactly (`"false"` is not a boolean, `2.7` is',
+        'not an integer, `"3"` is not a number), ranges and formats are checked (`monitor_interval > 0`,',
+        '`nnodes` as `N` or `"MIN:MAX"` with `MIN <= MAX`, signal names, ...), unknown keys are errors',
         "(with a suggestion), and **every** error is reported at once, one per line with the file and",
         "its key path; the command exits with status 2:",
         "",
         "```text",
         "fsm-agent: error: 3 errors:",
-        "  fsm.toml: max_restarts: expected an integer >= 0, got \"three\"",
-        "  fsm.toml: rendezvous.join_timeout: expected seconds > 0, got \"abc\"",
+        '  fsm.toml: max_restarts: expected an integer >= 0, got "three"',
+        '  fsm.toml: rendezvous.join_timeout: expected seconds > 0, got "abc"',
         "  fsm.toml: logs.colour: unknown key in [logs] (see docs/configuration.md for the keys)",
         "```",
         "",
@@ -114,14 +114,18 @@ def configuration_reference() -> str:
         "",
         "## Keys",
         "",
-        "\"Flag\" is the `fsm-agent run` flag (each long flag also has its `--snake_case` spelling, as",
-        "in torchrun); \"Environment\" lists the variables read, first one winning.",
+        '"Flag" is the `fsm-agent run` flag (each long flag also has its `--snake_case` spelling, as',
+        'in torchrun); "Environment" lists the variables read, first one winning.',
     ]
     titles = {"": "Top level", "rendezvous": "`[rendezvous]`", "logs": "`[logs]`"}
     for section, title in titles.items():
-        lines += ["", f"### {title}", "",
-                  "| Key | Type | Flag | Environment | Default | LaunchConfig | Description |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"### {title}",
+            "",
+            "| Key | Type | Flag | Environment | Default | LaunchConfig | Description |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for key in KEYS:
             if key.section != section:
                 continue
@@ -132,8 +136,11 @@ def configuration_reference() -> str:
                 flag = ", ".join(code(s) for s in key.flags)
                 envs = ", ".join(code(v) for v in (*key.envs, *filter(None, [key.fallback_env])))
             default, description = default_of(key), cell(key.help)
-            lines.append("| " + " | ".join([code(key.name), cell(key.kind.toml), flag, envs, default,
-                                            code(key.field), description]) + " |")
+            lines.append(
+                "| "
+                + " | ".join([code(key.name), cell(key.kind.toml), flag, envs, default, code(key.field), description])
+                + " |"
+            )
     lines += [
         "",
         "### Not configurable in the file",
@@ -150,7 +157,7 @@ def configuration_reference() -> str:
         "(`--<plugin>-<name>` unless the plugin names one; it always takes one value, booleans too:",
         "`--x true`), an environment variable (`FSM_AGENT_<PLUGIN>_<NAME>` unless named) and the key",
         "`<name>` of the `[plugins.<plugin>]` table, with the same precedence and the same strict checks.",
-        "The plugin reads its values with `config.plugin_options(\"<plugin>\")` in `fsm_agent_configure`.",
+        'The plugin reads its values with `config.plugin_options("<plugin>")` in `fsm_agent_configure`.',
         "A `[plugins.<plugin>]` table for a disabled plugin is ignored; for any other plugin that declares",
         "no options it is an error. `fsm-agent run --help` lists the options of the installed plugins.",
         "",
@@ -159,11 +166,11 @@ def configuration_reference() -> str:
         "",
         "@hookimpl",
         "def fsm_agent_addoption(options):",
-        "    options.add(\"endpoint\", type=str, default=None, help=\"where to push metrics\")",
+        '    options.add("endpoint", type=str, default=None, help="where to push metrics")',
         "",
         "@hookimpl",
         "def fsm_agent_configure(config, agent):",
-        "    endpoint = config.plugin_options(\"myplugin\").get(\"endpoint\")",
+        '    endpoint = config.plugin_options("myplugin").get("endpoint")',
         "```",
         "",
         "Options of the built-in plugins:",
@@ -173,8 +180,13 @@ def configuration_reference() -> str:
     ]
     for option in options:
         default = "unset" if option.default is None else code(json.dumps(option.default))
-        lines.append("| " + " | ".join([code(option.key), option.kind.toml, code(option.flag), code(option.env),
-                                        default, cell(option.help)]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [code(option.key), option.kind.toml, code(option.flag), code(option.env), default, cell(option.help)]
+            )
+            + " |"
+        )
     lines += [
         "",
         "### `status-http`: live status",
@@ -187,5 +199,3 @@ def configuration_reference() -> str:
         "prints `/status` as tables (`--json` for the raw document).",
     ]
     return "\n".join(lines) + "\n"
-
-

@@ -85,13 +85,17 @@ class Divergence:
         if self.what == "state":
             text = f"{self.source} --{self.trigger}--> expected {self.expected}, actual {self.actual}"
         elif self.what == "restart_count":
-            text = (f"{self.source} --{self.trigger}--> {self.dest}: expected restart_count "
-                    f"{self.expected}, actual {self.actual}")
+            text = (
+                f"{self.source} --{self.trigger}--> {self.dest}: expected restart_count "
+                f"{self.expected}, actual {self.actual}"
+            )
         elif self.what == "source":
             text = f"{self.trigger} recorded from {self.expected}, but the replayed group is in {self.actual}"
         elif self.what == "refused":
-            text = (f"{self.source} --{self.trigger}--> expected {self.expected}, actual: {self.trigger} cannot "
-                    f"fire in {self.actual}")
+            text = (
+                f"{self.source} --{self.trigger}--> expected {self.expected}, actual: {self.trigger} cannot "
+                f"fire in {self.actual}"
+            )
         elif self.what == "end":
             text = f"the run ended in {self.expected}, the replay in {self.actual}"
         else:
@@ -139,8 +143,9 @@ class ReplayResult:
     def format(self, verbose: bool = False) -> str:
         lines = []
         for run in self.runs:
-            lines.append(f"{self.path}: run {run.run_id} on {run.node} (agent pid {run.pid}): "
-                         f"{run.transitions} transitions")
+            lines.append(
+                f"{self.path}: run {run.run_id} on {run.node} (agent pid {run.pid}): {run.transitions} transitions"
+            )
             if verbose or not run.identical:
                 lines.append("  recorded: " + _chain(run.recorded))
                 lines.append("  replayed: " + _chain(run.replayed))
@@ -181,8 +186,10 @@ def read_events(path: str) -> list[tuple[int, int, dict[str, Any]]]:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except FileNotFoundError:
-        raise ConfigError(f"events file {path!r}: no such file (an agent writes it with --events-file PATH, "
-                          f"or events.jsonl in its log directory)") from None
+        raise ConfigError(
+            f"events file {path!r}: no such file (an agent writes it with --events-file PATH, "
+            f"or events.jsonl in its log directory)"
+        ) from None
     except OSError as exc:
         raise ConfigError(f"events file {path!r}: cannot read it: {exc}") from None
     except UnicodeDecodeError:
@@ -194,14 +201,16 @@ def read_events(path: str) -> list[tuple[int, int, dict[str, Any]]]:
         try:
             record = json.loads(text)
         except ValueError as exc:
-            raise ConfigError(f"events file {path!r} line {number}: not JSON ({exc}); an events file has one "
-                              f"JSON object per line (docs/events.md)") from None
+            raise ConfigError(
+                f"events file {path!r} line {number}: not JSON ({exc}); an events file has one "
+                f"JSON object per line (docs/events.md)"
+            ) from None
         if not isinstance(record, dict) or "kind" not in record:
-            raise ConfigError(f"events file {path!r} line {number}: not an fsm-agent event (no 'kind' field; "
-                              f"see docs/events.md)")
+            raise ConfigError(
+                f"events file {path!r} line {number}: not an fsm-agent event (no 'kind' field; see docs/events.md)"
+            )
         if record["kind"] == "transition" and not {"source", "dest", "trigger"} <= set(record):
-            raise ConfigError(f"events file {path!r} line {number}: a transition record needs source, dest and "
-                              f"trigger")
+            raise ConfigError(f"events file {path!r} line {number}: a transition record needs source, dest and trigger")
         records.append((len(records) + 1, number, record))
     return records
 
@@ -304,8 +313,9 @@ def _trigger_data(record: dict, source: str, exits: list[dict], cycle: dict | No
         progress = {"progress": {"last_step": cycle.get("last_step"), "checkpoint_step": cycle.get("checkpoint_step")}}
         return {**_trigger_data(record, source, exits), **progress}
     if trigger == "workers_failed" and source == "HEALTHY":
-        failed = {int(e.get("local_rank", 0)): int(e.get("exit_code", 1)) for e in exits
-                  if int(e.get("exit_code", 1)) != 0}
+        failed = {
+            int(e.get("local_rank", 0)): int(e.get("exit_code", 1)) for e in exits if int(e.get("exit_code", 1)) != 0
+        }
         times = {int(e.get("local_rank", 0)): float(e["ts"]) for e in exits if "ts" in e}
         # A failure whose exit records are missing (a file cut short): one worker that exited 1.
         return {"exits": failed or {0: 1}, "exit_times": {r: t for r, t in times.items() if r in failed}}
@@ -316,8 +326,11 @@ def _trigger_data(record: dict, source: str, exits: list[dict], cycle: dict | No
     if trigger == "membership_changed":
         return {"change": record.get("failure_class") or "membership_change"}
     if trigger == "drain_requested":
-        return {"scope": record.get("drain_scope") or "node", "source": record.get("drain_source") or "replay",
-                "by": "replay"}
+        return {
+            "scope": record.get("drain_scope") or "node",
+            "source": record.get("drain_source") or "replay",
+            "by": "replay",
+        }
     if trigger in ("rendezvous_failed", "agent_errored"):
         return {"error": str(record.get("error") or f"replayed {trigger}")}
     return {}
@@ -340,8 +353,11 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
     recorded = tuple(f"{r['source']} --{r['trigger']}--> {r['dest']}" for _, _, r in transitions)
     rendezvous = FakeRendezvous(run_id=str(first.get("run_id") or "replay"), store_timeout=10.0)
     launcher = _ReplayLauncher()
-    limits = [int(r["max_no_progress_restarts"]) for _, _, r in run
-              if r["kind"] == "cycle" and r.get("max_no_progress_restarts")]
+    limits = [
+        int(r["max_no_progress_restarts"])
+        for _, _, r in run
+        if r["kind"] == "cycle" and r.get("max_no_progress_restarts")
+    ]
     # A replayed drain does not wait for the workers' checkpoint: there are none.
     plugin_options: dict[str, dict[str, Any]] = {"drain": {"timeout": 0.0}}
     if limits:
@@ -349,10 +365,17 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
     config = LaunchConfig(plugins=plugin_options)
     pm = get_plugin_manager(disabled=(*NOT_REPLAYED_PLUGINS, *disabled), load_entry_points=load_plugins)
     pm.register(_NoBackoff(), "replay-no-backoff")
-    agent = build_agent(rendezvous, launcher, plugin_manager=pm, local_world_size=int(first.get("local_world_size") or 1),
-                        max_restarts=int(first.get("max_restarts") or 0), role=str(first.get("role") or "default"),
-                        entrypoint=str(first.get("entrypoint") or "replay"), exit_barrier_timeout=10.0,
-                        config=config)
+    agent = build_agent(
+        rendezvous,
+        launcher,
+        plugin_manager=pm,
+        local_world_size=int(first.get("local_world_size") or 1),
+        max_restarts=int(first.get("max_restarts") or 0),
+        role=str(first.get("role") or "default"),
+        entrypoint=str(first.get("entrypoint") or "replay"),
+        exit_barrier_timeout=10.0,
+        config=config,
+    )
     replayed: list[str] = []
     divergence = None
     exits: list[dict] = []
@@ -360,9 +383,18 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
     count = 0
 
     def diverged(event, line, what, record, expected, actual, detail=""):
-        return Divergence(event=event, line=line, transition=count, what=what, source=str(record.get("source")),
-                          trigger=str(record.get("trigger")), expected=str(expected), actual=str(actual),
-                          detail=detail, dest=str(record.get("dest")))
+        return Divergence(
+            event=event,
+            line=line,
+            transition=count,
+            what=what,
+            source=str(record.get("source")),
+            trigger=str(record.get("trigger")),
+            expected=str(expected),
+            actual=str(actual),
+            detail=detail,
+            dest=str(record.get("dest")),
+        )
 
     try:
         for event, line, record in run:
@@ -375,9 +407,16 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
                 continue
             if kind == "run_end":
                 if record.get("state") and record["state"] != agent.state.value:
-                    divergence = Divergence(event=event, line=line, transition=count, what="end",
-                                            source=agent.state.value, trigger="run_end",
-                                            expected=record["state"], actual=agent.state.value)
+                    divergence = Divergence(
+                        event=event,
+                        line=line,
+                        transition=count,
+                        what="end",
+                        source=agent.state.value,
+                        trigger="run_end",
+                        expected=record["state"],
+                        actual=agent.state.value,
+                    )
                     break
                 continue
             if kind != "transition":
@@ -390,8 +429,13 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
             if trigger in ("start", "restart"):
                 world = int(record.get("group_world_size") or 1)
                 rank = int(record.get("group_rank") or 0)
-                rendezvous.rounds = [Round(rank=rank if 0 <= rank < world else 0, world_size=world,
-                                           peer_restart_count=record.get("restart_count") if world > 1 else None)]
+                rendezvous.rounds = [
+                    Round(
+                        rank=rank if 0 <= rank < world else 0,
+                        world_size=world,
+                        peer_restart_count=record.get("restart_count") if world > 1 else None,
+                    )
+                ]
                 exits = []
             if _last_resort(record):
                 launcher.fail_next_stop = True  # the recorded error path failed at its stop
@@ -403,8 +447,15 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
                 break
             taken = agent.transitions[fired:]
             if taken and taken[-1].trigger != trigger and not _last_resort(record):
-                divergence = diverged(event, line, "error", record, dest, str(taken[-1].error),
-                                      f"a step of {trigger} raised in the replay")
+                divergence = diverged(
+                    event,
+                    line,
+                    "error",
+                    record,
+                    dest,
+                    str(taken[-1].error),
+                    f"a step of {trigger} raised in the replay",
+                )
                 break
             cycle = None
             replayed.append(f"{source} --{trigger}--> {agent.state.value}")
@@ -415,14 +466,21 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
                 divergence = diverged(event, line, "state", record, dest, agent.state.value, detail)
                 break
             if "restart_count" in record and int(record["restart_count"]) != agent.restart_count:
-                divergence = diverged(event, line, "restart_count", record, record["restart_count"],
-                                      agent.restart_count)
+                divergence = diverged(
+                    event, line, "restart_count", record, record["restart_count"], agent.restart_count
+                )
                 break
     finally:
         agent.close()
-    return RunReplay(run_id=str(first.get("run_id")), node=str(first.get("node")), pid=agent_pid,
-                     transitions=len(transitions), recorded=recorded, replayed=tuple(replayed),
-                     divergence=divergence)
+    return RunReplay(
+        run_id=str(first.get("run_id")),
+        node=str(first.get("node")),
+        pid=agent_pid,
+        transitions=len(transitions),
+        recorded=recorded,
+        replayed=tuple(replayed),
+        divergence=divergence,
+    )
 
 
 @contextlib.contextmanager
@@ -450,8 +508,9 @@ def replay(path: str, *, load_plugins: bool = False, disabled: Iterable[str] = (
     runs = _split_runs(read_events(path))
     if not runs:
         raise ConfigError(f"events file {path!r} records no transition: nothing to replay")
-    return ReplayResult(path=path, runs=tuple(_replay_run(run, load_plugins=load_plugins, disabled=disabled)
-                                              for run in runs))
+    return ReplayResult(
+        path=path, runs=tuple(_replay_run(run, load_plugins=load_plugins, disabled=disabled) for run in runs)
+    )
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
@@ -459,23 +518,44 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
         prog="fsm-agent replay",
         description="Re-drive the worker-group statechart through the triggers an events file recorded "
-                    "(fakes, no processes) and report 'identical trace' or the first divergence.")
+        "(fakes, no processes) and report 'identical trace' or the first divergence.",
+    )
     parser.add_argument("events", metavar="EVENTS.jsonl", help="an agent's events file (docs/events.md)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the recorded and the replayed trace")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--load-plugins", action="store_true",
-                        help="also load the installed plugins (e.g. the restart policy the run used)")
-    parser.add_argument("--disable-plugin", action="append", default=[], metavar="NAME",
-                        help="do not load this plugin (repeatable)")
+    parser.add_argument(
+        "--load-plugins",
+        action="store_true",
+        help="also load the installed plugins (e.g. the restart policy the run used)",
+    )
+    parser.add_argument(
+        "--disable-plugin", action="append", default=[], metavar="NAME", help="do not load this plugin (repeatable)"
+    )
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     with _quiet_agent_logs():
         result = replay(args.events, load_plugins=args.load_plugins, disabled=args.disable_plugin)
     if args.json:
-        print(json.dumps({"path": result.path, "identical": result.identical,
-                          "divergence": attrs.asdict(result.divergence) if result.divergence else None,
-                          "runs": [{"run_id": r.run_id, "node": r.node, "pid": r.pid, "recorded": list(r.recorded),
-                                    "replayed": list(r.replayed), "identical": r.identical} for r in result.runs]},
-                         indent=2))
+        print(
+            json.dumps(
+                {
+                    "path": result.path,
+                    "identical": result.identical,
+                    "divergence": attrs.asdict(result.divergence) if result.divergence else None,
+                    "runs": [
+                        {
+                            "run_id": r.run_id,
+                            "node": r.node,
+                            "pid": r.pid,
+                            "recorded": list(r.recorded),
+                            "replayed": list(r.replayed),
+                            "identical": r.identical,
+                        }
+                        for r in result.runs
+                    ],
+                },
+                indent=2,
+            )
+        )
     else:
         print(result.format(verbose=args.verbose))
     return 0 if result.identical else 1

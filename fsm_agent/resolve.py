@@ -26,14 +26,33 @@ from typing import Any
 
 import attrs
 
-from fsm_agent.config import ConfigFile, FileValues, LaunchConfig, OptionRegistry, find_config_file, load_file_values, raw_disabled_plugins
+from fsm_agent.config import (
+    ConfigFile,
+    FileValues,
+    LaunchConfig,
+    OptionRegistry,
+    find_config_file,
+    load_file_values,
+    raw_disabled_plugins,
+)
 from fsm_agent.errors import ConfigError, PluginError
 from fsm_agent.plugins.registry import BackendRegistry
 from fsm_agent.run_parser import cli_given, get_run_parser, launcher_flags, prescan
 from fsm_agent.scheduler import apply_discovery, discover
-from fsm_agent.settings import (BY_KEY, DEFAULT_MASTER_PORT, DEFAULT_SHUTDOWN_TIMEOUT_S, KEYS, SHUTDOWN_TIMEOUT_ENV,
-                                nproc_as_int, nproc_hint, parse_local_ranks_filter, parse_names, parse_nnodes,
-                                parse_rdzv_conf, port_number)
+from fsm_agent.settings import (
+    BY_KEY,
+    DEFAULT_MASTER_PORT,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    KEYS,
+    SHUTDOWN_TIMEOUT_ENV,
+    nproc_as_int,
+    nproc_hint,
+    parse_local_ranks_filter,
+    parse_names,
+    parse_nnodes,
+    parse_rdzv_conf,
+    port_number,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +117,10 @@ def check_rdzv_endpoint(endpoint: str) -> None:
         return
     host, sep, port = text.rpartition(":")
     if sep and port_number(port) is None:
-        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: the port {port!r} is not a TCP port; use HOST:PORT with "
-                          f"PORT an integer from 0 to 65535 (e.g. --rdzv-endpoint {host or 'localhost'}:29400)")
+        raise ConfigError(
+            f"--rdzv-endpoint {endpoint!r}: the port {port!r} is not a TCP port; use HOST:PORT with "
+            f"PORT an integer from 0 to 65535 (e.g. --rdzv-endpoint {host or 'localhost'}:29400)"
+        )
 
 
 def _warn_missing_local_ranks(shown: frozenset[int] | None, nproc_per_node: int) -> None:
@@ -108,9 +129,14 @@ def _warn_missing_local_ranks(shown: frozenset[int] | None, nproc_per_node: int)
     missing = sorted(rank for rank in shown or () if rank >= nproc_per_node)
     if missing:
         hidden = "; no worker's output is shown" if len(missing) == len(shown or ()) else ""
-        log.warning("--local-ranks-filter %s: no local rank %s with --nproc-per-node %d (local ranks 0..%d)%s",
-                    ",".join(map(str, sorted(shown or ()))), ",".join(map(str, missing)), nproc_per_node,
-                    nproc_per_node - 1, hidden)
+        log.warning(
+            "--local-ranks-filter %s: no local rank %s with --nproc-per-node %d (local ranks 0..%d)%s",
+            ",".join(map(str, sorted(shown or ()))),
+            ",".join(map(str, missing)),
+            nproc_per_node,
+            nproc_per_node - 1,
+            hidden,
+        )
 
 
 @functools.cache
@@ -121,9 +147,12 @@ def _builtin_registry() -> BackendRegistry:
     return build_registry(get_plugin_manager(load_entry_points=False))
 
 
-def config_from_args(args: argparse.Namespace, *, set_omp_num_threads: bool = True,
-                     registry: BackendRegistry | None = None,
-                     ) -> tuple[LaunchConfig, str | Callable[..., Any], tuple[str, ...]]:
+def config_from_args(
+    args: argparse.Namespace,
+    *,
+    set_omp_num_threads: bool = True,
+    registry: BackendRegistry | None = None,
+) -> tuple[LaunchConfig, str | Callable[..., Any], tuple[str, ...]]:
     """Build the launch from ``get_run_parser()``'s namespace, with torchrun's semantics.
 
     ``resolve_run_args`` adds what the file and plugins set: ``args.rdzv_conf_file`` (rendezvous
@@ -163,12 +192,18 @@ def config_from_args(args: argparse.Namespace, *, set_omp_num_threads: bool = Tr
     node_rank_use = registry.node_rank_use(rdzv_backend)
     if node_rank_use == "rank":  # torch's static backend: this node's rank
         if not 0 <= args.node_rank < max_nodes:
-            raise ConfigError(f"--node-rank {args.node_rank}: with --nnodes {args.nnodes} the node ranks are "
-                              f"0..{max_nodes - 1}; give each node its own rank in that range")
+            raise ConfigError(
+                f"--node-rank {args.node_rank}: with --nnodes {args.nnodes} the node ranks are "
+                f"0..{max_nodes - 1}; give each node its own rank in that range"
+            )
         rdzv_configs["rank"] = args.node_rank  # an int, as torch's static handler expects
     elif args.node_rank != 0 and node_rank_use is None:  # "hint": the fsm backend's (docs/schedulers.md)
-        log.warning("--node-rank %s is only used by the rendezvous backends %s; ignored for %s",
-                    args.node_rank, ", ".join(registry.node_rank_backends()), rdzv_backend)
+        log.warning(
+            "--node-rank %s is only used by the rendezvous backends %s; ignored for %s",
+            args.node_rank,
+            ", ".join(registry.node_rank_backends()),
+            rdzv_backend,
+        )
     local_ranks_filter = parse_local_ranks_filter(args.local_ranks_filter)
     _warn_missing_local_ranks(local_ranks_filter, nproc_per_node)
 
@@ -239,15 +274,16 @@ def _rendezvous(args: argparse.Namespace, max_nodes: int, min_nodes: int = 1) ->
     """
     if standalone_reason(args, max_nodes):
         if args.standalone and min_nodes > 1:
-            raise ConfigError(f"--standalone with --nnodes {args.nnodes}: no other node can join a standalone "
-                              f"rendezvous, so {min_nodes} nodes never meet; drop --standalone and give every "
-                              f"node --rdzv-backend/--rdzv-endpoint (or --master-addr/--master-port), or use "
-                              f"--nnodes 1")
+            raise ConfigError(
+                f"--standalone with --nnodes {args.nnodes}: no other node can join a standalone "
+                f"rendezvous, so {min_nodes} nodes never meet; drop --standalone and give every "
+                f"node --rdzv-backend/--rdzv-endpoint (or --master-addr/--master-port), or use "
+                f"--nnodes 1"
+            )
         if args.standalone and (args.rdzv_backend != "static" or args.rdzv_endpoint or args.rdzv_id != "none"):
             log.warning("--standalone ignores --rdzv-backend, --rdzv-endpoint and --rdzv-id")
         if args.standalone and max_nodes > 1:
-            log.warning("--standalone with --nnodes %s: no other node can join a standalone rendezvous",
-                        args.nnodes)
+            log.warning("--standalone with --nnodes %s: no other node can join a standalone rendezvous", args.nnodes)
         return (*STANDALONE_RENDEZVOUS, str(uuid.uuid4()))
     if args.rdzv_backend == "static" and not args.rdzv_endpoint:
         return "static", f"{args.master_addr}:{_master_port(args)}", args.rdzv_id
@@ -271,8 +307,10 @@ def _entrypoint(args: argparse.Namespace) -> tuple[str | Callable[..., Any], tup
         return run_script_path, (script, *script_args)
     if args.no_python:
         if args.module:
-            raise ConfigError("--no-python and -m/--module cannot be used together: "
-                              "-m runs a Python module, --no-python runs a binary")
+            raise ConfigError(
+                "--no-python and -m/--module cannot be used together: "
+                "-m runs a Python module, --no-python runs a binary"
+            )
         _require_program(script)
         return script, script_args
     if args.module:
@@ -285,8 +323,9 @@ def _require_program(script: str) -> None:
     """``--no-python``: ``script`` must be a program the OS can run (exec would fail in every worker)."""
     path = shutil.which(script)
     if path is None and os.path.isfile(script) and not os.access(script, os.X_OK):
-        raise ConfigError(f"--no-python binary {script!r} is not executable: chmod +x it, "
-                          f"or drop --no-python to run it with python")
+        raise ConfigError(
+            f"--no-python binary {script!r} is not executable: chmod +x it, or drop --no-python to run it with python"
+        )
     if path is None:
         here = f"; for the file in this directory, say ./{script}" if os.path.isfile(script) else ""
         raise ConfigError(f"--no-python binary {script!r} not found: not an executable file and not on PATH{here}")
@@ -296,8 +335,10 @@ def _require_program(script: str) -> None:
     except OSError:
         return  # executable but not readable: only exec can tell
     if not head.startswith((b"#!", b"\x7fELF")) and b"\0" not in head:  # text without a '#!' line
-        raise ConfigError(f"--no-python binary {script!r} has no '#!' line, so it cannot be executed: "
-                          f"add one (e.g. #!/usr/bin/env python3), or drop --no-python to run it with python")
+        raise ConfigError(
+            f"--no-python binary {script!r} has no '#!' line, so it cannot be executed: "
+            f"add one (e.g. #!/usr/bin/env python3), or drop --no-python to run it with python"
+        )
 
 
 def _python_exec() -> str:
@@ -306,8 +347,9 @@ def _python_exec() -> str:
 
 def _require_script(script: str) -> None:
     if not os.path.exists(script):
-        raise ConfigError(f"training script {script!r} not found: check the path "
-                          f"(or use -m for a module, --no-python for a binary)")
+        raise ConfigError(
+            f"training script {script!r} not found: check the path (or use -m for a module, --no-python for a binary)"
+        )
 
 
 def _shutdown_timeout(flag_value: float | None) -> float:
@@ -328,11 +370,14 @@ def _default_omp_num_threads(nproc_per_node: int) -> None:
     if "OMP_NUM_THREADS" in os.environ or nproc_per_node <= 1:
         return
     os.environ["OMP_NUM_THREADS"] = "1"
-    print("*****************************************\n"
-          "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid "
-          "your system being overloaded, please further tune the variable for optimal performance in "
-          "your application as needed. \n"
-          "*****************************************", file=sys.stderr)
+    print(
+        "*****************************************\n"
+        "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid "
+        "your system being overloaded, please further tune the variable for optimal performance in "
+        "your application as needed. \n"
+        "*****************************************",
+        file=sys.stderr,
+    )
 
 
 def run_script_path(training_script: str, *training_script_args: str) -> None:
@@ -382,8 +427,9 @@ class ResolvedRun:
     registry: BackendRegistry | None = None
 
 
-def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_config: bool = False,
-                     load_entry_points: bool = True) -> ResolvedRun:
+def resolve_run_args(
+    argv: Sequence[str], prog: str = "fsm-agent run", *, for_config: bool = False, load_entry_points: bool = True
+) -> ResolvedRun:
     """Parse ``argv`` and merge every source, highest precedence first: flags, env vars
     (``FSM_AGENT_<NAME>``, then ``PET_<NAME>``), the config file, defaults.
 
@@ -402,8 +448,11 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
     argv = list(argv)
     core = get_run_parser(prog, for_config=for_config)
     pre = prescan(argv, core)
-    explicit, origin = (pre["config"][-1], "--config") if pre["config"] else (
-        os.environ.get("FSM_AGENT_CONFIG") or None, "FSM_AGENT_CONFIG")
+    explicit, origin = (
+        (pre["config"][-1], "--config")
+        if pre["config"]
+        else (os.environ.get("FSM_AGENT_CONFIG") or None, "FSM_AGENT_CONFIG")
+    )
     config_file = find_config_file(explicit, origin)
     file_disabled = raw_disabled_plugins(config_file.data) if config_file else ()
     cli_disabled = tuple(n for value in pre["disabled_plugins"] for n in parse_names(value))
@@ -451,8 +500,14 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
 
     # Defaults the batch scheduler's job step gives (Slurm, ...): below flags, env vars and the file.
     registry = build_registry(pm)
-    apply_discovery(discover(pm, args.scheduler, os.environ), args, sources, BY_KEY, Source,
-                    node_rank_backends=registry.node_rank_backends())
+    apply_discovery(
+        discover(pm, args.scheduler, os.environ),
+        args,
+        sources,
+        BY_KEY,
+        Source,
+        node_rank_backends=registry.node_rank_backends(),
+    )
 
     # Disabled plugins add up: the file's, the env var's, the flags'.
     from_file = file_values.values.get("disabled_plugins", ())
@@ -464,8 +519,7 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
 
     # Rendezvous options: the file's table and typed keys, under --rdzv-conf (or its env var), per option.
     rdzv_file = dict(file_values.values.get("rendezvous.conf", {}))
-    rdzv_file.update({k.name: v for name, v in file_values.values.items()
-                      if (k := BY_KEY[name]).dest is None})
+    rdzv_file.update({k.name: v for name, v in file_values.values.items() if (k := BY_KEY[name]).dest is None})
     args.rdzv_conf_file = rdzv_file
     # Which values came from the environment, so a late check (--nproc-per-node names a device)
     # names the variable to fix rather than a flag the user never typed.
@@ -501,8 +555,9 @@ def resolve_run_args(argv: Sequence[str], prog: str = "fsm-agent run", *, for_co
     if errors:  # the file's, the env vars' and the plugin env vars' errors, all at once
         raise ConfigError("; ".join(errors), details=details if file_failed else ())
     args.plugin_options = plugin_values
-    return ResolvedRun(args=args, sources=sources, config_file=config_file, options=options, plugin_manager=pm,
-                       registry=registry)
+    return ResolvedRun(
+        args=args, sources=sources, config_file=config_file, options=options, plugin_manager=pm, registry=registry
+    )
 
 
 def check_rdzv_conf(resolved: ResolvedRun, config: LaunchConfig) -> None:
@@ -513,6 +568,7 @@ def check_rdzv_conf(resolved: ResolvedRun, config: LaunchConfig) -> None:
 
     Logs a warning for an option that the chosen backend does not read but another one does.
     """
+
     def where(key: str) -> str:
         source = resolved.sources.get(f"rendezvous.{key}", Source("default"))
         label = source.detail if source.kind in ("cli", "env") else f"{source.detail} rendezvous"
@@ -528,13 +584,16 @@ def check_rdzv_conf(resolved: ResolvedRun, config: LaunchConfig) -> None:
         log.warning("%s", warning)
 
 
-def _plugins_for(argv: Sequence[str], core: argparse.ArgumentParser, disabled: tuple[str, ...],
-                 load_entry_points: bool) -> Any:
+def _plugins_for(
+    argv: Sequence[str], core: argparse.ArgumentParser, disabled: tuple[str, ...], load_entry_points: bool
+) -> Any:
     """The plugin manager; for ``--help``, a plugin that fails to load is a warning, left out."""
     from fsm_agent.plugins.manager import get_plugin_manager
 
-    asks_for_help = any(action is not None and action.dest == "help"
-                        for action, _ in launcher_flags(argv, core, unknown_takes_value=True)[0])
+    asks_for_help = any(
+        action is not None and action.dest == "help"
+        for action, _ in launcher_flags(argv, core, unknown_takes_value=True)[0]
+    )
     while True:
         try:
             return get_plugin_manager(disabled=disabled, load_entry_points=load_entry_points)
@@ -578,5 +637,3 @@ def effective_rows(resolved: ResolvedRun, config: LaunchConfig) -> list[tuple[st
         if option.key in sources:
             rows.append((option.key, config.plugins.get(option.plugin, {}).get(option.name), sources[option.key]))
     return rows
-
-

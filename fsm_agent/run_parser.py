@@ -30,7 +30,6 @@ def env_vars(action: argparse.Action) -> list[str]:
     return list(setting.envs) if setting is not None and action.option_strings else []
 
 
-
 class _Parser(OneLineParser):
     """ArgumentParser whose errors are ConfigErrors (one line) and whose env fallbacks apply at parse time.
 
@@ -62,9 +61,9 @@ class _Parser(OneLineParser):
         # script's own "--r=16" as an ambiguous abbreviation of a launcher flag (pytorch#120601).
         args = list(sys.argv[1:] if args is None else args)
         _, script = launcher_flags(args, self, unknown_takes_value=False)
-        namespace, extras = super().parse_known_args(args[:script + 1], namespace)
+        namespace, extras = super().parse_known_args(args[: script + 1], namespace)
         if script < len(args):
-            namespace.training_script_args = args[script + 1:]
+            namespace.training_script_args = args[script + 1 :]
         return namespace, extras
 
 
@@ -136,8 +135,9 @@ def _spellings(*names: str) -> list[str]:
     return [*names, *underscored]
 
 
-def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] = (), *,
-                   for_config: bool = False) -> argparse.ArgumentParser:
+def get_run_parser(
+    prog: str = "fsm-agent run", options: Iterable[PluginOption] = (), *, for_config: bool = False
+) -> argparse.ArgumentParser:
     """The ``fsm-agent run`` / ``fsmrun`` parser: torchrun 2.13's flags, fsm-agent's own, plugins' options.
 
     Flag names, dests, defaults and ``PET_<DEST>`` fallbacks equal torchrun's. Values stay
@@ -158,9 +158,9 @@ def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] 
         prog=prog,
         description="Launch and supervise this node's workers: a drop-in replacement for torchrun.",
         epilog="Flags also read the environment variables shown in [env ...], FSM_AGENT_* before PET_*, "
-               "then the config file (--config, or [tool.fsm_agent] in ./pyproject.toml); the command "
-               "line wins (--disable-plugin adds to the env and file lists). fsm-agent's own flags "
-               "are marked 'fsm-agent:'. See docs/configuration.md and 'fsm-agent config'.",
+        "then the config file (--config, or [tool.fsm_agent] in ./pyproject.toml); the command "
+        "line wins (--disable-plugin adds to the env and file lists). fsm-agent's own flags "
+        "are marked 'fsm-agent:'. See docs/configuration.md and 'fsm-agent config'.",
         formatter_class=_HelpFormatter,
     )
     flags = [setting for setting in SETTINGS if setting.dest is not None]
@@ -175,12 +175,17 @@ def get_run_parser(prog: str = "fsm-agent run", options: Iterable[PluginOption] 
     if for_config:
         shown = parser.add_argument_group("fsm-agent config")
         shown.add_argument("--json", action="store_true", help="print JSON instead of a table")
-        shown.add_argument("--reference", action="store_true",
-                           help="print the reference of every key (docs/configuration.md) and exit")
+        shown.add_argument(
+            "--reference", action="store_true", help="print the reference of every key (docs/configuration.md) and exit"
+        )
 
     # Entrypoint, then everything after it verbatim, even words that look like launcher flags.
-    parser.add_argument("training_script", nargs="?" if for_config else None, default=None,
-                        help="the training script (or module with -m, binary with --no-python)")
+    parser.add_argument(
+        "training_script",
+        nargs="?" if for_config else None,
+        default=None,
+        help="the training script (or module with -m, binary with --no-python)",
+    )
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
 
@@ -189,9 +194,11 @@ def _add_setting(group: Any, setting: Setting) -> None:
     """``setting`` as a flag: an ``_EnvAction`` where torchrun's flag reads ``PET_<DEST>`` (and for
     fsm-agent's own flags), else a plain ``store`` as torchrun's (its ``FSM_AGENT_*`` variable is
     still read, by the parser's environment pass)."""
-    kwargs: dict[str, Any] = {"dest": setting.dest, "default": setting.default,
-                              "help": f"{'fsm-agent: ' if setting.own else ''}{setting.help} "
-                                      f"[env {', '.join(setting.envs)}]"}
+    kwargs: dict[str, Any] = {
+        "dest": setting.dest,
+        "default": setting.default,
+        "help": f"{'fsm-agent: ' if setting.own else ''}{setting.help} [env {', '.join(setting.envs)}]",
+    }
     if setting.action != "flag":
         kwargs.update(type=setting.parse, choices=setting.choices, metavar=setting.metavar)
     if setting.torch_env or setting.own:
@@ -208,13 +215,20 @@ def _add_plugin_options(parser: argparse.ArgumentParser, options: Iterable[Plugi
     group = parser.add_argument_group("plugin options (fsm_agent_addoption)")
     for option in options:
         said = "default:" in option.help or "unset" in option.help  # the plugin's help says it already
-        default = ("" if said else " (default: unset)" if option.default in (None, "")
-                   else f" (default: {option.default!r})")
+        default = (
+            "" if said else " (default: unset)" if option.default in (None, "") else f" (default: {option.default!r})"
+        )
         try:
-            group.add_argument(*_spellings(option.flag), action=_PluginOptionAction, option=option,
-                               dest=option.dest, default=argparse.SUPPRESS, type=_option_parser(option),
-                               metavar=option.name.upper(),
-                               help=f"{option.plugin}: {option.help}{default} [env {option.env}]")
+            group.add_argument(
+                *_spellings(option.flag),
+                action=_PluginOptionAction,
+                option=option,
+                dest=option.dest,
+                default=argparse.SUPPRESS,
+                type=_option_parser(option),
+                metavar=option.name.upper(),
+                help=f"{option.plugin}: {option.help}{default} [env {option.env}]",
+            )
         except argparse.ArgumentError as exc:
             raise PluginError(f"plugin {option.plugin!r} option {option.name!r}: {exc}") from None
 
@@ -230,8 +244,9 @@ def _option_parser(option: PluginOption) -> Callable[[str], Any]:
     return parse
 
 
-def cli_given(argv: Sequence[str], prog: str = "fsm-agent run", options: Iterable[PluginOption] = (), *,
-              for_config: bool = False) -> set[str]:
+def cli_given(
+    argv: Sequence[str], prog: str = "fsm-agent run", options: Iterable[PluginOption] = (), *, for_config: bool = False
+) -> set[str]:
     """The dests set on the command line itself: ``argv`` parsed without env vars or defaults."""
     parser = get_run_parser(prog, options, for_config=for_config)
     parser.read_env = False  # type: ignore[attr-defined]
@@ -254,8 +269,12 @@ def prescan(argv: Sequence[str], parser: argparse.ArgumentParser) -> dict[str, l
     return found
 
 
-def launcher_flags(argv: Sequence[str], parser: argparse.ArgumentParser, *, unknown_takes_value: bool,
-                    ) -> tuple[list[tuple[argparse.Action | None, str | None]], int]:
+def launcher_flags(
+    argv: Sequence[str],
+    parser: argparse.ArgumentParser,
+    *,
+    unknown_takes_value: bool,
+) -> tuple[list[tuple[argparse.Action | None, str | None]], int]:
     """Walk the launcher's flags as argparse does (known flags by their arity, abbreviations included).
 
     Returns:
@@ -277,8 +296,9 @@ def launcher_flags(argv: Sequence[str], parser: argparse.ArgumentParser, *, unkn
             takes_value = action is not None and action.nargs != 0 and len(token) == 2
             value = token[2:] or None
         else:
-            matches = ({a for s, a in strings.items() if s == name}
-                       or {a for s, a in strings.items() if s.startswith(name)})
+            matches = {a for s, a in strings.items() if s == name} or {
+                a for s, a in strings.items() if s.startswith(name)
+            }
             action = next(iter(matches)) if len(matches) == 1 else None
             takes_value = (unknown_takes_value if not matches else action is None or action.nargs != 0) and not eq
         if takes_value:
@@ -287,5 +307,3 @@ def launcher_flags(argv: Sequence[str], parser: argparse.ArgumentParser, *, unkn
             value, i = (value if eq or not name.startswith("--") else None), i + 1
         flags.append((action, value))
     return flags, len(argv)
-
-

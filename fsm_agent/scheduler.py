@@ -73,16 +73,25 @@ def discover(pm: Any, scheduler: str, environ: Mapping[str, str]) -> DiscoveredJ
         return None
     job = pm.hook.fsm_agent_discover_job(environ=environ, scheduler=scheduler)
     if job is None and scheduler != AUTO:
-        raise ConfigError(f"--scheduler {scheduler!r}: no loaded plugin discovers jobs of that scheduler; "
-                          f"use --scheduler auto or none, or install the scheduler's plugin")
+        raise ConfigError(
+            f"--scheduler {scheduler!r}: no loaded plugin discovers jobs of that scheduler; "
+            f"use --scheduler auto or none, or install the scheduler's plugin"
+        )
     if job is not None and not isinstance(job, DiscoveredJob):
-        raise PluginError(f"fsm_agent_discover_job returned {type(job).__name__}, not a "
-                          f"fsm_agent.scheduler.DiscoveredJob")
+        raise PluginError(
+            f"fsm_agent_discover_job returned {type(job).__name__}, not a fsm_agent.scheduler.DiscoveredJob"
+        )
     return job
 
 
-def apply_discovery(job: DiscoveredJob | None, args: Any, sources: dict[str, Any], keys: Mapping[str, Any],
-                    make_source: Any, node_rank_backends: Collection[str] = ()) -> list[str]:
+def apply_discovery(
+    job: DiscoveredJob | None,
+    args: Any,
+    sources: dict[str, Any],
+    keys: Mapping[str, Any],
+    make_source: Any,
+    node_rank_backends: Collection[str] = (),
+) -> list[str]:
     """Fill the keys the user left at their defaults with the discovered values (in place).
 
     Args:
@@ -103,14 +112,19 @@ def apply_discovery(job: DiscoveredJob | None, args: Any, sources: dict[str, Any
     """
     if job is None:
         return []
-    standalone = sources.get("standalone") is not None and sources["standalone"].kind in USER_SOURCES \
+    standalone = (
+        sources.get("standalone") is not None
+        and sources["standalone"].kind in USER_SOURCES
         and bool(getattr(args, "standalone", False))
+    )
     filled = []
     for name, value in job.values.items():
         key = keys.get(name)
         if key is None or key.dest is None:
-            raise PluginError(f"scheduler {job.scheduler!r} discovered {name!r}, which is not a configuration key "
-                              f"(docs/configuration.md)")
+            raise PluginError(
+                f"scheduler {job.scheduler!r} discovered {name!r}, which is not a configuration key "
+                f"(docs/configuration.md)"
+            )
         if sources.get(name) is not None and sources[name].kind in USER_SOURCES:
             continue
         if standalone and (name.startswith("rendezvous.") or name == "nnodes"):
@@ -119,8 +133,10 @@ def apply_discovery(job: DiscoveredJob | None, args: Any, sources: dict[str, Any
             setattr(args, key.dest, key.kind.structure(value))
         except ValueError as exc:
             origin = job.origins.get(name, "its environment")
-            raise ConfigError(f"{job.scheduler} ({origin}): {name}: {exc}; fix the job's environment, set "
-                              f"{name} yourself, or give --scheduler none") from None
+            raise ConfigError(
+                f"{job.scheduler} ({origin}): {name}: {exc}; fix the job's environment, set "
+                f"{name} yourself, or give --scheduler none"
+            ) from None
         sources[name] = make_source(job.scheduler, job.origins.get(name, ""))
         filled.append(name)
     if job.several_per_node and any(name in filled for name in PER_NODE_KEYS):

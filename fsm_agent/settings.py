@@ -100,16 +100,20 @@ def nproc_as_int(value: str) -> int | None:
 
 def nproc_hint(value: str, problem: str) -> str:
     """The ``--nproc-per-node`` error line for ``value`` with ``problem``."""
-    return (f"--nproc-per-node {value!r}: {problem}; give a positive number of workers "
-            f"(e.g. --nproc-per-node 2) or one of {', '.join(NPROC_NAMES)}")
+    return (
+        f"--nproc-per-node {value!r}: {problem}; give a positive number of workers "
+        f"(e.g. --nproc-per-node 2) or one of {', '.join(NPROC_NAMES)}"
+    )
 
 
 def parse_master_port(value: str) -> int:
     """``--master-port N`` -> N, a TCP port 0..65535 (torch: ``int``, then a ValueError in the rendezvous)."""
     port = port_number(value.strip())
     if port is None:
-        raise ConfigError(f"--master-port {value!r}: not a TCP port; use an integer from 0 to 65535 "
-                          f"(e.g. --master-port {DEFAULT_MASTER_PORT})")
+        raise ConfigError(
+            f"--master-port {value!r}: not a TCP port; use an integer from 0 to 65535 "
+            f"(e.g. --master-port {DEFAULT_MASTER_PORT})"
+        )
     return port
 
 
@@ -127,8 +131,10 @@ def parse_rdzv_conf(value: str) -> dict[str, str]:
         key, _, item_value = item.partition("=")
         key, item_value = key.strip(), item_value.strip()
         if not key:
-            raise ConfigError(f"--rdzv-conf {value!r}: empty key in {item!r}; use key=value pairs "
-                              f"separated by commas (e.g. --rdzv-conf join_timeout=900,read_timeout=120)")
+            raise ConfigError(
+                f"--rdzv-conf {value!r}: empty key in {item!r}; use key=value pairs "
+                f"separated by commas (e.g. --rdzv-conf join_timeout=900,read_timeout=120)"
+            )
         if not item_value:
             raise ConfigError(f"--rdzv-conf {value!r}: option {key!r} has no value (e.g. {key}=...)")
         config[key] = item_value
@@ -142,8 +148,10 @@ def check_std(value: str, flag: str) -> str:
     ``LOCAL_RANK:VALUE,...`` such as ``0:3,1:2``.
     """
     if not (STD_VALUE.fullmatch(value) or STD_MAP.fullmatch(value)):
-        raise ConfigError(f"{flag} {value!r}: use 0 (none), 1 (stdout), 2 (stderr), 3 (both) "
-                          f"or a map of local rank to value (e.g. {flag} 0:3,1:2)")
+        raise ConfigError(
+            f"{flag} {value!r}: use 0 (none), 1 (stdout), 2 (stderr), 3 (both) "
+            f"or a map of local rank to value (e.g. {flag} 0:3,1:2)"
+        )
     return value
 
 
@@ -157,8 +165,10 @@ def parse_local_ranks_filter(value: str) -> frozenset[int] | None:
             return ranks
     except ValueError:
         pass
-    raise ConfigError(f"--local-ranks-filter {value!r}: must be a comma-separated list of local ranks "
-                      f"(e.g. --local-ranks-filter 0,1,2)")
+    raise ConfigError(
+        f"--local-ranks-filter {value!r}: must be a comma-separated list of local ranks "
+        f"(e.g. --local-ranks-filter 0,1,2)"
+    )
 
 
 def parse_filters(value: str) -> list[str]:
@@ -178,8 +188,9 @@ def parse_signals(value: str, flag: str = "--signals-to-handle") -> tuple[str, .
     for name in names:
         if name not in signal.Signals.__members__ or name in UNHANDLEABLE_SIGNALS:
             problem = "cannot be trapped" if name in UNHANDLEABLE_SIGNALS else "is not a signal on this platform"
-            raise ConfigError(f"{flag} {value!r}: {name!r} {problem}; use names such as "
-                              f"SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+            raise ConfigError(
+                f"{flag} {value!r}: {name!r} {problem}; use names such as SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+            )
     return names
 
 
@@ -231,8 +242,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class _Invalid(ValueError):
@@ -287,6 +297,7 @@ def _int_at_least(minimum: int) -> Callable[[Any], int]:
     def convert(value: Any) -> int:
         _need(_is_int(value) and value >= minimum)
         return cast(int, value)
+
     return convert
 
 
@@ -294,6 +305,7 @@ def _seconds(positive: bool) -> Callable[[Any], float]:
     def convert(value: Any) -> float:
         _need(_is_number(value) and (value > 0 if positive else value >= 0))
         return cast(float, value)
+
     return convert
 
 
@@ -394,10 +406,12 @@ SECONDS = Kind("seconds >= 0", "number", _seconds(positive=False))
 POSITIVE_SECONDS = Kind("seconds > 0", "number", _seconds(positive=True))
 PORT = Kind("a port number 1-65535", "integer", _port)
 NNODES = Kind('a node count > 0 or "MIN:MAX" with 0 < MIN <= MAX', 'integer or "MIN:MAX"', _nnodes)
-NPROC = Kind(f"a worker count > 0 or one of {', '.join(show(n) for n in NPROC_NAMES)}",
-             "integer or string", _nproc)
-STD = Kind('0 (none), 1 (stdout), 2 (stderr), 3 (both) or a map of local rank to value such as "0:3,1:2"',
-           "integer or string", _std)
+NPROC = Kind(f"a worker count > 0 or one of {', '.join(show(n) for n in NPROC_NAMES)}", "integer or string", _nproc)
+STD = Kind(
+    '0 (none), 1 (stdout), 2 (stderr), 3 (both) or a map of local rank to value such as "0:3,1:2"',
+    "integer or string",
+    _std,
+)
 SIGNALS = Kind('signal names the agent can trap, such as ["SIGTERM", "SIGINT"]', "array of strings", _signals)
 RANKS = Kind("a list of local ranks >= 0, such as [0, 1]", "array of integers", _ranks)
 STRINGS = Kind("a list of strings", "array of strings", _strings)
@@ -407,7 +421,8 @@ RAW = Kind("anything", "table", lambda value: value)
 CONF = Kind("a table of backend options (strings, numbers or booleans)", "table", _conf)
 #: The kind of a plugin option of each Python type (``fsm_agent.config.PluginOption``).
 TYPE_KINDS: dict[type, Kind] = {
-    str: STRING, bool: BOOL,
+    str: STRING,
+    bool: BOOL,
     int: Kind("an integer", "integer", _int),
     float: Kind("a number", "number", _number),
 }
@@ -512,38 +527,65 @@ class Setting:
         return value
 
 
-def _torchrun(dest: str | None, *flags: str, help: str, key: str | None = None,  # noqa: A002
-              field: str = "", **kwargs: Any) -> Setting:
+def _torchrun(
+    dest: str | None,
+    *flags: str,
+    help: str,
+    key: str | None = None,  # noqa: A002
+    field: str = "",
+    **kwargs: Any,
+) -> Setting:
     """A torchrun flag that reads ``PET_<DEST>`` (unless ``torch_env=False``, as torch's plain flags)."""
     kwargs.setdefault("torch_env", True)
-    return Setting(dest=dest, flags=flags, help=help, key=key,
-                   field=field or (dest or "") if key else "", **kwargs)
+    return Setting(dest=dest, flags=flags, help=help, key=key, field=field or (dest or "") if key else "", **kwargs)
 
 
-def _own(dest: str, *flags: str, help: str, env: str, key: str | None = None,  # noqa: A002
-         **kwargs: Any) -> Setting:
+def _own(
+    dest: str,
+    *flags: str,
+    help: str,
+    env: str,
+    key: str | None = None,  # noqa: A002
+    **kwargs: Any,
+) -> Setting:
     """An fsm-agent flag (not torchrun's) with its one ``FSM_AGENT_*`` variable."""
     return Setting(dest=dest, flags=flags, help=help, env=env, key=key, field=dest if key else "", **kwargs)
 
 
 def _rendezvous_option(name: str, kind: Kind, help: str) -> Setting:  # noqa: A002
     """A typed ``[rendezvous]`` key that goes into ``rdzv_configs`` (set by ``--rdzv-conf NAME=V``)."""
-    return Setting(dest=None, flags=(), help=help, key=f"rendezvous.{name}", kind=kind, field="rdzv_configs",
-                   doc_default="unset (the backend's)")
+    return Setting(
+        dest=None,
+        flags=(),
+        help=help,
+        key=f"rendezvous.{name}",
+        kind=kind,
+        field="rdzv_configs",
+        doc_default="unset (the backend's)",
+    )
 
 
 #: Typed rendezvous options (``[rendezvous]`` keys that go into ``rdzv_configs``; torch's names).
 RENDEZVOUS_SETTINGS: tuple[Setting, ...] = (
-    _rendezvous_option("join_timeout", POSITIVE_SECONDS,
-                       "c10d: seconds to wait for the rendezvous to complete (torch: 600)"),
-    _rendezvous_option("last_call_timeout", POSITIVE_SECONDS,
-                       "c10d: seconds to wait for more nodes once min_nodes joined (torch: 30)"),
-    _rendezvous_option("close_timeout", POSITIVE_SECONDS, "c10d: seconds to wait for the rendezvous to close (torch: 30)"),
+    _rendezvous_option(
+        "join_timeout", POSITIVE_SECONDS, "c10d: seconds to wait for the rendezvous to complete (torch: 600)"
+    ),
+    _rendezvous_option(
+        "last_call_timeout", POSITIVE_SECONDS, "c10d: seconds to wait for more nodes once min_nodes joined (torch: 30)"
+    ),
+    _rendezvous_option(
+        "close_timeout", POSITIVE_SECONDS, "c10d: seconds to wait for the rendezvous to close (torch: 30)"
+    ),
     _rendezvous_option("read_timeout", POSITIVE_SECONDS, "c10d: seconds for a store read (torch: 60)"),
-    _rendezvous_option("keep_alive_interval", POSITIVE_SECONDS, "c10d: seconds between keep-alive heartbeats (torch: 5)"),
-    _rendezvous_option("keep_alive_max_attempt", POSITIVE_INT, "c10d: missed heartbeats before a node is dead (torch: 3)"),
-    _rendezvous_option("is_host", BOOL,
-                       "c10d: whether this node hosts the rendezvous store (torch: inferred from the endpoint)"),
+    _rendezvous_option(
+        "keep_alive_interval", POSITIVE_SECONDS, "c10d: seconds between keep-alive heartbeats (torch: 5)"
+    ),
+    _rendezvous_option(
+        "keep_alive_max_attempt", POSITIVE_INT, "c10d: missed heartbeats before a node is dead (torch: 3)"
+    ),
+    _rendezvous_option(
+        "is_host", BOOL, "c10d: whether this node hosts the rendezvous store (torch: inferred from the endpoint)"
+    ),
     _rendezvous_option("timeout", POSITIVE_SECONDS, "static: seconds to wait for all nodes (torchrun: 900)"),
 )
 #: ``{name: setting}`` of the typed rendezvous options.
@@ -553,116 +595,362 @@ RENDEZVOUS_OPTIONS: dict[str, Setting] = {s.name: s for s in RENDEZVOUS_SETTINGS
 #: top-level keys, then ``[rendezvous]``, then ``[logs]``, then the per-command flags. ``--help``
 #: lists torchrun's flags in this order, then fsm-agent's own.
 SETTINGS: tuple[Setting, ...] = (
-    _torchrun("nnodes", "--nnodes", key="nnodes", kind=NNODES, field="min_nodes, max_nodes", default="1:1",
-              parse=checked(parse_nnodes), help="number of nodes, or the range MIN:MAX for an elastic job"),
-    _torchrun("nproc_per_node", "--nproc-per-node", key="nproc_per_node", kind=NPROC, default="1",
-              parse=checked(nproc_as_int), help=f"workers per node: a number or one of {', '.join(NPROC_NAMES)}"),
-    _torchrun("max_restarts", "--max-restarts", key="max_restarts", kind=COUNT, default=0, parse=int,
-              help="restarts of the worker group before the job fails"),
-    _torchrun("monitor_interval", "--monitor-interval", key="monitor_interval", kind=POSITIVE_SECONDS, default=0.1,
-              parse=float, help="seconds between checks of the workers"),
+    _torchrun(
+        "nnodes",
+        "--nnodes",
+        key="nnodes",
+        kind=NNODES,
+        field="min_nodes, max_nodes",
+        default="1:1",
+        parse=checked(parse_nnodes),
+        help="number of nodes, or the range MIN:MAX for an elastic job",
+    ),
+    _torchrun(
+        "nproc_per_node",
+        "--nproc-per-node",
+        key="nproc_per_node",
+        kind=NPROC,
+        default="1",
+        parse=checked(nproc_as_int),
+        help=f"workers per node: a number or one of {', '.join(NPROC_NAMES)}",
+    ),
+    _torchrun(
+        "max_restarts",
+        "--max-restarts",
+        key="max_restarts",
+        kind=COUNT,
+        default=0,
+        parse=int,
+        help="restarts of the worker group before the job fails",
+    ),
+    _torchrun(
+        "monitor_interval",
+        "--monitor-interval",
+        key="monitor_interval",
+        kind=POSITIVE_SECONDS,
+        default=0.1,
+        parse=float,
+        help="seconds between checks of the workers",
+    ),
     _torchrun("role", "--role", key="role", kind=STRING, default="default", help="role name of the workers"),
-    _torchrun("start_method", "--start-method", key="start_method", kind=choice_kind(START_METHODS),
-              default="spawn", choices=START_METHODS,
-              help="multiprocessing start method for function entrypoints (--run-path)"),
-    _torchrun("standalone", "--standalone", key="standalone", kind=BOOL, action="flag", default=False,
-              field="standalone, rdzv_backend, rdzv_endpoint, run_id",
-              help="single-node job: fsm-agent's own torch-free rendezvous (backend fsm) on a free local port "
-                   "with a fresh id (--rdzv-backend/--rdzv-endpoint/--rdzv-id are ignored)"),
-    _torchrun("shutdown_timeout", "--shutdown-timeout", key="shutdown_timeout", kind=SECONDS, parse=float,
-              fallback_env=SHUTDOWN_TIMEOUT_ENV, doc_default="`$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else `30`",
-              help=f"seconds between the stop signal and SIGKILL at shutdown; "
-                   f"unset: ${SHUTDOWN_TIMEOUT_ENV}, else {DEFAULT_SHUTDOWN_TIMEOUT_S:g}"),
-    _own("exit_barrier_timeout", "--exit-barrier-timeout", env="FSM_AGENT_EXIT_BARRIER_TIMEOUT",
-         key="exit_barrier_timeout", kind=SECONDS, default=300.0, parse=float, metavar="SECONDS",
-         help="seconds to wait at exit for the other nodes' workers to finish"),
-    _torchrun("signals_to_handle", "--signals-to-handle", key="signals_to_handle", kind=SIGNALS,
-              default="SIGTERM,SIGINT,SIGHUP,SIGQUIT", parse=checked(parse_signals),
-              help="comma-separated signals that stop the job: the workers get the same signal (SIGINT as "
-                   "SIGINT, SIGUSR1 as SIGUSR1), SIGKILL after --shutdown-timeout or at a second such signal; "
-                   "the agent exits 128+N"),
-    _own("hang_timeout", "--hang-timeout", env="FSM_AGENT_HANG_TIMEOUT", key="hang_timeout", kind=POSITIVE_SECONDS,
-         parse=float, metavar="SECONDS", doc_default="unset (no heartbeat hang detection)",
-         help="a worker that called fsm_agent.heartbeat() and then none for SECONDS is hung: "
-              "its stacks are recorded and the group restarted"),
-    _own("forward_signals", "--forward-signals", env="FSM_AGENT_FORWARD_SIGNALS", key="forward_signals",
-         kind=SIGNALS, default="", parse=checked(parse_forward_signals), metavar="SIGNALS",
-         doc_default="`\"\"` (none)",
-         help="comma-separated signals (e.g. SIGUSR1) passed on to every worker's process group "
-              "without stopping anything, e.g. for checkpoint-on-preemption; dropped while no worker runs"),
-    _torchrun("virtual_local_rank", "--virtual-local-rank", key="virtual_local_rank", kind=BOOL, action="flag",
-              default=False, help="give every worker LOCAL_RANK=0 and only its own GPU in CUDA_VISIBLE_DEVICES"),
-    _torchrun("numa_binding", "--numa-binding", key="numa_binding", kind=choice_kind(NUMA_BINDING_MODES),
-              torch_env=False, choices=NUMA_BINDING_MODES, help="bind each worker to the CPUs near its GPU"),
-    _torchrun("event_log_handler", "--event-log-handler", key="event_log_handler", kind=STRING, default="null",
-              help="name of torch's event log handler (null, console, ...)"),
-    _own("launcher", "--launcher", env="FSM_AGENT_LAUNCHER", key="launcher", kind=STRING, default="subprocess",
-         metavar="NAME", help="name of the launcher backend that starts the workers"),
-    _own("scheduler", "--scheduler", env="FSM_AGENT_SCHEDULER", key="scheduler", kind=STRING, default="auto",
-         metavar="NAME",
-         help="fill unset flags from the batch scheduler's job step: auto (any scheduler whose "
-              "job step this is, e.g. slurm inside srun), none, or a scheduler's name (docs/schedulers.md)"),
-    _own("disabled_plugins", "--disable-plugin", env=DISABLE_PLUGINS_ENV, key="disabled_plugins", kind=NAMES,
-         action="extend", default=(), parse=parse_names, metavar="NAME",
-         doc_default="`[]`; the file's list, the env list and the flags add up",
-         help="do not load this plugin (repeatable, or comma-separated; adds to the env list)"),
-    _torchrun("rdzv_backend", "--rdzv-backend", key="rendezvous.backend", kind=STRING, default="static",
-              help="rendezvous backend (a registered name, e.g. c10d, static)"),
-    _torchrun("rdzv_endpoint", "--rdzv-endpoint", key="rendezvous.endpoint", kind=STRING, default="",
-              help="rendezvous endpoint, usually HOST:PORT"),
-    _torchrun("rdzv_id", "--rdzv-id", key="rendezvous.run_id", kind=STRING, field="run_id", default="none",
-              help="job id: agents with the same id and endpoint form one job"),
-    _torchrun("rdzv_conf", "--rdzv-conf", key="rendezvous.conf", kind=CONF, field="rdzv_configs", default="",
-              parse=checked(parse_rdzv_conf),
-              doc_default="`{}`; per option, `--rdzv-conf` (or its env var) wins over the file",
-              help="extra rendezvous settings KEY=VALUE,KEY=VALUE,..."),
+    _torchrun(
+        "start_method",
+        "--start-method",
+        key="start_method",
+        kind=choice_kind(START_METHODS),
+        default="spawn",
+        choices=START_METHODS,
+        help="multiprocessing start method for function entrypoints (--run-path)",
+    ),
+    _torchrun(
+        "standalone",
+        "--standalone",
+        key="standalone",
+        kind=BOOL,
+        action="flag",
+        default=False,
+        field="standalone, rdzv_backend, rdzv_endpoint, run_id",
+        help="single-node job: fsm-agent's own torch-free rendezvous (backend fsm) on a free local port "
+        "with a fresh id (--rdzv-backend/--rdzv-endpoint/--rdzv-id are ignored)",
+    ),
+    _torchrun(
+        "shutdown_timeout",
+        "--shutdown-timeout",
+        key="shutdown_timeout",
+        kind=SECONDS,
+        parse=float,
+        fallback_env=SHUTDOWN_TIMEOUT_ENV,
+        doc_default="`$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else `30`",
+        help=f"seconds between the stop signal and SIGKILL at shutdown; "
+        f"unset: ${SHUTDOWN_TIMEOUT_ENV}, else {DEFAULT_SHUTDOWN_TIMEOUT_S:g}",
+    ),
+    _own(
+        "exit_barrier_timeout",
+        "--exit-barrier-timeout",
+        env="FSM_AGENT_EXIT_BARRIER_TIMEOUT",
+        key="exit_barrier_timeout",
+        kind=SECONDS,
+        default=300.0,
+        parse=float,
+        metavar="SECONDS",
+        help="seconds to wait at exit for the other nodes' workers to finish",
+    ),
+    _torchrun(
+        "signals_to_handle",
+        "--signals-to-handle",
+        key="signals_to_handle",
+        kind=SIGNALS,
+        default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        parse=checked(parse_signals),
+        help="comma-separated signals that stop the job: the workers get the same signal (SIGINT as "
+        "SIGINT, SIGUSR1 as SIGUSR1), SIGKILL after --shutdown-timeout or at a second such signal; "
+        "the agent exits 128+N",
+    ),
+    _own(
+        "hang_timeout",
+        "--hang-timeout",
+        env="FSM_AGENT_HANG_TIMEOUT",
+        key="hang_timeout",
+        kind=POSITIVE_SECONDS,
+        parse=float,
+        metavar="SECONDS",
+        doc_default="unset (no heartbeat hang detection)",
+        help="a worker that called fsm_agent.heartbeat() and then none for SECONDS is hung: "
+        "its stacks are recorded and the group restarted",
+    ),
+    _own(
+        "forward_signals",
+        "--forward-signals",
+        env="FSM_AGENT_FORWARD_SIGNALS",
+        key="forward_signals",
+        kind=SIGNALS,
+        default="",
+        parse=checked(parse_forward_signals),
+        metavar="SIGNALS",
+        doc_default='`""` (none)',
+        help="comma-separated signals (e.g. SIGUSR1) passed on to every worker's process group "
+        "without stopping anything, e.g. for checkpoint-on-preemption; dropped while no worker runs",
+    ),
+    _torchrun(
+        "virtual_local_rank",
+        "--virtual-local-rank",
+        key="virtual_local_rank",
+        kind=BOOL,
+        action="flag",
+        default=False,
+        help="give every worker LOCAL_RANK=0 and only its own GPU in CUDA_VISIBLE_DEVICES",
+    ),
+    _torchrun(
+        "numa_binding",
+        "--numa-binding",
+        key="numa_binding",
+        kind=choice_kind(NUMA_BINDING_MODES),
+        torch_env=False,
+        choices=NUMA_BINDING_MODES,
+        help="bind each worker to the CPUs near its GPU",
+    ),
+    _torchrun(
+        "event_log_handler",
+        "--event-log-handler",
+        key="event_log_handler",
+        kind=STRING,
+        default="null",
+        help="name of torch's event log handler (null, console, ...)",
+    ),
+    _own(
+        "launcher",
+        "--launcher",
+        env="FSM_AGENT_LAUNCHER",
+        key="launcher",
+        kind=STRING,
+        default="subprocess",
+        metavar="NAME",
+        help="name of the launcher backend that starts the workers",
+    ),
+    _own(
+        "scheduler",
+        "--scheduler",
+        env="FSM_AGENT_SCHEDULER",
+        key="scheduler",
+        kind=STRING,
+        default="auto",
+        metavar="NAME",
+        help="fill unset flags from the batch scheduler's job step: auto (any scheduler whose "
+        "job step this is, e.g. slurm inside srun), none, or a scheduler's name (docs/schedulers.md)",
+    ),
+    _own(
+        "disabled_plugins",
+        "--disable-plugin",
+        env=DISABLE_PLUGINS_ENV,
+        key="disabled_plugins",
+        kind=NAMES,
+        action="extend",
+        default=(),
+        parse=parse_names,
+        metavar="NAME",
+        doc_default="`[]`; the file's list, the env list and the flags add up",
+        help="do not load this plugin (repeatable, or comma-separated; adds to the env list)",
+    ),
+    _torchrun(
+        "rdzv_backend",
+        "--rdzv-backend",
+        key="rendezvous.backend",
+        kind=STRING,
+        default="static",
+        help="rendezvous backend (a registered name, e.g. c10d, static)",
+    ),
+    _torchrun(
+        "rdzv_endpoint",
+        "--rdzv-endpoint",
+        key="rendezvous.endpoint",
+        kind=STRING,
+        default="",
+        help="rendezvous endpoint, usually HOST:PORT",
+    ),
+    _torchrun(
+        "rdzv_id",
+        "--rdzv-id",
+        key="rendezvous.run_id",
+        kind=STRING,
+        field="run_id",
+        default="none",
+        help="job id: agents with the same id and endpoint form one job",
+    ),
+    _torchrun(
+        "rdzv_conf",
+        "--rdzv-conf",
+        key="rendezvous.conf",
+        kind=CONF,
+        field="rdzv_configs",
+        default="",
+        parse=checked(parse_rdzv_conf),
+        doc_default="`{}`; per option, `--rdzv-conf` (or its env var) wins over the file",
+        help="extra rendezvous settings KEY=VALUE,KEY=VALUE,...",
+    ),
     *RENDEZVOUS_SETTINGS,
-    _torchrun("node_rank", "--node-rank", key="rendezvous.node_rank", kind=COUNT, default=0, parse=int,
-              help="rank of this node (static rendezvous only)"),
-    _torchrun("master_addr", "--master-addr", key="rendezvous.master_addr", kind=STRING, default="127.0.0.1",
-              help="address of the rank-0 node (static rendezvous only)"),
-    _torchrun("master_port", "--master-port", key="rendezvous.master_port", kind=PORT, parse=parse_master_port,
-              doc_default="unset (`29500`)",
-              help=f"port on the rank-0 node (static rendezvous only; {DEFAULT_MASTER_PORT} when unset): the "
-                   "agents' store, and the workers' MASTER_PORT. Giving it turns off the implicit single-node "
-                   "(--standalone) rendezvous"),
-    _torchrun("local_addr", "--local-addr", key="rendezvous.local_addr", kind=STRING,
-              doc_default="unset (the address that routes to the endpoint)",
-              help="this node's address (default: the address of the interface that routes to the rendezvous endpoint)"),
-    _torchrun("log_dir", "--log-dir", key="logs.log_dir", kind=STRING, doc_default="unset (a new temporary directory)",
-              help="base directory for log files; unset: a new temporary directory"),
-    _torchrun("redirects", "-r", "--redirects", key="logs.redirects", kind=STD, default="0",
-              parse=lambda value: check_std(value, "--redirects"),
-              help="redirect worker streams to files: 0 none, 1 stdout, 2 stderr, 3 both, "
-                   "or per local rank such as 0:3,1:2"),
-    _torchrun("tee", "-t", "--tee", key="logs.tee", kind=STD, default="0",
-              parse=lambda value: check_std(value, "--tee"), help="like --redirects, but also print to the console"),
-    _torchrun("local_ranks_filter", "--local-ranks-filter", key="logs.local_ranks_filter", kind=RANKS, default="",
-              parse=checked(parse_local_ranks_filter), doc_default="unset (every rank)",
-              help="only show these local ranks on the console, e.g. 0,1 (default: all)"),
-    _torchrun("duplicate_stdout_filters", "--duplicate-stdout-filters", key="logs.duplicate_stdout_filters",
-              kind=STRINGS, default=[], parse=parse_filters,
-              help="copy stdout lines containing any of these comma-separated substrings to "
-                   "filtered_stdout.log (',,' is a literal comma)"),
-    _torchrun("duplicate_stderr_filters", "--duplicate-stderr-filters", key="logs.duplicate_stderr_filters",
-              kind=STRINGS, default=[], parse=parse_filters,
-              help="as --duplicate-stdout-filters, for stderr (filtered_stderr.log)"),
-    _torchrun("logs_specs", "--logs-specs", key="logs.logs_specs", kind=STRING, torch_env=False,
-              doc_default="unset (the built-in layout)",
-              help="name of a torchrun.logs_specs entry point that lays out the log files"),
-    _own("events_file", "--events-file", env="FSM_AGENT_EVENTS_FILE", key="logs.events_file", kind=STRING,
-         metavar="PATH", doc_default="unset (`events.jsonl` in the run's log directory)",
-         help="JSON-lines file of agent events (default: events.jsonl in the log directory)"),
+    _torchrun(
+        "node_rank",
+        "--node-rank",
+        key="rendezvous.node_rank",
+        kind=COUNT,
+        default=0,
+        parse=int,
+        help="rank of this node (static rendezvous only)",
+    ),
+    _torchrun(
+        "master_addr",
+        "--master-addr",
+        key="rendezvous.master_addr",
+        kind=STRING,
+        default="127.0.0.1",
+        help="address of the rank-0 node (static rendezvous only)",
+    ),
+    _torchrun(
+        "master_port",
+        "--master-port",
+        key="rendezvous.master_port",
+        kind=PORT,
+        parse=parse_master_port,
+        doc_default="unset (`29500`)",
+        help=f"port on the rank-0 node (static rendezvous only; {DEFAULT_MASTER_PORT} when unset): the "
+        "agents' store, and the workers' MASTER_PORT. Giving it turns off the implicit single-node "
+        "(--standalone) rendezvous",
+    ),
+    _torchrun(
+        "local_addr",
+        "--local-addr",
+        key="rendezvous.local_addr",
+        kind=STRING,
+        doc_default="unset (the address that routes to the endpoint)",
+        help="this node's address (default: the address of the interface that routes to the rendezvous endpoint)",
+    ),
+    _torchrun(
+        "log_dir",
+        "--log-dir",
+        key="logs.log_dir",
+        kind=STRING,
+        doc_default="unset (a new temporary directory)",
+        help="base directory for log files; unset: a new temporary directory",
+    ),
+    _torchrun(
+        "redirects",
+        "-r",
+        "--redirects",
+        key="logs.redirects",
+        kind=STD,
+        default="0",
+        parse=lambda value: check_std(value, "--redirects"),
+        help="redirect worker streams to files: 0 none, 1 stdout, 2 stderr, 3 both, or per local rank such as 0:3,1:2",
+    ),
+    _torchrun(
+        "tee",
+        "-t",
+        "--tee",
+        key="logs.tee",
+        kind=STD,
+        default="0",
+        parse=lambda value: check_std(value, "--tee"),
+        help="like --redirects, but also print to the console",
+    ),
+    _torchrun(
+        "local_ranks_filter",
+        "--local-ranks-filter",
+        key="logs.local_ranks_filter",
+        kind=RANKS,
+        default="",
+        parse=checked(parse_local_ranks_filter),
+        doc_default="unset (every rank)",
+        help="only show these local ranks on the console, e.g. 0,1 (default: all)",
+    ),
+    _torchrun(
+        "duplicate_stdout_filters",
+        "--duplicate-stdout-filters",
+        key="logs.duplicate_stdout_filters",
+        kind=STRINGS,
+        default=[],
+        parse=parse_filters,
+        help="copy stdout lines containing any of these comma-separated substrings to "
+        "filtered_stdout.log (',,' is a literal comma)",
+    ),
+    _torchrun(
+        "duplicate_stderr_filters",
+        "--duplicate-stderr-filters",
+        key="logs.duplicate_stderr_filters",
+        kind=STRINGS,
+        default=[],
+        parse=parse_filters,
+        help="as --duplicate-stdout-filters, for stderr (filtered_stderr.log)",
+    ),
+    _torchrun(
+        "logs_specs",
+        "--logs-specs",
+        key="logs.logs_specs",
+        kind=STRING,
+        torch_env=False,
+        doc_default="unset (the built-in layout)",
+        help="name of a torchrun.logs_specs entry point that lays out the log files",
+    ),
+    _own(
+        "events_file",
+        "--events-file",
+        env="FSM_AGENT_EVENTS_FILE",
+        key="logs.events_file",
+        kind=STRING,
+        metavar="PATH",
+        doc_default="unset (`events.jsonl` in the run's log directory)",
+        help="JSON-lines file of agent events (default: events.jsonl in the log directory)",
+    ),
     # Per command: the entrypoint's kind and the file itself.
-    _torchrun("module", "-m", "--module", action="flag", default=False,
-              help="run the script as a Python module, like 'python -m'"),
-    _torchrun("no_python", "--no-python", action="flag", default=False,
-              help="run the script directly as a binary, without 'python'"),
-    _torchrun("run_path", "--run-path", action="flag", default=False,
-              help="run the script with runpy.run_path in a Python worker process (overrides --no-python)"),
-    _own("config", "--config", env="FSM_AGENT_CONFIG", metavar="FILE",
-         help="TOML configuration file (keys: docs/configuration.md); flags and env vars win "
-              "over it. Without it, the [tool.fsm_agent] table of ./pyproject.toml is read, if there is one"),
+    _torchrun(
+        "module",
+        "-m",
+        "--module",
+        action="flag",
+        default=False,
+        help="run the script as a Python module, like 'python -m'",
+    ),
+    _torchrun(
+        "no_python",
+        "--no-python",
+        action="flag",
+        default=False,
+        help="run the script directly as a binary, without 'python'",
+    ),
+    _torchrun(
+        "run_path",
+        "--run-path",
+        action="flag",
+        default=False,
+        help="run the script with runpy.run_path in a Python worker process (overrides --no-python)",
+    ),
+    _own(
+        "config",
+        "--config",
+        env="FSM_AGENT_CONFIG",
+        metavar="FILE",
+        help="TOML configuration file (keys: docs/configuration.md); flags and env vars win "
+        "over it. Without it, the [tool.fsm_agent] table of ./pyproject.toml is read, if there is one",
+    ),
 )
 
 #: The settings that are flags, by argparse dest.
@@ -675,8 +963,9 @@ CONFIG_DESTS: frozenset[str] = frozenset(s.dest for s in KEYS if s.dest)
 SECTIONS = ("rendezvous", "logs")
 
 
-def read_environment(settings: Iterable[Setting], environ: Mapping[str, str] | None = None, *,
-                     skip: Iterable[str] = ()) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+def read_environment(
+    settings: Iterable[Setting], environ: Mapping[str, str] | None = None, *, skip: Iterable[str] = ()
+) -> tuple[dict[str, Any], dict[str, str], list[str]]:
     """The settings' values from the environment, each checked like its flag.
 
     For each setting (but those whose dest is in ``skip``) its first variable in ``envs`` that is

@@ -52,8 +52,10 @@ def status_url(url: str) -> str:
     except ValueError:
         port_ok = False
     if parts.scheme != "http" or not parts.hostname or not port_ok:
-        raise ConfigError(f"fsm-agent status {url!r}: expected the agent's status URL, e.g. "
-                          f"http://127.0.0.1:8600 or 127.0.0.1:8600 (see fsm-agent run --status-port)")
+        raise ConfigError(
+            f"fsm-agent status {url!r}: expected the agent's status URL, e.g. "
+            f"http://127.0.0.1:8600 or 127.0.0.1:8600 (see fsm-agent run --status-port)"
+        )
     path = parts.path if parts.path not in ("", "/") else "/status"
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
@@ -71,8 +73,7 @@ def fetch_status(url: str, timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]
         raise StatusUnavailable(f"{url}: HTTP {exc.code} {exc.reason}; is this an fsm-agent status endpoint?") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise StatusUnavailable(f"cannot reach {url}: {reason}; is the agent running with "
-                                f"--status-port?") from None
+        raise StatusUnavailable(f"cannot reach {url}: {reason}; is the agent running with --status-port?") from None
     try:
         doc = json.loads(body)
     except ValueError:
@@ -96,25 +97,44 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
     members = doc.get("membership", {})
     agent = doc.get("agent", {})
     drain = doc.get("drain")  # counted apart from the restarts: a drain is not a failure
-    drains = ([("drain", f"{drain.get('scope')} scope, requested by {drain.get('source')} {drain.get('by') or ''}".rstrip()
-                + ("" if drain.get("checkpointed") is None else
-                   f", {'checkpointed' if drain['checkpointed'] else 'not every worker checkpointed'}"))]
-              if isinstance(drain, dict) else [])
+    drains = (
+        [
+            (
+                "drain",
+                f"{drain.get('scope')} scope, requested by {drain.get('source')} {drain.get('by') or ''}".rstrip()
+                + (
+                    ""
+                    if drain.get("checkpointed") is None
+                    else f", {'checkpointed' if drain['checkpointed'] else 'not every worker checkpointed'}"
+                ),
+            )
+        ]
+        if isinstance(drain, dict)
+        else []
+    )
     standby = doc.get("standby")
     return [
         ("state", f"{doc['state']} for {doc.get('time_in_state_s', 0):.1f}s" + (" (standby)" if standby else "")),
         *([("standby", standby)] if standby else []),
-        ("restarts", f"{doc.get('restart_count')} used, {doc.get('remaining_restarts')} left "
-                     f"(max {doc.get('max_restarts')})"),
+        (
+            "restarts",
+            f"{doc.get('restart_count')} used, {doc.get('remaining_restarts')} left (max {doc.get('max_restarts')})",
+        ),
         *drains,
         ("rendezvous round", _text(doc.get("rendezvous_round"))),
         ("run id", _text(members.get("run_id"))),
-        ("node", f"group rank {_text(members.get('group_rank'))} of {_text(members.get('group_world_size'))} "
-                 f"(nnodes {members.get('min_nodes')}:{members.get('max_nodes')}, "
-                 f"{_text(members.get('rdzv_backend'))} {_text(members.get('rdzv_endpoint'))})"),
+        (
+            "node",
+            f"group rank {_text(members.get('group_rank'))} of {_text(members.get('group_world_size'))} "
+            f"(nnodes {members.get('min_nodes')}:{members.get('max_nodes')}, "
+            f"{_text(members.get('rdzv_backend'))} {_text(members.get('rdzv_endpoint'))})",
+        ),
         ("master", f"{_text(members.get('master_addr'))}:{_text(members.get('master_port'))}"),
-        ("agent", f"pid {_text(agent.get('pid'))} on {_text(agent.get('node'))}, "
-                  f"up {agent.get('uptime_s', 0):.1f}s, {_text(agent.get('entrypoint'))}"),
+        (
+            "agent",
+            f"pid {_text(agent.get('pid'))} on {_text(agent.get('node'))}, "
+            f"up {agent.get('uptime_s', 0):.1f}s, {_text(agent.get('entrypoint'))}",
+        ),
     ]
 
 
@@ -132,8 +152,17 @@ def transition_rows(doc: dict[str, Any]) -> list[list[str]]:
     rows = []
     for t in doc.get("transitions", []):
         clock = time.strftime("%H:%M:%S", time.localtime(t["ts"])) if t.get("ts") else "-"
-        rows.append([clock, t.get("source", "-"), t.get("dest", "-"), t.get("trigger", "-"),
-                     f"{t.get('duration_s', 0):.2f}s", _text(t.get("restart_count")), t.get("error") or ""])
+        rows.append(
+            [
+                clock,
+                t.get("source", "-"),
+                t.get("dest", "-"),
+                t.get("trigger", "-"),
+                f"{t.get('duration_s', 0):.2f}s",
+                _text(t.get("restart_count")),
+                t.get("error") or "",
+            ]
+        )
     return rows
 
 
@@ -142,9 +171,17 @@ def cycle_rows(doc: dict[str, Any]) -> list[list[str]]:
     rows = []
     for c in doc.get("cycles", []):
         clock = time.strftime("%H:%M:%S", time.localtime(c["start"])) if c.get("start") else "-"
-        rows.append([_text(c.get("attempt")), clock, _text(c.get("last_step")), _text(c.get("checkpoint_step")),
-                     c.get("failure_class") or "succeeded", "yes" if c.get("progress") else "no",
-                     _text(c.get("no_progress_cycles"))])
+        rows.append(
+            [
+                _text(c.get("attempt")),
+                clock,
+                _text(c.get("last_step")),
+                _text(c.get("checkpoint_step")),
+                c.get("failure_class") or "succeeded",
+                "yes" if c.get("progress") else "no",
+                _text(c.get("no_progress_cycles")),
+            ]
+        )
     return rows
 
 
@@ -152,9 +189,17 @@ def step_time_rows(doc: dict[str, Any]) -> list[list[str]]:
     """One row per rank of ``/status``'s ``step_times`` (``--straggler-window``; else none)."""
     rows = []
     for r in (doc.get("step_times") or {}).get("ranks", []):
-        rows.append([_text(r.get("global_rank")), _text(r.get("local_rank")), _text(r.get("node_rank")),
-                     _text(r.get("host")), f"{r['step_time_s']:.4f}s" if r.get("step_time_s") is not None else "-",
-                     f"{r['ratio']:.2f}x" if r.get("ratio") is not None else "-", "yes" if r.get("straggler") else ""])
+        rows.append(
+            [
+                _text(r.get("global_rank")),
+                _text(r.get("local_rank")),
+                _text(r.get("node_rank")),
+                _text(r.get("host")),
+                f"{r['step_time_s']:.4f}s" if r.get("step_time_s") is not None else "-",
+                f"{r['ratio']:.2f}x" if r.get("ratio") is not None else "-",
+                "yes" if r.get("straggler") else "",
+            ]
+        )
     return rows
 
 
@@ -162,8 +207,12 @@ def _step_time_title(doc: dict[str, Any]) -> str:
     times = doc.get("step_times") or {}
     median = times.get("median_s")
     judged = "compute time per step" if times.get("basis") == "compute" else "step time"
-    return (f"step times (job median {judged} {median:.4f}s; straggler above {times.get('factor')}x for "
-            f"{times.get('windows')} windows)" if median is not None else "step times (no job median yet)")
+    return (
+        f"step times (job median {judged} {median:.4f}s; straggler above {times.get('factor')}x for "
+        f"{times.get('windows')} windows)"
+        if median is not None
+        else "step times (no job median yet)"
+    )
 
 
 def _tables(doc: dict[str, Any]) -> list[tuple[str, tuple[str, ...], list[list[str]]]]:
@@ -188,8 +237,15 @@ def render_plain(doc: dict[str, Any], url: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-_STATE_STYLE = {"HEALTHY": "green", "SUCCEEDED": "bold green", "UNHEALTHY": "yellow", "STOPPED": "yellow",
-                "INIT": "cyan", "FAILED": "bold red", "UNKNOWN": "bold red"}
+_STATE_STYLE = {
+    "HEALTHY": "green",
+    "SUCCEEDED": "bold green",
+    "UNHEALTHY": "yellow",
+    "STOPPED": "yellow",
+    "INIT": "cyan",
+    "FAILED": "bold red",
+    "UNKNOWN": "bold red",
+}
 _WORKER_STYLE = {"running": "green", "succeeded": "green", "failed": "red", "stopped": "yellow", "pending": "cyan"}
 
 
@@ -258,13 +314,20 @@ def _positive_seconds(raw: str) -> float:
 
 
 def get_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="fsm-agent status",
-                     description="Show a running agent's live status, read from the endpoint that "
-                                 "'fsm-agent run --status-port PORT' serves on 127.0.0.1.")
+    parser = OneLineParser(
+        prog="fsm-agent status",
+        description="Show a running agent's live status, read from the endpoint that "
+        "'fsm-agent run --status-port PORT' serves on 127.0.0.1.",
+    )
     parser.add_argument("url", help="the endpoint: http://127.0.0.1:PORT, 127.0.0.1:PORT or PORT")
     parser.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
-    parser.add_argument("--interval", type=_positive_seconds, default=1.0, metavar="SECONDS",
-                        help="seconds between redraws with --watch (default: 1)")
+    parser.add_argument(
+        "--interval",
+        type=_positive_seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between redraws with --watch (default: 1)",
+    )
     parser.add_argument("--json", action="store_true", help="print the raw /status JSON")
     return parser
 
@@ -295,8 +358,10 @@ def _gone(url: str, doc: dict[str, Any]) -> str:
     """The watch's last line once the agent stopped answering."""
     if doc["state"] in ("SUCCEEDED", "FAILED", "UNKNOWN"):
         return f"{url}: the run ended {doc['state']}"
-    return (f"{url} stopped answering; the last state it reported was {doc['state']} (the agent ended or died "
-            f"after that: its exit code and summary say how)")
+    return (
+        f"{url} stopped answering; the last state it reported was {doc['state']} (the agent ended or died "
+        f"after that: its exit code and summary say how)"
+    )
 
 
 def _watch(url: str, interval: float, as_json: bool) -> int:

@@ -47,8 +47,9 @@ class StepClock:
         #: {local_rank: compute seconds per step} over the same steps, for workers that report it.
         self.compute: dict[int, float] = {}
 
-    def sample(self, steps: Mapping[int, int], now: float,
-               compute: Mapping[int, float] | None = None) -> dict[int, float]:
+    def sample(
+        self, steps: Mapping[int, int], now: float, compute: Mapping[int, float] | None = None
+    ) -> dict[int, float]:
         """{local_rank: step time in seconds} after one sample of ``steps`` ({local_rank: step})
         taken at ``now`` (monotonic seconds); ``compute`` ({local_rank: total compute seconds})
         updates ``self.compute`` over the same steps."""
@@ -173,10 +174,20 @@ class StragglerJudge:
             self._fast[g] = 0
             self._slow[g] = self._slow.get(g, 0) + 1
             if self._slow[g] >= self.windows and g not in self.active:
-                self.active[g] = Straggler(host=r.host, node_rank=r.node_rank, local_rank=r.local_rank, global_rank=g,
-                                           factor=round(ratio, 3), step_time_s=r.step_time_s, median_s=median,
-                                           windows=self._slow[g], window=self.window, since_window=self._first[g],
-                                           basis=basis, compute_s=r.compute_s)
+                self.active[g] = Straggler(
+                    host=r.host,
+                    node_rank=r.node_rank,
+                    local_rank=r.local_rank,
+                    global_rank=g,
+                    factor=round(ratio, 3),
+                    step_time_s=r.step_time_s,
+                    median_s=median,
+                    windows=self._slow[g],
+                    window=self.window,
+                    since_window=self._first[g],
+                    basis=basis,
+                    compute_s=r.compute_s,
+                )
                 found.append(self.active[g])
         return found
 

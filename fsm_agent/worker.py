@@ -153,7 +153,9 @@ class WorkerGroup:
     """
 
     spec: WorkerSpec
-    workers: list[Worker] = attrs.Factory(lambda self: [Worker(i) for i in range(self.spec.local_world_size)], takes_self=True)
+    workers: list[Worker] = attrs.Factory(
+        lambda self: [Worker(i) for i in range(self.spec.local_world_size)], takes_self=True
+    )
     store: Any = None
     group_rank: int | None = None
     group_world_size: int | None = None
@@ -204,8 +206,9 @@ class NodeProblem(str):
     failure_class: str
     global_rank: int | None
 
-    def __new__(cls, text: str, failure_class: str = FailureClass.HEALTH_CHECK,
-                global_rank: int | None = None) -> "NodeProblem":
+    def __new__(
+        cls, text: str, failure_class: str = FailureClass.HEALTH_CHECK, global_rank: int | None = None
+    ) -> "NodeProblem":
         problem = super().__new__(cls, text)
         problem.failure_class, problem.global_rank = failure_class, global_rank
         return problem

@@ -19,14 +19,59 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 #: Every torchrun flag set, in torchrun's underscored spelling where it has one.
 ALL_TORCH_FLAGS = [
-    "--nnodes", "1:3", "--nproc_per_node", "4", "--rdzv_backend", "c10d", "--rdzv_endpoint", "host:1234",
-    "--rdzv_id", "job", "--rdzv_conf", "join_timeout=5,read_timeout=7", "--standalone",
-    "--max_restarts", "2", "--monitor_interval", "0.5", "--start_method", "fork",
-    "--event_log_handler", "console", "--role", "trainer", "-m", "--log_dir", "/tmp/logs",
-    "-r", "3", "-t", "0:1,1:2", "--local_ranks_filter", "0,1", "--duplicate_stdout_filters", "a,,b,c",
-    "--duplicate_stderr_filters", "err", "--node_rank", "1", "--master_addr", "10.0.0.1",
-    "--master_port", "1234", "--local_addr", "me", "--logs_specs", "spec", "--numa_binding", "socket",
-    "--signals_to_handle", "SIGTERM,SIGUSR1", "--shutdown_timeout", "5", "--virtual_local_rank",
+    "--nnodes",
+    "1:3",
+    "--nproc_per_node",
+    "4",
+    "--rdzv_backend",
+    "c10d",
+    "--rdzv_endpoint",
+    "host:1234",
+    "--rdzv_id",
+    "job",
+    "--rdzv_conf",
+    "join_timeout=5,read_timeout=7",
+    "--standalone",
+    "--max_restarts",
+    "2",
+    "--monitor_interval",
+    "0.5",
+    "--start_method",
+    "fork",
+    "--event_log_handler",
+    "console",
+    "--role",
+    "trainer",
+    "-m",
+    "--log_dir",
+    "/tmp/logs",
+    "-r",
+    "3",
+    "-t",
+    "0:1,1:2",
+    "--local_ranks_filter",
+    "0,1",
+    "--duplicate_stdout_filters",
+    "a,,b,c",
+    "--duplicate_stderr_filters",
+    "err",
+    "--node_rank",
+    "1",
+    "--master_addr",
+    "10.0.0.1",
+    "--master_port",
+    "1234",
+    "--local_addr",
+    "me",
+    "--logs_specs",
+    "spec",
+    "--numa_binding",
+    "socket",
+    "--signals_to_handle",
+    "SIGTERM,SIGUSR1",
+    "--shutdown_timeout",
+    "5",
+    "--virtual_local_rank",
 ]
 
 
@@ -100,13 +145,16 @@ def test_env_fallback_exactly_where_torchrun_has_one():
             assert not isinstance(ours[dest], cli._EnvAction), dest
 
 
-@pytest.mark.parametrize("argv", [
-    ["x.py"],
-    ALL_TORCH_FLAGS + ["x.py", "--nproc-per-node", "5", "--foo"],
-    dashed(ALL_TORCH_FLAGS) + ["x.py", "a", "--", "-m"],
-    ["--no_python", "--run_path", "/bin/true", "-x", "--standalone"],
-    ["--nproc-per-node=2", "--rdzv-endpoint=h:1", "x.py", "--rdzv-endpoint=other"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["x.py"],
+        ALL_TORCH_FLAGS + ["x.py", "--nproc-per-node", "5", "--foo"],
+        dashed(ALL_TORCH_FLAGS) + ["x.py", "a", "--", "-m"],
+        ["--no_python", "--run_path", "/bin/true", "-x", "--standalone"],
+        ["--nproc-per-node=2", "--rdzv-endpoint=h:1", "x.py", "--rdzv-endpoint=other"],
+    ],
+)
 def test_parsed_values_equal_torchrun(argv):
     theirs = torch_parser().parse_args(argv)
     mine = parse(*argv)
@@ -127,8 +175,19 @@ def test_fsm_agent_flags_defaults_and_help():
 
 
 def test_fsm_agent_flags_both_spellings():
-    args = parse("--exit_barrier_timeout", "12.5", "--events-file", "/tmp/e.jsonl", "--launcher", "mine",
-                 "--disable_plugin", "a", "--disable-plugin", "b,c", "x.py")
+    args = parse(
+        "--exit_barrier_timeout",
+        "12.5",
+        "--events-file",
+        "/tmp/e.jsonl",
+        "--launcher",
+        "mine",
+        "--disable_plugin",
+        "a",
+        "--disable-plugin",
+        "b,c",
+        "x.py",
+    )
     assert args.exit_barrier_timeout == 12.5
     assert args.events_file == "/tmp/e.jsonl"
     assert args.launcher == "mine"
@@ -168,10 +227,21 @@ def test_pet_read_at_parse_time(monkeypatch):
     assert parser.parse_args(["x.py"]).role == "late"
 
 
-@pytest.mark.parametrize("raw,expected", [
-    ("1", True), ("true", True), ("TRUE", True), ("yes", True), ("y", True), ("on", True),
-    ("0", False), ("false", False), ("no", False), ("off", False),
-])
+@pytest.mark.parametrize(
+    "raw,expected",
+    [
+        ("1", True),
+        ("true", True),
+        ("TRUE", True),
+        ("yes", True),
+        ("y", True),
+        ("on", True),
+        ("0", False),
+        ("false", False),
+        ("no", False),
+        ("off", False),
+    ],
+)
 @pytest.mark.parametrize("dest", ["standalone", "module", "no_python", "run_path", "virtual_local_rank"])
 def test_pet_booleans(monkeypatch, dest, raw, expected):
     monkeypatch.setenv(f"PET_{dest.upper()}", raw)
@@ -186,17 +256,20 @@ def test_empty_pet_counts_as_unset(monkeypatch):
     assert args.master_port is None
 
 
-@pytest.mark.parametrize("name,raw", [
-    ("PET_STANDALONE", "maybe"),
-    ("PET_MAX_RESTARTS", "three"),
-    ("PET_MONITOR_INTERVAL", "fast"),
-    ("PET_START_METHOD", "thread"),
-    ("PET_NNODES", "3:2"),
-    ("PET_NPROC_PER_NODE", "0"),
-    ("PET_RDZV_CONF", "a="),
-    ("PET_REDIRECTS", "7"),
-    ("PET_SIGNALS_TO_HANDLE", "SIGNOPE"),
-])
+@pytest.mark.parametrize(
+    "name,raw",
+    [
+        ("PET_STANDALONE", "maybe"),
+        ("PET_MAX_RESTARTS", "three"),
+        ("PET_MONITOR_INTERVAL", "fast"),
+        ("PET_START_METHOD", "thread"),
+        ("PET_NNODES", "3:2"),
+        ("PET_NPROC_PER_NODE", "0"),
+        ("PET_RDZV_CONF", "a="),
+        ("PET_REDIRECTS", "7"),
+        ("PET_SIGNALS_TO_HANDLE", "SIGNOPE"),
+    ],
+)
 def test_bad_pet_value_names_the_env_var(monkeypatch, name, raw):
     monkeypatch.setenv(name, raw)
     with pytest.raises(ConfigError, match=name):
@@ -282,19 +355,19 @@ def test_nproc_unknown_name():
 
 
 def test_int_nproc_does_not_import_torch():
-    code = ("import sys, fsm_agent.cli as c; before = 'torch' in sys.modules; "
-            "c.config_from_args(c.get_run_parser().parse_args(['--nproc-per-node', '2', '-m', 'pkg'])); "
-            "assert before or 'torch' not in sys.modules, 'torch was imported'")
-    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, env=_subprocess_env(),
-                   capture_output=True)
+    code = (
+        "import sys, fsm_agent.cli as c; before = 'torch' in sys.modules; "
+        "c.config_from_args(c.get_run_parser().parse_args(['--nproc-per-node', '2', '-m', 'pkg'])); "
+        "assert before or 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, env=_subprocess_env(), capture_output=True)
 
 
 # ------------------------------------------------------------------ rendezvous settings
 
 
 def test_standalone(script):
-    config, _, _ = build("--standalone", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--rdzv-id", "j",
-                         script)
+    config, _, _ = build("--standalone", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--rdzv-id", "j", script)
     assert (config.rdzv_backend, config.rdzv_endpoint) == ("fsm", "127.0.0.1:0")  # torchrun: c10d, localhost:0
     assert uuid.UUID(config.run_id)
     assert config.standalone is True
@@ -332,8 +405,19 @@ def test_static_explicit_endpoint_kept(script):
 
 
 def test_c10d_kept_as_given(script):
-    config, _, _ = build("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400",
-                         "--rdzv-id", "job", "--rdzv-conf", "join_timeout=5", script)
+    config, _, _ = build(
+        "--nnodes",
+        "1:2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "h:29400",
+        "--rdzv-id",
+        "job",
+        "--rdzv-conf",
+        "join_timeout=5",
+        script,
+    )
     assert (config.rdzv_backend, config.rdzv_endpoint, config.run_id) == ("c10d", "h:29400", "job")
     assert config.rdzv_configs == {"join_timeout": "5"}
 
@@ -342,19 +426,24 @@ def test_unknown_backend_is_left_for_the_registry(script):
     assert build("--rdzv-backend", "mine", "--nnodes", "2", script)[0].rdzv_backend == "mine"
 
 
-@pytest.mark.parametrize("value,expected", [
-    ("", {}),
-    ("  ", {}),
-    ("a=1", {"a": "1"}),
-    ("a=1, b = 2", {"a": "1", "b": "2"}),
-    ("k=v=w", {"k": "v=w"}),
-])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ("", {}),
+        ("  ", {}),
+        ("a=1", {"a": "1"}),
+        ("a=1, b = 2", {"a": "1", "b": "2"}),
+        ("k=v=w", {"k": "v=w"}),
+    ],
+)
 def test_rdzv_conf(value, expected):
     assert cli.parse_rdzv_conf(value) == expected
 
 
-@pytest.mark.parametrize("value,match", [("a=", "'a' has no value"), ("a", "'a' has no value"),
-                                         ("=1", "empty key"), ("a=1,,b=2", "empty key")])
+@pytest.mark.parametrize(
+    "value,match",
+    [("a=", "'a' has no value"), ("a", "'a' has no value"), ("=1", "empty key"), ("a=1,,b=2", "empty key")],
+)
 def test_rdzv_conf_errors(value, match):
     with pytest.raises(ConfigError, match=match):
         parse("--rdzv-conf", value, "x.py")
@@ -385,13 +474,16 @@ def test_script_args_that_abbreviate_launcher_flags_are_the_scripts(fake_launch,
     assert (entrypoint, entry_args) == (sys.executable, ("-u", script, *LOOKALIKE_SCRIPT_ARGS))
 
 
-@pytest.mark.parametrize("argv,dest,value", [
-    (["--nproc_per", "2"], "nproc_per_node", "2"),
-    (["--max-r", "3"], "max_restarts", 3),
-    (["--rdzv-b=c10d"], "rdzv_backend", "c10d"),
-    (["-r3"], "redirects", "3"),
-    (["--no-p"], "no_python", True),
-])
+@pytest.mark.parametrize(
+    "argv,dest,value",
+    [
+        (["--nproc_per", "2"], "nproc_per_node", "2"),
+        (["--max-r", "3"], "max_restarts", 3),
+        (["--rdzv-b=c10d"], "rdzv_backend", "c10d"),
+        (["-r3"], "redirects", "3"),
+        (["--no-p"], "no_python", True),
+    ],
+)
 def test_abbreviations_before_the_script_still_work(argv, dest, value):
     args = parse(*argv, "train.py", *LOOKALIKE_SCRIPT_ARGS)
     assert getattr(args, dest) == value
@@ -423,10 +515,13 @@ def test_no_python_binary_must_exist():
         build("--no-python", "my_binary", "--x")
 
 
-@pytest.mark.parametrize("body,mode,message", [
-    ("print('hi')\n", 0o755, "has no '#!' line, so it cannot be executed: add one"),
-    ("#!/bin/sh\necho hi\n", 0o644, "is not executable: chmod +x it"),
-])
+@pytest.mark.parametrize(
+    "body,mode,message",
+    [
+        ("print('hi')\n", 0o755, "has no '#!' line, so it cannot be executed: add one"),
+        ("#!/bin/sh\necho hi\n", 0o644, "is not executable: chmod +x it"),
+    ],
+)
 def test_no_python_file_the_os_cannot_run(tmp_path, body, mode, message):
     path = tmp_path / "train"
     path.write_text(body)
@@ -467,8 +562,9 @@ def test_run_script_path_runs_as_main(monkeypatch, tmp_path):
 def test_missing_script():
     with pytest.raises(ConfigError) as err:
         build("x.py")
-    assert str(err.value) == ("training script 'x.py' not found: check the path "
-                              "(or use -m for a module, --no-python for a binary)")
+    assert str(err.value) == (
+        "training script 'x.py' not found: check the path (or use -m for a module, --no-python for a binary)"
+    )
 
 
 def test_missing_script_with_run_path():
@@ -521,8 +617,9 @@ def test_log_line_prefix_template(monkeypatch, script):
     assert build(script)[0].log_line_prefix_template == "[${rank}]"
 
 
-@pytest.mark.parametrize("value,expected", [("", None), ("0", frozenset({0})), ("0,1", frozenset({0, 1})),
-                                            ("3,12", frozenset({3, 12}))])
+@pytest.mark.parametrize(
+    "value,expected", [("", None), ("0", frozenset({0})), ("0,1", frozenset({0, 1})), ("3,12", frozenset({3, 12}))]
+)
 def test_local_ranks_filter(value, expected):
     assert cli.parse_local_ranks_filter(value) == expected
 
@@ -533,8 +630,9 @@ def test_local_ranks_filter_errors(value):
         parse("--local-ranks-filter", value, "x.py")
 
 
-@pytest.mark.parametrize("value,expected", [("a", ["a"]), ("a,b", ["a", "b"]), ("a,,b", ["a,b"]),
-                                            ("x,,,y", ["x,", "y"]), ("", [])])
+@pytest.mark.parametrize(
+    "value,expected", [("a", ["a"]), ("a,b", ["a", "b"]), ("a,,b", ["a,b"]), ("x,,,y", ["x,", "y"]), ("", [])]
+)
 def test_duplicate_filters(value, expected):
     assert parse("--duplicate-stdout-filters", value, "x.py").duplicate_stdout_filters == expected
 
@@ -684,8 +782,9 @@ def test_version(capsys):
     assert capsys.readouterr().out.startswith("fsm-agent ")
 
 
-@pytest.mark.parametrize("command,module", [("statechart", "fsm_agent.states.statechart"),
-                                            ("plugins", "fsm_agent.plugins.manager")])
+@pytest.mark.parametrize(
+    "command,module", [("statechart", "fsm_agent.states.statechart"), ("plugins", "fsm_agent.plugins.manager")]
+)
 def test_delegated_commands_get_argv_verbatim(monkeypatch, command, module):
     seen = []
     fake = types.SimpleNamespace(cli_main=lambda argv: seen.append(argv) or 5)
@@ -714,17 +813,26 @@ def _subprocess_env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--foo", "SCRIPT"], "unrecognized arguments: --foo"),
-    (["--nnodes", "3:2", "SCRIPT"], "--nnodes '3:2': MIN must be <= MAX"),
-    (["--nproc-per-node", "0", "SCRIPT"], "--nproc-per-node '0'"),
-    (["does_not_exist.py"], "training script 'does_not_exist.py' not found"),
-    (["-m", "--no-python", "pkg"], "--no-python and -m"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--foo", "SCRIPT"], "unrecognized arguments: --foo"),
+        (["--nnodes", "3:2", "SCRIPT"], "--nnodes '3:2': MIN must be <= MAX"),
+        (["--nproc-per-node", "0", "SCRIPT"], "--nproc-per-node '0'"),
+        (["does_not_exist.py"], "training script 'does_not_exist.py' not found"),
+        (["-m", "--no-python", "pkg"], "--no-python and -m"),
+    ],
+)
 def test_bad_input_is_one_stderr_line(argv, message, script, tmp_path):
     argv = [script if a == "SCRIPT" else a for a in argv]
-    proc = subprocess.run([sys.executable, "-m", "fsm_agent", "run", *argv], cwd=tmp_path,
-                          env=_subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsm_agent", "run", *argv],
+        cwd=tmp_path,
+        env=_subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.splitlines()
@@ -733,11 +841,17 @@ def test_bad_input_is_one_stderr_line(argv, message, script, tmp_path):
     assert proc.stdout == ""
 
 
-@pytest.mark.parametrize("value, warning", [
-    ("5", "--local-ranks-filter 5: no local rank 5 with --nproc-per-node 2 (local ranks 0..1); no worker's output "
-          "is shown"),
-    ("1,5", "--local-ranks-filter 1,5: no local rank 5 with --nproc-per-node 2 (local ranks 0..1)"),
-])
+@pytest.mark.parametrize(
+    "value, warning",
+    [
+        (
+            "5",
+            "--local-ranks-filter 5: no local rank 5 with --nproc-per-node 2 (local ranks 0..1); no worker's output "
+            "is shown",
+        ),
+        ("1,5", "--local-ranks-filter 1,5: no local rank 5 with --nproc-per-node 2 (local ranks 0..1)"),
+    ],
+)
 def test_local_ranks_filter_names_ranks_this_node_does_not_have(script, caplog, value, warning):
     with caplog.at_level("WARNING", logger=cli.log.name):
         build("--local-ranks-filter", value, "--nproc-per-node", "2", script)

@@ -16,6 +16,15 @@ def test_mypy_is_clean_on_the_strict_part():
 
 
 def test_ruff_is_clean():
-    done = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_ruff_format_leaves_every_file_as_it_is():
+    """One formatting, one line length (pyproject's ``line-length``): ``ruff format .`` fixes a failure."""
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "."], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -29,6 +29,11 @@ def test_the_one_command_finds_and_rewrites_a_stale_doc(tmp_path, monkeypatch):
 
 
 def test_check_from_the_command_line_passes_on_the_checkout():
-    done = subprocess.run([sys.executable, "-m", "fsm_agent.docgen", "--check"], capture_output=True, text=True,
-                          timeout=120, cwd=docgen.ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "fsm_agent.docgen", "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=docgen.ROOT,
+    )
     assert done.returncode == 0, done.stderr

@@ -33,9 +33,11 @@ def emit(event, t=None):
         t = time.time()
     if not _PATH:
         return
-    line = ('{"event": "%s", "t": %r, "rank": %d, "local_rank": %d, "group_rank": %d, '
-            '"world_size": %d, "attempt": %d, "pid": %d}\n'
-            % (event, t, RANK, LOCAL_RANK, GROUP_RANK, WORLD_SIZE, ATTEMPT, os.getpid()))
+    line = (
+        '{"event": "%s", "t": %r, "rank": %d, "local_rank": %d, "group_rank": %d, '
+        '"world_size": %d, "attempt": %d, "pid": %d}\n'
+        % (event, t, RANK, LOCAL_RANK, GROUP_RANK, WORLD_SIZE, ATTEMPT, os.getpid())
+    )
     fd = os.open(_PATH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line.encode())

@@ -285,7 +285,11 @@ class Keeper:
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-I", "-S", os.path.abspath(__file__), "--keep", cgroup.path],
-                stdin=read_end, stdout=subprocess.DEVNULL, close_fds=True, start_new_session=True)
+                stdin=read_end,
+                stdout=subprocess.DEVNULL,
+                close_fds=True,
+                start_new_session=True,
+            )
         except BaseException:
             os.close(write_end)
             raise

@@ -30,8 +30,7 @@ def _file(directory: str):
     handle = _files.get(key)
     if handle is None or handle.closed:
         os.makedirs(directory, exist_ok=True)
-        handle = _files[key] = open(os.path.join(directory, f"transitions-{os.getpid()}.jsonl"), "a",
-                                    encoding="utf-8")
+        handle = _files[key] = open(os.path.join(directory, f"transitions-{os.getpid()}.jsonl"), "a", encoding="utf-8")
     return handle
 
 

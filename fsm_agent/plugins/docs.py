@@ -33,8 +33,11 @@ REGENERATE_COMMAND = "python -m fsm_agent.plugins.docs > docs/plugins.md"
 # ------------------------------------------------------------------------------------------------
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "docs" / "examples" / "fsm-agent-printmetrics"
-EXAMPLE_FILES = {"module": "fsm_agent_printmetrics.py", "pyproject": "pyproject.toml",
-                 "test": "tests/test_printmetrics.py"}
+EXAMPLE_FILES = {
+    "module": "fsm_agent_printmetrics.py",
+    "pyproject": "pyproject.toml",
+    "test": "tests/test_printmetrics.py",
+}
 
 
 def example_lines(which: str) -> list[str]:
@@ -106,9 +109,10 @@ def conformance_outline() -> dict[str, dict]:
                     doc = ast.get_docstring(item) or ""
                     tests[item.name] = doc.strip().splitlines()[0] if doc.strip() else ""
                 elif isinstance(item, ast.FunctionDef) and item.name.startswith("make_"):
-                    capabilities.setdefault("__factory__", f"{item.name}({', '.join(a.arg for a in item.args.args[1:])})")
-            suites[node.name] = {"capabilities": capabilities, "tests": tests,
-                                 "doc": ast.get_docstring(node) or ""}
+                    capabilities.setdefault(
+                        "__factory__", f"{item.name}({', '.join(a.arg for a in item.args.args[1:])})"
+                    )
+            suites[node.name] = {"capabilities": capabilities, "tests": tests, "doc": ast.get_docstring(node) or ""}
     return suites
 
 
@@ -128,15 +132,23 @@ def render_hook(func: Callable) -> list[str]:
         lines += ["| Argument | |", "|---|---|"]
         lines += [f"| `{name}` | {cell(text)} |" for name, text in args.items()]
         lines.append("")
-    lines += [f"**Returns:** {md(found.get('Returns', 'Nothing.'))}", "",
-              f"**When it fires:** {md(found.get('Called from', ''))}", ""]
+    lines += [
+        f"**Returns:** {md(found.get('Returns', 'Nothing.'))}",
+        "",
+        f"**When it fires:** {md(found.get('Called from', ''))}",
+        "",
+    ]
     notes = []
     if opts.get("firstresult"):
-        notes.append("first result wins: implementations are called until one returns something other than "
-                     "None (order them with `tryfirst`/`trylast`)")
+        notes.append(
+            "first result wins: implementations are called until one returns something other than "
+            "None (order them with `tryfirst`/`trylast`)"
+        )
     if func.__name__ in LISTENER_HOOKS:
-        notes.append("listener: each implementation is called on its own, so one that raises is logged and the "
-                     "others still run; `wrapper=True` implementations are refused")
+        notes.append(
+            "listener: each implementation is called on its own, so one that raises is logged and the "
+            "others still run; `wrapper=True` implementations are refused"
+        )
     if opts.get("historic"):
         notes.append("historic: a plugin registered later still receives the earlier calls")
     if notes:
@@ -148,19 +160,31 @@ def render_hooks() -> list[str]:
     from fsm_agent.plugins.listeners import LISTENER_HOOKS
 
     specs = hookspec_groups()
-    lines = ["## Every hook", "",
-             "Generated from [`fsm_agent/plugins/hookspecs.py`](../fsm_agent/plugins/hookspecs.py), grouped by "
-             "kind in lifecycle order. An implementation may accept any subset of a hook's arguments, by name "
-             "(pluggy passes only those it asks for). Setup hooks run once per process, one plugin at a time; "
-             "an unexpected exception there stops the agent with one line naming the plugin.", "",
-             "| Hook | Group | Dispatch | When it fires |", "|---|---|---|---|"]
+    lines = [
+        "## Every hook",
+        "",
+        "Generated from [`fsm_agent/plugins/hookspecs.py`](../fsm_agent/plugins/hookspecs.py), grouped by "
+        "kind in lifecycle order. An implementation may accept any subset of a hook's arguments, by name "
+        "(pluggy passes only those it asks for). Setup hooks run once per process, one plugin at a time; "
+        "an unexpected exception there stops the agent with one line naming the plugin.",
+        "",
+        "| Hook | Group | Dispatch | When it fires |",
+        "|---|---|---|---|",
+    ]
     for title, func in specs:
         found = docstring_sections(func.__doc__)
         opts = spec_options(func)
-        dispatch = ("first result" if opts.get("firstresult") else
-                    "listener" if func.__name__ in LISTENER_HOOKS else "every plugin")
-        lines.append(f"| [`{func.__name__}`](#{func.__name__}) | {cell(title.split(':')[0])} | {dispatch} | "
-                     f"{cell(first_sentence(found.get('Called from', '')))} |")
+        dispatch = (
+            "first result"
+            if opts.get("firstresult")
+            else "listener"
+            if func.__name__ in LISTENER_HOOKS
+            else "every plugin"
+        )
+        lines.append(
+            f"| [`{func.__name__}`](#{func.__name__}) | {cell(title.split(':')[0])} | {dispatch} | "
+            f"{cell(first_sentence(found.get('Called from', '')))} |"
+        )
     lines.append("")
     current = None
     for title, func in specs:
@@ -174,13 +198,18 @@ def render_hooks() -> list[str]:
 def render_builtins() -> list[str]:
     from fsm_agent.plugins.manager import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS
 
-    lines = ["## Built-in plugins", "",
-             "fsm-agent's own backends and listeners are plugins too, registered by name before the entry "
-             "points (generated from `BUILTIN_PLUGINS` in "
-             "[`fsm_agent/plugins/manager.py`](../fsm_agent/plugins/manager.py); `fsm-agent plugins` lists "
-             "them with the installed ones). Any of them can be disabled by name except the essential "
-             f"{', '.join(f'`{n}`' for n in sorted(ESSENTIAL_PLUGINS))}.", "",
-             "| Plugin | Kinds | Backends | Hooks | What it does |", "|---|---|---|---|---|"]
+    lines = [
+        "## Built-in plugins",
+        "",
+        "fsm-agent's own backends and listeners are plugins too, registered by name before the entry "
+        "points (generated from `BUILTIN_PLUGINS` in "
+        "[`fsm_agent/plugins/manager.py`](../fsm_agent/plugins/manager.py); `fsm-agent plugins` lists "
+        "them with the installed ones). Any of them can be disabled by name except the essential "
+        f"{', '.join(f'`{n}`' for n in sorted(ESSENTIAL_PLUGINS))}.",
+        "",
+        "| Plugin | Kinds | Backends | Hooks | What it does |",
+        "|---|---|---|---|---|",
+    ]
     for row in builtin_rows():
         module = importlib.import_module(BUILTIN_PLUGINS[row["name"]])
         summary = (module.__doc__ or "").strip().splitlines()[0] if (module.__doc__ or "").strip() else ""
@@ -189,8 +218,10 @@ def render_builtins() -> list[str]:
         if row["name"] == "rendezvous-torchrun-handlers":
             backends = "one per `torchrun.handlers` entry point"
         essential = " (essential)" if row["name"] in ESSENTIAL_PLUGINS else ""
-        lines.append(f"| `{row['name']}`{essential} | {', '.join(row['kinds'])} | {backends or '-'} | "
-                     f"{', '.join(h.removeprefix('fsm_agent_') for h in row['hooks'])} | {cell(summary)} |")
+        lines.append(
+            f"| `{row['name']}`{essential} | {', '.join(row['kinds'])} | {backends or '-'} | "
+            f"{', '.join(h.removeprefix('fsm_agent_') for h in row['hooks'])} | {cell(summary)} |"
+        )
     lines.append("")
     return lines
 
@@ -200,11 +231,19 @@ def render_option_reference() -> list[str]:
 
     found = docstring_sections(OptionRegistry.add.__doc__ or "")
     params = [p for p in inspect.signature(OptionRegistry.add).parameters.values() if p.name != "self"]
-    lines = ["`options.add(...)` ([`OptionRegistry.add`](../fsm_agent/config.py)) takes:", "",
-             "| Parameter | Default | |", "|---|---|---|"]
+    lines = [
+        "`options.add(...)` ([`OptionRegistry.add`](../fsm_agent/config.py)) takes:",
+        "",
+        "| Parameter | Default | |",
+        "|---|---|---|",
+    ]
     entries = args_entries(found.get("Args", ""))
     for p in params:
-        default = "required" if p.default is inspect.Parameter.empty else f"`{getattr(p.default, '__name__', repr(p.default))}`"
+        default = (
+            "required"
+            if p.default is inspect.Parameter.empty
+            else f"`{getattr(p.default, '__name__', repr(p.default))}`"
+        )
         lines.append(f"| `{p.name}` | {default} | {cell(entries.get(p.name, ''))} |")
     lines += ["", f"**Raises:** {md(found.get('Raises', ''))}", ""]
     return lines
@@ -214,33 +253,42 @@ def render_conformance() -> list[str]:
     suites = conformance_outline()
     if not suites:
         return []
-    lines = ["### Conformance suites for backends", "",
-             "A plugin that contributes a rendezvous backend or a launcher subclasses the matching suite "
-             "of `fsm_agent.testing.conformance` in its own tests and supplies its implementation; every test "
-             "of the suite then runs against it, with real stores and real processes on 127.0.0.1 (the "
-             "built-ins pass them, in `tests/conformance/`). The suites do not start with `Test`, so pytest "
-             "collects only your subclass. Capability flags switch off what a backend legitimately does not "
-             "do; override a test (and mark it `xfail`) to record a known gap.", "",
-             "```python",
-             "from fsm_agent.testing.conformance import LauncherConformance, RendezvousConformance",
-             "",
-             "",
-             "class TestMyRendezvous(RendezvousConformance):",
-             "    elastic = False  # a fixed world of nodes",
-             "",
-             "    def make_handler(self, setup, node):  # setup: run_id, endpoint, min/max_nodes, join_timeout, ...",
-             "        return create_my_handler(setup, is_host=(node == 0))",
-             "",
-             "",
-             "class TestMyLauncher(LauncherConformance):",
-             "    def make_launcher(self):",
-             "        return MyLauncher()",
-             "```", ""]
+    lines = [
+        "### Conformance suites for backends",
+        "",
+        "A plugin that contributes a rendezvous backend or a launcher subclasses the matching suite "
+        "of `fsm_agent.testing.conformance` in its own tests and supplies its implementation; every test "
+        "of the suite then runs against it, with real stores and real processes on 127.0.0.1 (the "
+        "built-ins pass them, in `tests/conformance/`). The suites do not start with `Test`, so pytest "
+        "collects only your subclass. Capability flags switch off what a backend legitimately does not "
+        "do; override a test (and mark it `xfail`) to record a known gap.",
+        "",
+        "```python",
+        "from fsm_agent.testing.conformance import LauncherConformance, RendezvousConformance",
+        "",
+        "",
+        "class TestMyRendezvous(RendezvousConformance):",
+        "    elastic = False  # a fixed world of nodes",
+        "",
+        "    def make_handler(self, setup, node):  # setup: run_id, endpoint, min/max_nodes, join_timeout, ...",
+        "        return create_my_handler(setup, is_host=(node == 0))",
+        "",
+        "",
+        "class TestMyLauncher(LauncherConformance):",
+        "    def make_launcher(self):",
+        "        return MyLauncher()",
+        "```",
+        "",
+    ]
     for suite, outline in suites.items():
         capabilities = {k: v for k, v in outline["capabilities"].items() if k != "__factory__"}
         factory = outline["capabilities"].get("__factory__", "")
-        lines += [f"`{suite}`: implement `{factory}`; capability flags "
-                  + ", ".join(f"`{k} = {v}`" for k, v in capabilities.items()) + ". It checks:", ""]
+        lines += [
+            f"`{suite}`: implement `{factory}`; capability flags "
+            + ", ".join(f"`{k} = {v}`" for k, v in capabilities.items())
+            + ". It checks:",
+            "",
+        ]
         lines += [f"- `{name}`" + (f": {md(doc)}" if doc else "") for name, doc in outline["tests"].items()]
         lines.append("")
     return lines
@@ -278,7 +326,7 @@ def render() -> str:
         "uses the one the flags name. Listeners (metrics, events, lifecycle) are all called. "
         f"`fsm-agent plugins` shows each plugin's kinds ({', '.join(PLUGIN_KINDS)}), derived from its hooks and "
         "the backends it registered; a plugin whose listener is registered later, in `fsm_agent_configure` (as "
-        "the example below does), declares them with a module attribute `FSM_AGENT_KINDS = (\"metrics\",)`.",
+        'the example below does), declares them with a module attribute `FSM_AGENT_KINDS = ("metrics",)`.',
         "",
         "## Write one",
         "",
@@ -331,15 +379,15 @@ def render() -> str:
         "",
         "@hookimpl",
         "def fsm_agent_discover_job(environ, scheduler):",
-        "    if scheduler not in (\"auto\", \"lsf\") or \"LSB_JOBID\" not in environ:",
+        '    if scheduler not in ("auto", "lsf") or "LSB_JOBID" not in environ:',
         "        return None  # (with --scheduler lsf outside a job: raise ConfigError instead)",
-        "    hosts = environ[\"LSB_HOSTS\"].split()",
+        '    hosts = environ["LSB_HOSTS"].split()',
         "    return DiscoveredJob(",
-        "        scheduler=\"lsf\", hosts=tuple(dict.fromkeys(hosts)),",
-        "        values={\"nnodes\": len(set(hosts)), \"rendezvous.endpoint\": f\"{hosts[0]}:29400\",",
-        "                \"rendezvous.backend\": \"fsm\", \"rendezvous.run_id\": f\"lsf-{environ['LSB_JOBID']}\"},",
-        "        origins={\"nnodes\": \"LSB_HOSTS\", \"rendezvous.endpoint\": \"LSB_HOSTS\",",
-        "                 \"rendezvous.run_id\": \"LSB_JOBID\"})",
+        '        scheduler="lsf", hosts=tuple(dict.fromkeys(hosts)),',
+        '        values={"nnodes": len(set(hosts)), "rendezvous.endpoint": f"{hosts[0]}:29400",',
+        '                "rendezvous.backend": "fsm", "rendezvous.run_id": f"lsf-{environ[\'LSB_JOBID\']}"},',
+        '        origins={"nnodes": "LSB_HOSTS", "rendezvous.endpoint": "LSB_HOSTS",',
+        '                 "rendezvous.run_id": "LSB_JOBID"})',
         "```",
         "",
         "## Options",

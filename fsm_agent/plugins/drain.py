@@ -59,24 +59,50 @@ def _check_timeout(seconds: float) -> None:
 
 @hookimpl
 def fsm_agent_addoption(options):
-    options.add("signals", type=str, default="", check=_check_signals,
-                help="signals that request a drain, e.g. SIGUSR2 (default: none); not a --signals-to-handle one")
-    options.add("file", type=str, default="",
-                help="a file whose appearance requests a drain (a node-health daemon's mark); default: none")
-    options.add("timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, check=_check_timeout,
-                help="seconds the workers get after the checkpoint signal to exit by themselves; then stopped")
-    options.add("scope", type=str, default="node", choices=DRAIN_SCOPES,
-                help="node: only this node leaves, the others re-rendezvous; job: the whole job drains")
-    options.add("checkpoint_signal", type=str, default="SIGUSR1", check=_signal_number,
-                help="the signal the workers get when a drain starts (their cue to checkpoint and exit 0)")
+    options.add(
+        "signals",
+        type=str,
+        default="",
+        check=_check_signals,
+        help="signals that request a drain, e.g. SIGUSR2 (default: none); not a --signals-to-handle one",
+    )
+    options.add(
+        "file",
+        type=str,
+        default="",
+        help="a file whose appearance requests a drain (a node-health daemon's mark); default: none",
+    )
+    options.add(
+        "timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        check=_check_timeout,
+        help="seconds the workers get after the checkpoint signal to exit by themselves; then stopped",
+    )
+    options.add(
+        "scope",
+        type=str,
+        default="node",
+        choices=DRAIN_SCOPES,
+        help="node: only this node leaves, the others re-rendezvous; job: the whole job drains",
+    )
+    options.add(
+        "checkpoint_signal",
+        type=str,
+        default="SIGUSR1",
+        check=_signal_number,
+        help="the signal the workers get when a drain starts (their cue to checkpoint and exit 0)",
+    )
 
 
 @hookimpl
 def fsm_agent_configure(config, agent):
     options = config.plugin_options(PLUGIN_NAME) if config is not None else {}
     settings = DrainSettings(
-        signals=_signal_numbers(options.get("signals") or ""), file=options.get("file") or None,
+        signals=_signal_numbers(options.get("signals") or ""),
+        file=options.get("file") or None,
         timeout_s=float(options["timeout"] if options.get("timeout") is not None else DEFAULT_DRAIN_TIMEOUT_S),
         scope=options.get("scope") or "node",
-        checkpoint_signal=_signal_number(options.get("checkpoint_signal") or "SIGUSR1"))
+        checkpoint_signal=_signal_number(options.get("checkpoint_signal") or "SIGUSR1"),
+    )
     agent.drain_on(settings)

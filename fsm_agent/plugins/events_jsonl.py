@@ -25,14 +25,18 @@ class JsonlEventWriter:
         """
         self.path = path
         if os.path.isdir(path):
-            raise ConfigError(f"--events-file {path!r} is a directory: pass a file path, e.g. "
-                              f"--events-file {os.path.join(path, 'events.jsonl')}")
+            raise ConfigError(
+                f"--events-file {path!r} is a directory: pass a file path, e.g. "
+                f"--events-file {os.path.join(path, 'events.jsonl')}"
+            )
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._file = open(path, "a", encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(f"--events-file {path!r}: cannot write the events file there "
-                              f"({exc.strerror or exc}): pass a writable file path") from None
+            raise ConfigError(
+                f"--events-file {path!r}: cannot write the events file there "
+                f"({exc.strerror or exc}): pass a writable file path"
+            ) from None
 
     @hookimpl
     def fsm_agent_record_event(self, event):
@@ -60,8 +64,15 @@ class TorchEventBridge:
 
         name = event.get("dest") or event.get("state") or event["kind"]
         metadata = {k: v for k, v in event.items() if isinstance(v, (str, int, float, bool)) or v is None}
-        record(Event(name=f"torchelastic.worker.status.{name}", source=EventSource.AGENT,
-                     timestamp=int(event["ts"]), metadata=metadata), destination=self.destination)
+        record(
+            Event(
+                name=f"torchelastic.worker.status.{name}",
+                source=EventSource.AGENT,
+                timestamp=int(event["ts"]),
+                metadata=metadata,
+            ),
+            destination=self.destination,
+        )
 
 
 @hookimpl

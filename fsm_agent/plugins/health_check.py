@@ -34,14 +34,32 @@ def _positive(value: float) -> None:
 
 @hookimpl
 def fsm_agent_addoption(options):
-    options.add("command", type=str, default="", flag="--health-check-command", env="FSM_AGENT_HEALTH_CHECK_COMMAND",
-                help="shell command run while the workers run; a non-zero exit marks the node unhealthy "
-                     "(default: none)")
-    options.add("interval", type=float, default=30.0, flag="--health-check-interval",
-                env="FSM_AGENT_HEALTH_CHECK_INTERVAL", check=_positive,
-                help="seconds between health checks (the first runs one interval after the workers start)")
-    options.add("timeout", type=float, default=10.0, flag="--health-check-timeout", env="FSM_AGENT_HEALTH_CHECK_TIMEOUT",
-                check=_positive, help="seconds a health check may take before it counts as failed")
+    options.add(
+        "command",
+        type=str,
+        default="",
+        flag="--health-check-command",
+        env="FSM_AGENT_HEALTH_CHECK_COMMAND",
+        help="shell command run while the workers run; a non-zero exit marks the node unhealthy (default: none)",
+    )
+    options.add(
+        "interval",
+        type=float,
+        default=30.0,
+        flag="--health-check-interval",
+        env="FSM_AGENT_HEALTH_CHECK_INTERVAL",
+        check=_positive,
+        help="seconds between health checks (the first runs one interval after the workers start)",
+    )
+    options.add(
+        "timeout",
+        type=float,
+        default=10.0,
+        flag="--health-check-timeout",
+        env="FSM_AGENT_HEALTH_CHECK_TIMEOUT",
+        check=_positive,
+        help="seconds a health check may take before it counts as failed",
+    )
 
 
 class CommandHealthCheck:
@@ -66,8 +84,13 @@ class CommandHealthCheck:
     def run(self) -> str | None:
         """Run the command once: None when it exits 0, else what went wrong (one line)."""
         # Its own session, so a timeout can kill what the command started, not only the shell.
-        proc = subprocess.Popen(["/bin/sh", "-c", self.command], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
+        proc = subprocess.Popen(
+            ["/bin/sh", "-c", self.command],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         try:
             _, err = proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
@@ -85,7 +108,8 @@ def fsm_agent_configure(config, agent):
     options = config.plugin_options(PLUGIN_NAME) if config is not None else {}
     command = (options.get("command") or "").strip()
     if command:
-        check = CommandHealthCheck(command, interval=options.get("interval") or 30.0,
-                                   timeout=options.get("timeout") or 10.0)
+        check = CommandHealthCheck(
+            command, interval=options.get("interval") or 30.0, timeout=options.get("timeout") or 10.0
+        )
         agent.plugin_manager.register(check, f"{PLUGIN_NAME}-{id(agent)}")
         log.info("health check every %gs: %s", check.interval, command)

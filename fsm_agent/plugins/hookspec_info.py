@@ -40,9 +40,11 @@ def hookspec_groups() -> list[tuple[str, Hookspec]]:
     from fsm_agent.plugins import hookspecs as module
 
     source = inspect.getsource(module)
-    banners = [(source[:m.start()].count("\n") + 1, m.group("title")) for m in _BANNER.finditer(source)]
-    return [(next((title for start, title in reversed(banners) if start < func.__code__.co_firstlineno), "hooks"),
-             func) for func in hookspecs().values()]
+    banners = [(source[: m.start()].count("\n") + 1, m.group("title")) for m in _BANNER.finditer(source)]
+    return [
+        (next((title for start, title in reversed(banners) if start < func.__code__.co_firstlineno), "hooks"), func)
+        for func in hookspecs().values()
+    ]
 
 
 def spec_options(func: Hookspec) -> dict[str, Any]:
@@ -80,8 +82,10 @@ def args_entries(section: str) -> dict[str, str]:
 
 def called_from() -> dict[str, str]:
     """Each hook's "Called from:" text, on one line."""
-    return {name: " ".join(docstring_sections(func.__doc__).get("Called from", "").split())
-            for name, func in hookspecs().items()}
+    return {
+        name: " ".join(docstring_sections(func.__doc__).get("Called from", "").split())
+        for name, func in hookspecs().items()
+    }
 
 
 def _annotation(value: object) -> str:
@@ -94,8 +98,10 @@ def _annotation(value: object) -> str:
 def signature(func: Hookspec) -> str:
     """``name(arg: Type, ...) -> Returns`` with the string annotations unquoted."""
     sig = inspect.signature(func)
-    params = ", ".join(f"{p.name}: {_annotation(p.annotation)}" if _annotation(p.annotation) else p.name
-                       for p in sig.parameters.values())
+    params = ", ".join(
+        f"{p.name}: {_annotation(p.annotation)}" if _annotation(p.annotation) else p.name
+        for p in sig.parameters.values()
+    )
     returns = _annotation(sig.return_annotation)
     return f"{func.__name__}({params})" + (f" -> {returns}" if returns else "")
 

@@ -80,8 +80,10 @@ def _helper_pids() -> set[int]:
     resource_tracker = sys.modules.get("multiprocessing.resource_tracker")
     forkserver = sys.modules.get("multiprocessing.forkserver")
     try:
-        for pid in (getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None),
-                    getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)):
+        for pid in (
+            getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None),
+            getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None),
+        ):
             if pid:
                 pids.add(pid)
     except Exception:  # private attributes: best effort
@@ -193,8 +195,13 @@ class SubprocessLauncher:
         self._was_subreaper: bool | None = None
 
     # -- start ----------------------------------------------------------------------------------
-    def start(self, spec, envs: dict[int, dict[str, str]], logs: dict[int, WorkerLogs],
-              filtered: tuple[str | None, str | None] = (None, None)) -> dict[int, int]:
+    def start(
+        self,
+        spec,
+        envs: dict[int, dict[str, str]],
+        logs: dict[int, WorkerLogs],
+        filtered: tuple[str | None, str | None] = (None, None),
+    ) -> dict[int, int]:
         self._ensure_cgroup()
         self._hold_subreaper()
         # Processes that exist before the workers (e.g. servers a test harness started) are not
@@ -206,9 +213,12 @@ class SubprocessLauncher:
 
             self._not_ours = {p.pid for p in psutil.Process().children(recursive=True)}
         self._handles = {}
-        self._filtered = [_FilteredSink(path, filters) if path and filters else None for path, filters in
-                          zip(filtered, (getattr(spec, "duplicate_stdout_filters", ()),
-                                         getattr(spec, "duplicate_stderr_filters", ())))]
+        self._filtered = [
+            _FilteredSink(path, filters) if path and filters else None
+            for path, filters in zip(
+                filtered, (getattr(spec, "duplicate_stdout_filters", ()), getattr(spec, "duplicate_stderr_filters", ()))
+            )
+        ]
         # Not for callables: multiprocessing may start its helpers (resource tracker, forkserver)
         # on the way, and those must live outside; a callable worker enters the cgroup itself.
         step_in = self._cgroup is not None and self.workers_are_our_children and not callable(spec.entrypoint)
@@ -242,12 +252,15 @@ class SubprocessLauncher:
     def _cgroup_path(self) -> str | None:
         return self._cgroup.path if self._cgroup is not None else None
 
-    def _start_program(self, spec, local_rank: int, env: dict[str, str], wlogs: WorkerLogs,
-                       born_in_cgroup: bool = False) -> _Handle:
+    def _start_program(
+        self, spec, local_rank: int, env: dict[str, str], wlogs: WorkerLogs, born_in_cgroup: bool = False
+    ) -> _Handle:
         args = [spec.entrypoint, *map(str, substitute_local_rank(tuple(spec.args), local_rank))]
         args = _numa_wrap(args, spec.numa_binding, local_rank)
-        streams = [self._stream_target(path, tee) for path, tee in
-                   ((wlogs.stdout, wlogs.tee_stdout), (wlogs.stderr, wlogs.tee_stderr))]
+        streams = [
+            self._stream_target(path, tee)
+            for path, tee in ((wlogs.stdout, wlogs.tee_stdout), (wlogs.stderr, wlogs.tee_stderr))
+        ]
         if born_in_cgroup:
             # No preexec_fn, so subprocess spawns with vfork (about 0.1 ms against several ms
             # for fork + a Python hook on a busy machine: it is on every restart's path). The
@@ -255,16 +268,21 @@ class SubprocessLauncher:
             spawn = {"start_new_session": True}
         else:
             spawn = {"preexec_fn": functools.partial(_child_preexec, self._cgroup_path)}
-        popen = subprocess.Popen(args, env=env, stdout=streams[0][0], stderr=streams[1][0],
-                                 stdin=subprocess.DEVNULL, close_fds=True, **spawn)
+        popen = subprocess.Popen(
+            args, env=env, stdout=streams[0][0], stderr=streams[1][0], stdin=subprocess.DEVNULL, close_fds=True, **spawn
+        )
         for target in streams:
             if target[1] is not None:
                 target[1].close()
-        handle = _Handle(local_rank=local_rank, pid=popen.pid, wait_fd=os.pidfd_open(popen.pid),
-                         popen=popen, owns_fd=True)
+        handle = _Handle(
+            local_rank=local_rank, pid=popen.pid, wait_fd=os.pidfd_open(popen.pid), popen=popen, owns_fd=True
+        )
         for index, (pipe, path, tee, console) in enumerate(
-                ((popen.stdout, wlogs.stdout, wlogs.tee_stdout, sys.stdout),
-                 (popen.stderr, wlogs.stderr, wlogs.tee_stderr, sys.stderr))):
+            (
+                (popen.stdout, wlogs.stdout, wlogs.tee_stdout, sys.stdout),
+                (popen.stderr, wlogs.stderr, wlogs.tee_stderr, sys.stderr),
+            )
+        ):
             if pipe is not None:
                 handle.readers.append(_TeeReader(pipe, path, console, wlogs.prefix, self._filtered[index]))
         return handle
@@ -285,18 +303,31 @@ class SubprocessLauncher:
         result_path = os.path.join(result_dir, "return_value.pkl") if result_dir else None
         if result_path is None:
             import tempfile
+
             fd, result_path = tempfile.mkstemp(prefix="fsm_agent_ret_")
             os.close(fd)
         process = ctx.Process(
             target=_callable_worker,
-            args=(spec.entrypoint, substitute_local_rank(tuple(spec.args), local_rank), env, wlogs.stdout,
-                  wlogs.stderr, result_path, self._cgroup_path),
-            name=f"{spec.role}{local_rank}", daemon=False)
+            args=(
+                spec.entrypoint,
+                substitute_local_rank(tuple(spec.args), local_rank),
+                env,
+                wlogs.stdout,
+                wlogs.stderr,
+                result_path,
+                self._cgroup_path,
+            ),
+            name=f"{spec.role}{local_rank}",
+            daemon=False,
+        )
         process.start()
-        handle = _Handle(local_rank=local_rank, pid=process.pid, wait_fd=process.sentinel,
-                         process=process, result_path=result_path)
-        for path, tee, console in ((wlogs.stdout, wlogs.tee_stdout, sys.stdout),
-                                   (wlogs.stderr, wlogs.tee_stderr, sys.stderr)):
+        handle = _Handle(
+            local_rank=local_rank, pid=process.pid, wait_fd=process.sentinel, process=process, result_path=result_path
+        )
+        for path, tee, console in (
+            (wlogs.stdout, wlogs.tee_stdout, sys.stdout),
+            (wlogs.stderr, wlogs.tee_stderr, sys.stderr),
+        ):
             if tee and path:
                 handle.readers.append(_FileTailer(path, console, wlogs.prefix, handle))
         return handle
@@ -344,8 +375,13 @@ class SubprocessLauncher:
             select.select([h.wait_fd for h in live], [], [], remaining)
             live = [h for h in live if h.poll() is None]
         for h in live:
-            log.warning("worker local_rank=%s pid=%s ignored signal %s for %.1fs; sending SIGKILL",
-                        h.local_rank, h.pid, sig, timeout)
+            log.warning(
+                "worker local_rank=%s pid=%s ignored signal %s for %.1fs; sending SIGKILL",
+                h.local_rank,
+                h.pid,
+                sig,
+                timeout,
+            )
             _killpg(h.pid, signal.SIGKILL)
         for h in live:
             (h.popen.wait() if h.popen is not None else h.process.join())
@@ -440,8 +476,11 @@ def _numa_wrap(args: list[str], binding: str | None, local_rank: int) -> list[st
     try:
         from torch.numa.binding import AffinityMode, NumaOptions, _maybe_wrap_command_args_with_numa_binding
 
-        return list(_maybe_wrap_command_args_with_numa_binding(
-            tuple(args), gpu_index=local_rank, numa_options=NumaOptions(affinity_mode=AffinityMode(binding))))
+        return list(
+            _maybe_wrap_command_args_with_numa_binding(
+                tuple(args), gpu_index=local_rank, numa_options=NumaOptions(affinity_mode=AffinityMode(binding))
+            )
+        )
     except Exception as exc:  # no GPU / no numactl: run unbound, as torch does on failure
         log.warning("--numa-binding %s not applied to local_rank %s: %s", binding, local_rank, exc)
         return args
@@ -526,8 +565,15 @@ class _FileTailer(threading.Thread):
                     time.sleep(0.05)
 
 
-def _callable_worker(fn: Callable, args: tuple, env: dict[str, str], stdout: str | None,
-                     stderr: str | None, result_path: str, cgroup: str | None = None) -> None:
+def _callable_worker(
+    fn: Callable,
+    args: tuple,
+    env: dict[str, str],
+    stdout: str | None,
+    stderr: str | None,
+    result_path: str,
+    cgroup: str | None = None,
+) -> None:
     """Body of a callable worker process: cgroup, environment, redirects, ``@record``, return value."""
     # The child enters the cgroup itself, before any user code: had the parent moved it after
     # start(), a fork-started worker could already have forked children that would stay outside.
@@ -546,6 +592,7 @@ def _callable_worker(fn: Callable, args: tuple, env: dict[str, str], stdout: str
     try:
         from torch.distributed.elastic.multiprocessing.errors import record
     except ImportError:  # torch missing: run without the error file
+
         def record(f):
             return f
 
@@ -554,9 +601,11 @@ def _callable_worker(fn: Callable, args: tuple, env: dict[str, str], stdout: str
         try:
             data = pickle.dumps(value)
         except Exception as exc:
-            raise TypeError(f"the return value of {getattr(fn, '__qualname__', fn)!s} ({type(value).__name__}) "
-                            f"cannot be pickled, so the agent cannot hand it back: {type(exc).__name__}: {exc}; "
-                            f"return something picklable") from None
+            raise TypeError(
+                f"the return value of {getattr(fn, '__qualname__', fn)!s} ({type(value).__name__}) "
+                f"cannot be pickled, so the agent cannot hand it back: {type(exc).__name__}: {exc}; "
+                f"return something picklable"
+            ) from None
         with open(result_path, "wb") as f:
             f.write(data)
 

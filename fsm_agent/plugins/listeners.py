@@ -13,9 +13,15 @@ import pluggy
 
 from fsm_agent.errors import PluginError
 
-LISTENER_HOOKS = ("fsm_agent_rendezvous_completed", "fsm_agent_workers_started", "fsm_agent_worker_exited",
-                  "fsm_agent_put_metric", "fsm_agent_record_event", "fsm_agent_state_changed",
-                  "fsm_agent_unconfigure")
+LISTENER_HOOKS = (
+    "fsm_agent_rendezvous_completed",
+    "fsm_agent_workers_started",
+    "fsm_agent_worker_exited",
+    "fsm_agent_put_metric",
+    "fsm_agent_record_event",
+    "fsm_agent_state_changed",
+    "fsm_agent_unconfigure",
+)
 
 
 def reject_listener_wrappers(pm: pluggy.PluginManager) -> None:
@@ -27,5 +33,7 @@ def reject_listener_wrappers(pm: pluggy.PluginManager) -> None:
     for name in LISTENER_HOOKS:
         for impl in getattr(pm.hook, name).get_hookimpls():
             if impl.wrapper or impl.hookwrapper:
-                raise PluginError(f"plugin {impl.plugin_name!r}: {name} is a listener hook, called once per "
-                                  f"implementation; wrapper implementations are not supported there")
+                raise PluginError(
+                    f"plugin {impl.plugin_name!r}: {name} is a listener hook, called once per "
+                    f"implementation; wrapper implementations are not supported there"
+                )

@@ -70,16 +70,20 @@ def check_disabled(flag_names: Iterable[str], file_names: Iterable[str] = (), fi
     Raises:
         ConfigError: one line naming the unknown name, where it was given and every known name.
     """
-    given = [(f"disabled_plugins of {file_label}", tuple(file_names)), (DISABLE_ENV, disabled_from_env()),
-             ("--disable-plugin", tuple(flag_names))]
+    given = [
+        (f"disabled_plugins of {file_label}", tuple(file_names)),
+        (DISABLE_ENV, disabled_from_env()),
+        ("--disable-plugin", tuple(flag_names)),
+    ]
     if not any(names for _, names in given):
         return  # the common case: no scan of the installed distributions on every start
     known = plugin_names()
     for where, names in given:
         for name in names:
             if name not in known:
-                raise ConfigError(f"unknown plugin {name!r} in {where}: known plugins are {', '.join(known)}; "
-                                  f"fix {where}")
+                raise ConfigError(
+                    f"unknown plugin {name!r} in {where}: known plugins are {', '.join(known)}; fix {where}"
+                )
 
 
 def get_plugin_manager(disabled: Iterable[str] = (), load_entry_points: bool = True) -> pluggy.PluginManager:
@@ -125,8 +129,10 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
         try:
             plugin = ep.load()
         except Exception as exc:  # any import-time failure of a third-party plugin
-            error = PluginError(f"plugin {ep.name!r} from {dist} failed to load: {type(exc).__name__}: {exc}; "
-                                f"fix or uninstall it, or disable it with --disable-plugin {ep.name}")
+            error = PluginError(
+                f"plugin {ep.name!r} from {dist} failed to load: {type(exc).__name__}: {exc}; "
+                f"fix or uninstall it, or disable it with --disable-plugin {ep.name}"
+            )
             error.plugin = ep.name
             raise error from None
         try:
@@ -163,19 +169,25 @@ def _call_setup_hook(pm: pluggy.PluginManager, impl, hook_name: str, kwargs: dic
     except FsmAgentError:
         raise
     except Exception as exc:
-        dist = next((f"{d.metadata['name']} {d.version}" for plugin, d in pm.list_plugin_distinfo()
-                     if plugin is impl.plugin),
-                    "fsm-agent" if impl.plugin_name in BUILTIN_PLUGINS else "no installed distribution")
-        raise PluginError(f"plugin {impl.plugin_name!r} from {dist} failed in {hook_name}: "
-                          f"{type(exc).__name__}: {exc}; fix or uninstall it, or disable it with "
-                          f"--disable-plugin {impl.plugin_name}") from None
+        dist = next(
+            (f"{d.metadata['name']} {d.version}" for plugin, d in pm.list_plugin_distinfo() if plugin is impl.plugin),
+            "fsm-agent" if impl.plugin_name in BUILTIN_PLUGINS else "no installed distribution",
+        )
+        raise PluginError(
+            f"plugin {impl.plugin_name!r} from {dist} failed in {hook_name}: "
+            f"{type(exc).__name__}: {exc}; fix or uninstall it, or disable it with "
+            f"--disable-plugin {impl.plugin_name}"
+        ) from None
 
 
 #: Plugin kinds, in the order ``fsm-agent plugins`` lists them.
 PLUGIN_KINDS = ("rendezvous", "launcher", "scheduler", "metrics", "event recording", "lifecycle")
 #: Listener hooks that make a plugin a metrics or event-recording plugin.
-_KIND_OF_HOOK = {"fsm_agent_put_metric": "metrics", "fsm_agent_record_event": "event recording",
-                 "fsm_agent_discover_job": "scheduler"}
+_KIND_OF_HOOK = {
+    "fsm_agent_put_metric": "metrics",
+    "fsm_agent_record_event": "event recording",
+    "fsm_agent_discover_job": "scheduler",
+}
 #: Kinds of built-ins that ``plugin_rows`` cannot see from their hooks alone: the listener that
 #: events-jsonl registers in ``fsm_agent_configure``, and the torchrun.handlers bridge, which
 #: registers nothing when no ``torchrun.handlers`` entry point is installed. A third-party plugin
@@ -215,16 +227,21 @@ def plugin_rows(pm: pluggy.PluginManager, registry: BackendRegistry | None = Non
             declared = (declared,)
         found = {kind for kind, _ in own} | {_KIND_OF_HOOK[h] for h in hooks if h in _KIND_OF_HOOK}
         kinds = list(declared) if declared else [k for k in PLUGIN_KINDS if k in found] or ["lifecycle"]
-        rows.append({
-            "name": name,
-            "kinds": kinds,
-            "backends": {kind: [b for k, b in own if k == kind] for kind in ("rendezvous", "launcher")
-                         if any(k == kind for k, _ in own)},
-            "hooks": hooks,
-            "builtin": name in BUILTIN_PLUGINS,
-            "distribution": dist.metadata["name"] if dist else "fsm-agent",
-            "version": dist.version if dist else _own_version(),
-        })
+        rows.append(
+            {
+                "name": name,
+                "kinds": kinds,
+                "backends": {
+                    kind: [b for k, b in own if k == kind]
+                    for kind in ("rendezvous", "launcher")
+                    if any(k == kind for k, _ in own)
+                },
+                "hooks": hooks,
+                "builtin": name in BUILTIN_PLUGINS,
+                "distribution": dist.metadata["name"] if dist else "fsm-agent",
+                "version": dist.version if dist else _own_version(),
+            }
+        )
     return rows
 
 
@@ -247,12 +264,19 @@ def cli_main(argv: list[str]) -> int:
     from fsm_agent.argparsing import OneLineParser
 
     parser = OneLineParser(
-        prog="fsm-agent plugins", description="List every loaded plugin: its name, distribution and version, "
+        prog="fsm-agent plugins",
+        description="List every loaded plugin: its name, distribution and version, "
         "whether it is built-in, its kind(s), the backends it registers and the hooks it implements.",
-        epilog=f"{DISABLE_ENV}=a,b also disables plugins.")
+        epilog=f"{DISABLE_ENV}=a,b also disables plugins.",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
-    parser.add_argument("--disable-plugin", action="append", default=[], metavar="NAME",
-                        help="do not load plugin NAME (repeatable; a comma-separated list works too)")
+    parser.add_argument(
+        "--disable-plugin",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="do not load plugin NAME (repeatable; a comma-separated list works too)",
+    )
     args = parser.parse_args(argv)
     disabled = [n.strip() for value in args.disable_plugin for n in value.split(",") if n.strip()]
     check_disabled(disabled)
@@ -263,10 +287,17 @@ def cli_main(argv: list[str]) -> int:
         return 0
     table = [("NAME", "DISTRIBUTION", "VERSION", "BUILT-IN", "KINDS", "BACKENDS", "HOOKS")]
     for row in rows:
-        table.append((row["name"], row["distribution"], row["version"], "yes" if row["builtin"] else "no",
-                      ", ".join(row["kinds"]),
-                      ", ".join(b for names in row["backends"].values() for b in names) or "-",
-                      ", ".join(h.removeprefix("fsm_agent_") for h in row["hooks"]) or "-"))
+        table.append(
+            (
+                row["name"],
+                row["distribution"],
+                row["version"],
+                "yes" if row["builtin"] else "no",
+                ", ".join(row["kinds"]),
+                ", ".join(b for names in row["backends"].values() for b in names) or "-",
+                ", ".join(h.removeprefix("fsm_agent_") for h in row["hooks"]) or "-",
+            )
+        )
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]) - 1)]
     for line in table:
         print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1])

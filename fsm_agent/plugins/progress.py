@@ -36,10 +36,22 @@ def _count(value: int) -> None:
 
 #: (option, type, default, check, help); each is flag ``--<option>`` and env ``FSM_AGENT_<OPTION>``.
 OPTIONS = (
-    ("progress_file", str, "", None, "iteration file the training writes at each checkpoint (one integer, the "
-                                     "step); read at the end of each restart cycle"),
-    ("max_no_progress_restarts", int, 0, _count, f"stop restarting after this many failed cycles in a row without "
-                                                 f"progress and exit {DO_NOT_REQUEUE_EXIT_CODE} (do not requeue); 0: off"),
+    (
+        "progress_file",
+        str,
+        "",
+        None,
+        "iteration file the training writes at each checkpoint (one integer, the "
+        "step); read at the end of each restart cycle",
+    ),
+    (
+        "max_no_progress_restarts",
+        int,
+        0,
+        _count,
+        f"stop restarting after this many failed cycles in a row without "
+        f"progress and exit {DO_NOT_REQUEUE_EXIT_CODE} (do not requeue); 0: off",
+    ),
     ("finished_file", str, "", None, "file written once when the job succeeds, for requeue wrappers (default: none)"),
 )
 
@@ -47,8 +59,15 @@ OPTIONS = (
 @hookimpl
 def fsm_agent_addoption(options):
     for name, kind, default, check, text in OPTIONS:
-        options.add(name, type=kind, default=default, flag="--" + name.replace("_", "-"),
-                    env=f"FSM_AGENT_{name.upper()}", check=check, help=text)
+        options.add(
+            name,
+            type=kind,
+            default=default,
+            flag="--" + name.replace("_", "-"),
+            env=f"FSM_AGENT_{name.upper()}",
+            check=check,
+            help=text,
+        )
 
 
 class NoProgressPolicy:
@@ -64,12 +83,20 @@ class NoProgressPolicy:
         if not cycles or failure_class in MEMBERSHIP_CLASSES or cycles[-1].no_progress_cycles < self.limit:
             return None
         last = cycles[-1]
-        where = (f"checkpoint step {last.checkpoint_step}" if last.checkpoint_step is not None else
-                 f"step {last.last_step}" if last.last_step is not None else "no step reported")
-        return RestartDecision(False, exit_code=DO_NOT_REQUEUE_EXIT_CODE,
-                               reason=f"no progress in {last.no_progress_cycles} cycles in a row ({where}; "
-                                      f"max_no_progress_restarts={self.limit}): do not requeue "
-                                      f"(exit code {DO_NOT_REQUEUE_EXIT_CODE})")
+        where = (
+            f"checkpoint step {last.checkpoint_step}"
+            if last.checkpoint_step is not None
+            else f"step {last.last_step}"
+            if last.last_step is not None
+            else "no step reported"
+        )
+        return RestartDecision(
+            False,
+            exit_code=DO_NOT_REQUEUE_EXIT_CODE,
+            reason=f"no progress in {last.no_progress_cycles} cycles in a row ({where}; "
+            f"max_no_progress_restarts={self.limit}): do not requeue "
+            f"(exit code {DO_NOT_REQUEUE_EXIT_CODE})",
+        )
 
 
 class FinishedFile:

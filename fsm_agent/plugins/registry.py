@@ -50,9 +50,16 @@ class BackendRegistry:
         self._factories[kind][name] = factory
         self._owners[(kind, name)] = self.current_plugin
 
-    def add_rendezvous(self, name: str, creator: Callable[..., Any], conf_keys: Iterable[str] | None = None,
-                       parameters: Callable[[Any], Any] | None = None, *, node_rank: str | None = None,
-                       host_port_endpoint: bool = False) -> None:
+    def add_rendezvous(
+        self,
+        name: str,
+        creator: Callable[..., Any],
+        conf_keys: Iterable[str] | None = None,
+        parameters: Callable[[Any], Any] | None = None,
+        *,
+        node_rank: str | None = None,
+        host_port_endpoint: bool = False,
+    ) -> None:
         """Register ``creator(torch RendezvousParameters) -> torch RendezvousHandler`` under ``name``.
 
         Args:
@@ -72,8 +79,10 @@ class BackendRegistry:
             PluginError: a non-callable creator, a name registered twice, an unknown ``node_rank``.
         """
         if node_rank is not None and node_rank not in NODE_RANK_USES:
-            raise PluginError(f"plugin {self.current_plugin!r} registered rendezvous {name!r} with node_rank="
-                              f"{node_rank!r}; use one of {', '.join(NODE_RANK_USES)} or None")
+            raise PluginError(
+                f"plugin {self.current_plugin!r} registered rendezvous {name!r} with node_rank="
+                f"{node_rank!r}; use one of {', '.join(NODE_RANK_USES)} or None"
+            )
         self._add("rendezvous", name, creator)
         if node_rank is not None:
             self._node_rank[name] = node_rank
@@ -95,8 +104,11 @@ class BackendRegistry:
         if getattr(config, "local_addr", None) is None:
             addr = advertised_address(getattr(config, "rdzv_endpoint", None))
             if addr is not None:
-                config = attrs.evolve(config, local_addr=addr) if attrs.has(type(config)) else \
-                    dataclasses.replace(config, local_addr=addr)
+                config = (
+                    attrs.evolve(config, local_addr=addr)
+                    if attrs.has(type(config))
+                    else dataclasses.replace(config, local_addr=addr)
+                )
         return self._parameters.get(name, torch_parameters)(config)
 
     def node_rank_use(self, name: str) -> str | None:
@@ -140,8 +152,10 @@ class BackendRegistry:
                 continue
             others = sorted(name for name, names in self._conf_keys.items() if key in names)
             if others:
-                warnings.append(f"{where(key)}: backend {backend} does not read {key!r} ({', '.join(others)} "
-                                f"{'does' if len(others) == 1 else 'do'}); ignored")
+                warnings.append(
+                    f"{where(key)}: backend {backend} does not read {key!r} ({', '.join(others)} "
+                    f"{'does' if len(others) == 1 else 'do'}); ignored"
+                )
                 continue
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f"did you mean {close[0]}?" if close else f"backend {backend} reads {', '.join(sorted(reads))}"
@@ -179,17 +193,28 @@ def torch_parameters(config: Any, **defaults: Any) -> Any:
     them); ``defaults`` fill in ``rdzv_configs`` keys the configuration does not set."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    return RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
-                                min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
-                                **{**defaults, **dict(config.rdzv_configs)})
+    return RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **{**defaults, **dict(config.rdzv_configs)},
+    )
 
 
 def _etcd_hint(name: str, installed: bool) -> str:
-    how = ("use --rdzv-backend etcd-v3 (installed)" if installed else
-           "use --rdzv-backend etcd-v3 after `pip install fsm-agent-etcd` (plugins/fsm-agent-etcd in "
-           "fsm-agent's repository)")
-    return (f"--rdzv-backend {name}: torch's {name} backend needs etcd's v2 API and python-etcd, which fsm-agent "
-            f"does not use; for etcd {how}, or use c10d")
+    how = (
+        "use --rdzv-backend etcd-v3 (installed)"
+        if installed
+        else "use --rdzv-backend etcd-v3 after `pip install fsm-agent-etcd` (plugins/fsm-agent-etcd in "
+        "fsm-agent's repository)"
+    )
+    return (
+        f"--rdzv-backend {name}: torch's {name} backend needs etcd's v2 API and python-etcd, which fsm-agent "
+        f"does not use; for etcd {how}, or use c10d"
+    )
 
 
 def require_positive_seconds(config: dict[str, Any], defaults: dict[str, int]) -> None:
@@ -213,5 +238,6 @@ def require_positive_seconds(config: dict[str, Any], defaults: dict[str, int]) -
         except (TypeError, ValueError, OverflowError):
             value = 0
         if value <= 0:
-            raise ConfigError(f"--rdzv-conf {name}={raw}: must be a whole number of seconds > 0 "
-                              f"(e.g. --rdzv-conf {name}={default})")
+            raise ConfigError(
+                f"--rdzv-conf {name}={raw}: must be a whole number of seconds > 0 (e.g. --rdzv-conf {name}={default})"
+            )

@@ -37,15 +37,26 @@ from fsm_agent.plugins.registry import require_positive_seconds
 
 #: The ``--rdzv-conf`` keys torch's DynamicRendezvousHandler reads (``dynamic_rendezvous.create_handler``);
 #: public for backends built on it (the etcd-v3 plugin).
-DYNAMIC_HANDLER_CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
-                             "keep_alive_interval", "keep_alive_max_attempt")
+DYNAMIC_HANDLER_CONF_KEYS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+)
 #: ... and those torch's c10d backend adds (``c10d_rendezvous_backend.create_backend``).
 C10D_CONF_KEYS = (*DYNAMIC_HANDLER_CONF_KEYS, "is_host", "read_timeout", "store_type")
 
 #: The c10d options torch reads as whole seconds > 0, with torch's defaults (``RendezvousTimeout``,
 #: ``create_backend``).
-C10D_TIMEOUTS = {"join_timeout": 600, "last_call_timeout": 30, "close_timeout": 30, "heartbeat_timeout": 5,
-                 "read_timeout": 60}
+C10D_TIMEOUTS = {
+    "join_timeout": 600,
+    "last_call_timeout": 30,
+    "close_timeout": 30,
+    "heartbeat_timeout": 5,
+    "read_timeout": 60,
+}
 
 #: torch reads this switch from the environment at the end of ``next_rendezvous``, after a
 #: blocking join. Handlers running at once in one process (tests, several agents) share one
@@ -91,9 +102,16 @@ def check_torch_layout(handler) -> None:
     import torch
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    needed = [(handler, "_state_holder"), (handler, "_heartbeat_lock"), (handler, "_this_node"),
-              (handler, "_op_executor"), (handler, "_stop_heartbeats"), (handler, "settings"),
-              (dr, "_BackendRendezvousStateHolder"), (dr, "_RendezvousExitOp")]
+    needed = [
+        (handler, "_state_holder"),
+        (handler, "_heartbeat_lock"),
+        (handler, "_this_node"),
+        (handler, "_op_executor"),
+        (handler, "_stop_heartbeats"),
+        (handler, "settings"),
+        (dr, "_BackendRendezvousStateHolder"),
+        (dr, "_RendezvousExitOp"),
+    ]
     for owner, name in needed:
         if not hasattr(owner, name):
             _layout_error(torch.__version__, f"{type(owner).__name__}.{name}")
@@ -106,7 +124,8 @@ def check_torch_layout(handler) -> None:
 def _layout_error(version: str, missing: str):
     raise RendezvousFailed(
         f"torch {version}'s dynamic rendezvous has no {missing}, which fsm-agent reads to notice lost nodes "
-        f"(tested with torch {TORCH_LAYOUT_TESTED}): install a torch in that range or use --rdzv-backend fsm")
+        f"(tested with torch {TORCH_LAYOUT_TESTED}): install a torch in that range or use --rdzv-backend fsm"
+    )
 
 
 class FreshStoreHandler:
@@ -138,8 +157,9 @@ class FreshStoreHandler:
         self._handler = handler
         backend = backend if backend is not None else getattr(handler._state_holder, "_backend", None)
         # torch's own state holder, never written through, without the 1 s cache: confirms a suspect.
-        self._fresh = (_BackendRendezvousStateHolder(backend, handler.settings, cache_duration=0)
-                       if backend is not None else None)
+        self._fresh = (
+            _BackendRendezvousStateHolder(backend, handler.settings, cache_duration=0) if backend is not None else None
+        )
         self._joined: tuple[int, frozenset] | None = None  # (round, participants) this node joined
 
     def next_rendezvous(self):
@@ -182,8 +202,12 @@ class FreshStoreHandler:
         stays a standby: it joins the round after a participant is lost."""
         waiting = self._handler.num_nodes_waiting()
         state = self._handler._state_holder.state
-        full = (self._joined is not None and state.round == self._joined[0] and state.complete
-                and len(state.participants) >= self._handler.settings.max_nodes)
+        full = (
+            self._joined is not None
+            and state.round == self._joined[0]
+            and state.complete
+            and len(state.participants) >= self._handler.settings.max_nodes
+        )
         return 0 if full else waiting
 
     def _gone(self, state) -> set:
@@ -263,9 +287,11 @@ def create_c10d_handler(params):
     try:  # torch retries a name that does not resolve as if the store were not up yet
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:  # UnicodeError: not a valid host name at all
-        raise RendezvousFailed(f"rendezvous endpoint {params.endpoint} (backend c10d): the host {host!r} does not "
-                               f"resolve ({getattr(exc, 'strerror', None) or exc}; tried for {waited:.0f}s): check "
-                               f"the host name in --rdzv-endpoint") from None
+        raise RendezvousFailed(
+            f"rendezvous endpoint {params.endpoint} (backend c10d): the host {host!r} does not "
+            f"resolve ({getattr(exc, 'strerror', None) or exc}; tried for {waited:.0f}s): check "
+            f"the host name in --rdzv-endpoint"
+        ) from None
     error = outcome.get("error") or TimeoutError(f"no answer within {deadline:.0f}s")
     raise RendezvousFailed(_unreachable(params, error, waited))
 
@@ -295,9 +321,11 @@ def _probe(store, read_timeout: float) -> None:
 def _unreachable(params, exc: BaseException, waited: float) -> str:
     is_host = params.get("is_host", "inferred from the endpoint")
     detail = str(exc).splitlines()[0] if str(exc) else ""
-    return (f"rendezvous endpoint {params.endpoint or '(default)'} (backend c10d) did not answer as a TCPStore "
-            f"(gave up after {waited:.0f}s; is_host={is_host}): {type(exc).__name__}: {detail}. If another program "
-            f"holds that port, pick a free port for --rdzv-endpoint")
+    return (
+        f"rendezvous endpoint {params.endpoint or '(default)'} (backend c10d) did not answer as a TCPStore "
+        f"(gave up after {waited:.0f}s; is_host={is_host}): {type(exc).__name__}: {detail}. If another program "
+        f"holds that port, pick a free port for --rdzv-endpoint"
+    )
 
 
 @hookimpl

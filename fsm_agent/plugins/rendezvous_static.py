@@ -60,7 +60,8 @@ class StaticRendezvous:
             where = f"{getattr(handler, 'master_addr', '?')}:{getattr(handler, 'master_port', '?')}"
             raise RendezvousTimeoutError(
                 f"static rendezvous at {where}: not all {getattr(handler, 'world_size', '?')} nodes came "
-                f"within {self._timeout_s():g} s: {str(exc).splitlines()[0]}") from None
+                f"within {self._timeout_s():g} s: {str(exc).splitlines()[0]}"
+            ) from None
         return RendezvousInfo(store, info.rank, info.world_size, info.bootstrap_store_info)
 
     def _clear_workers_keys(self, store, rank: int, world_size: int) -> None:
@@ -114,9 +115,11 @@ def _require_free_port(port: int) -> None:
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
-        raise ConfigError(f"static rendezvous: port {port} (--master-port) is already in use on this host, "
-                          f"where node rank 0 hosts the store: choose a free --master-port, or stop what "
-                          f"listens on {port}") from None
+        raise ConfigError(
+            f"static rendezvous: port {port} (--master-port) is already in use on this host, "
+            f"where node rank 0 hosts the store: choose a free --master-port, or stop what "
+            f"listens on {port}"
+        ) from None
     finally:
         probe.close()
 
@@ -124,8 +127,14 @@ def _require_free_port(port: int) -> None:
 @hookimpl
 def fsm_agent_register_backends(registry):
     # torch's StaticTCPRendezvous: ``rank`` (--node-rank) and ``timeout`` (seconds, default 600).
-    registry.add_rendezvous("static", create_static_handler, conf_keys=("rank", "timeout"),
-                            parameters=static_parameters, node_rank="rank", host_port_endpoint=True)
+    registry.add_rendezvous(
+        "static",
+        create_static_handler,
+        conf_keys=("rank", "timeout"),
+        parameters=static_parameters,
+        node_rank="rank",
+        host_port_endpoint=True,
+    )
 
 
 def static_parameters(config):

@@ -23,9 +23,11 @@ def fsm_agent_register_backends(registry):
             creator = ep.load()()
         except Exception as exc:
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
-            raise PluginError(f"torchrun.handlers entry point {ep.name!r} from {dist} failed to load: "
-                              f"{type(exc).__name__}: {exc}; fix or uninstall it, or ignore every torchrun.handlers "
-                              f"entry point with --disable-plugin rendezvous-torchrun-handlers") from None
+            raise PluginError(
+                f"torchrun.handlers entry point {ep.name!r} from {dist} failed to load: "
+                f"{type(exc).__name__}: {exc}; fix or uninstall it, or ignore every torchrun.handlers "
+                f"entry point with --disable-plugin rendezvous-torchrun-handlers"
+            ) from None
         registry.add_rendezvous(ep.name, creator)
 
 

@@ -37,7 +37,7 @@ def backoff_delay(restart_count: int, base: float, cap: float, rng: random.Rando
     """Exponential backoff with jitter, seconds: ``min(cap, base * 2**n) * U[0.5, 1.5)``."""
     if base <= 0:
         return 0.0
-    return min(cap, base * 2 ** restart_count) * (0.5 + rng.random())
+    return min(cap, base * 2**restart_count) * (0.5 + rng.random())
 
 
 def _non_negative(value: float) -> None:
@@ -48,8 +48,13 @@ def _non_negative(value: float) -> None:
 #: Classes a budget can name: every class the policy is asked about.
 FAILURE_CLASSES = FailureClass.DECIDED
 #: Classes that can take a node out: failures of this node's own workers.
-EXCLUDABLE_CLASSES = (FailureClass.EXIT_CODE, FailureClass.SIGNAL, FailureClass.HANG, FailureClass.HEALTH_CHECK,
-                      FailureClass.STRAGGLER)
+EXCLUDABLE_CLASSES = (
+    FailureClass.EXIT_CODE,
+    FailureClass.SIGNAL,
+    FailureClass.HANG,
+    FailureClass.HEALTH_CHECK,
+    FailureClass.STRAGGLER,
+)
 MEMBERSHIP_CLASSES = (FailureClass.NODE_LOST, FailureClass.MEMBERSHIP_CHANGE)
 
 
@@ -83,23 +88,55 @@ def parse_budgets(text: str) -> dict[str, int]:
 
 @hookimpl
 def fsm_agent_addoption(options):
-    options.add("budgets", type=str, default="", flag="--restart-budgets", env="FSM_AGENT_RESTART_BUDGETS",
-                check=parse_budgets, help="per failure class restart budgets, e.g. hang=1,signal=2 (default: none)")
-    options.add("backoff", type=float, default=0.0, flag="--restart-backoff", env="FSM_AGENT_RESTART_BACKOFF",
-                check=_non_negative, help="seconds before the first restart, doubling each time (with jitter); 0: none")
-    options.add("backoff_max", type=float, default=60.0, flag="--restart-backoff-max",
-                env="FSM_AGENT_RESTART_BACKOFF_MAX", check=_non_negative, help="cap on the restart backoff, seconds")
-    options.add("exclude_node_on", type=str, default="", flag="--exclude-node-on", env="FSM_AGENT_EXCLUDE_NODE_ON",
-                check=parse_exclude_node_on,
-                help="failure classes that take this node out of the job instead of restarting it, "
-                     "e.g. health_check,hang (default: none)")
+    options.add(
+        "budgets",
+        type=str,
+        default="",
+        flag="--restart-budgets",
+        env="FSM_AGENT_RESTART_BUDGETS",
+        check=parse_budgets,
+        help="per failure class restart budgets, e.g. hang=1,signal=2 (default: none)",
+    )
+    options.add(
+        "backoff",
+        type=float,
+        default=0.0,
+        flag="--restart-backoff",
+        env="FSM_AGENT_RESTART_BACKOFF",
+        check=_non_negative,
+        help="seconds before the first restart, doubling each time (with jitter); 0: none",
+    )
+    options.add(
+        "backoff_max",
+        type=float,
+        default=60.0,
+        flag="--restart-backoff-max",
+        env="FSM_AGENT_RESTART_BACKOFF_MAX",
+        check=_non_negative,
+        help="cap on the restart backoff, seconds",
+    )
+    options.add(
+        "exclude_node_on",
+        type=str,
+        default="",
+        flag="--exclude-node-on",
+        env="FSM_AGENT_EXCLUDE_NODE_ON",
+        check=parse_exclude_node_on,
+        help="failure classes that take this node out of the job instead of restarting it, "
+        "e.g. health_check,hang (default: none)",
+    )
 
 
 class RestartPolicy:
     """The default policy for one agent, with its backoff settings (seconds)."""
 
-    def __init__(self, backoff: float = 0.0, backoff_max: float = 60.0, budgets: dict[str, int] | None = None,
-                 exclude_node_on: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        backoff: float = 0.0,
+        backoff_max: float = 60.0,
+        budgets: dict[str, int] | None = None,
+        exclude_node_on: tuple[str, ...] = (),
+    ):
         self.backoff, self.backoff_max = backoff, backoff_max
         self.budgets = dict(budgets or {})
         self.exclude_node_on = tuple(exclude_node_on)
@@ -116,32 +153,43 @@ class RestartPolicy:
     def fsm_agent_restart_policy(self, failures, worker_group, restart_count, failure_class):
         if failure_class in MEMBERSHIP_CLASSES:
             return self._spend(failure_class) or RestartDecision(
-                True, reason="re-rendezvous (not counted against max_restarts)")  # the agent names the class
+                True, reason="re-rendezvous (not counted against max_restarts)"
+            )  # the agent names the class
         max_restarts = worker_group.spec.max_restarts
         refusing = sorted(r for r, f in failures.items() if f.exitcode == DO_NOT_RESTART_EXIT_CODE)
         if refusing:
-            return RestartDecision(False, reason=f"rank {refusing[0]} exited with {DO_NOT_RESTART_EXIT_CODE} "
-                                                 f"(do not restart)")
+            return RestartDecision(
+                False, reason=f"rank {refusing[0]} exited with {DO_NOT_RESTART_EXIT_CODE} (do not restart)"
+            )
         cause = first_failure(failures)
         kind = cause.failure_class if cause is not None else failure_class
         if kind in self.exclude_node_on:
-            return RestartDecision(False, exclude_node=True,
-                                   reason=f"{kind}{f' on rank {cause.global_rank}' if cause else ''}: this node leaves the job "
-                                          f"(exclude_node_on={','.join(self.exclude_node_on)})")
+            return RestartDecision(
+                False,
+                exclude_node=True,
+                reason=f"{kind}{f' on rank {cause.global_rank}' if cause else ''}: this node leaves the job "
+                f"(exclude_node_on={','.join(self.exclude_node_on)})",
+            )
         if restart_count >= max_restarts:
             return RestartDecision(False, reason=f"no restarts left (max_restarts={max_restarts})")
         spent = self._spend(kind)
         if spent is not None:
             return spent
         delay = backoff_delay(restart_count, self.backoff, self.backoff_max)
-        return RestartDecision(True, delay_s=delay, reason=f"restart {restart_count + 1} of {max_restarts}"
-                                                           + (f" after {delay:.2f}s backoff" if delay else ""))
+        return RestartDecision(
+            True,
+            delay_s=delay,
+            reason=f"restart {restart_count + 1} of {max_restarts}" + (f" after {delay:.2f}s backoff" if delay else ""),
+        )
 
 
 @hookimpl
 def fsm_agent_configure(config, agent):
     options = config.plugin_options(PLUGIN_NAME) if config is not None else {}
-    policy = RestartPolicy(backoff=options.get("backoff") or 0.0, backoff_max=options.get("backoff_max") or 60.0,
-                           budgets=parse_budgets(options.get("budgets") or ""),
-                           exclude_node_on=parse_exclude_node_on(options.get("exclude_node_on") or ""))
+    policy = RestartPolicy(
+        backoff=options.get("backoff") or 0.0,
+        backoff_max=options.get("backoff_max") or 60.0,
+        budgets=parse_budgets(options.get("budgets") or ""),
+        exclude_node_on=parse_exclude_node_on(options.get("exclude_node_on") or ""),
+    )
     agent.plugin_manager.register(policy, f"{PLUGIN_NAME}-{id(agent)}")

@@ -72,8 +72,10 @@ def _index(environ: Mapping[str, str], name: str, default: int | None = None) ->
     if not value.isdigit():
         label = JOBSET_VARIABLES.get(name)
         where = f" (the downward API of annotation {label})" if label else ""
-        raise ConfigError(f"{name}={value!r}: not a whole number >= 0{where}; fix the pod's env in the manifest "
-                          f"or give --scheduler none")
+        raise ConfigError(
+            f"{name}={value!r}: not a whole number >= 0{where}; fix the pod's env in the manifest "
+            f"or give --scheduler none"
+        )
     return int(value)
 
 
@@ -94,14 +96,18 @@ def jobset_node_rank(environ: Mapping[str, str]) -> tuple[int, str] | None:
         return pod, COMPLETION_INDEX
     nnodes = environ.get("PET_NNODES", "").strip()
     if not nnodes.isdigit() or replicas < 1 or int(nnodes) % replicas:
-        raise ConfigError(f"JobSet with {replicas} Jobs (JOBSET_GLOBAL_REPLICAS): the node rank is job index x pods "
-                          f"per Job + JOB_COMPLETION_INDEX, and pods per Job is PET_NNODES / JOBSET_GLOBAL_REPLICAS; "
-                          f"set PET_NNODES to the total node count (a multiple of {replicas}, got {nnodes or 'unset'}), "
-                          f"or give --node-rank yourself")
+        raise ConfigError(
+            f"JobSet with {replicas} Jobs (JOBSET_GLOBAL_REPLICAS): the node rank is job index x pods "
+            f"per Job + JOB_COMPLETION_INDEX, and pods per Job is PET_NNODES / JOBSET_GLOBAL_REPLICAS; "
+            f"set PET_NNODES to the total node count (a multiple of {replicas}, got {nnodes or 'unset'}), "
+            f"or give --node-rank yourself"
+        )
     per_job = int(nnodes) // replicas
     if pod >= per_job or job >= replicas:
-        raise ConfigError(f"JobSet: JOB_COMPLETION_INDEX={pod} / JOBSET_JOB_GLOBAL_INDEX={job} lie outside "
-                          f"{replicas} Jobs of {per_job} pods (PET_NNODES={nnodes}); fix the manifest")
+        raise ConfigError(
+            f"JobSet: JOB_COMPLETION_INDEX={pod} / JOBSET_JOB_GLOBAL_INDEX={job} lie outside "
+            f"{replicas} Jobs of {per_job} pods (PET_NNODES={nnodes}); fix the manifest"
+        )
     return job * per_job + pod, f"JOBSET_JOB_GLOBAL_INDEX,{COMPLETION_INDEX},PET_NNODES,JOBSET_GLOBAL_REPLICAS"
 
 
@@ -120,8 +126,10 @@ def discover_kubernetes(environ: Mapping[str, str], scheduler: str = AUTO) -> Di
     if not environ.get(IN_A_POD, "").strip():
         if scheduler == AUTO:
             return None
-        raise ConfigError(f"--scheduler kubernetes: not in a Kubernetes pod ({IN_A_POD} is unset); give "
-                          f"--scheduler none and the rendezvous flags")
+        raise ConfigError(
+            f"--scheduler kubernetes: not in a Kubernetes pod ({IN_A_POD} is unset); give "
+            f"--scheduler none and the rendezvous flags"
+        )
     values: dict[str, object] = {}
     origins: dict[str, str] = {}
     rank = jobset_node_rank(environ)
@@ -134,7 +142,10 @@ def discover_kubernetes(environ: Mapping[str, str], scheduler: str = AUTO) -> Di
         origins["rendezvous.run_id"] = "JOBSET_NAME,JOBSET_RESTART_ATTEMPT"
         coordinator = environ.get("JOBSET_COORDINATOR", "").strip()
         if coordinator:
-            values["rendezvous.endpoint"], origins["rendezvous.endpoint"] = f"{coordinator}:{PORT}", "JOBSET_COORDINATOR"
+            values["rendezvous.endpoint"], origins["rendezvous.endpoint"] = (
+                f"{coordinator}:{PORT}",
+                "JOBSET_COORDINATOR",
+            )
             values["rendezvous.backend"], origins["rendezvous.backend"] = BACKEND, "(its default backend)"
     return DiscoveredJob(scheduler=SCHEDULER, values=values, origins=origins)
 

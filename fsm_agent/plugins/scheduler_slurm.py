@@ -56,8 +56,10 @@ def _number(name: str, value: str) -> int:
     try:
         number = int(value)
     except ValueError:
-        raise ConfigError(f"{name}={value!r}: not an integer, which Slurm always sets; fix the job's "
-                          f"environment or give --scheduler none") from None
+        raise ConfigError(
+            f"{name}={value!r}: not an integer, which Slurm always sets; fix the job's "
+            f"environment or give --scheduler none"
+        ) from None
     if number < 0:
         raise ConfigError(f"{name}={value!r}: negative; fix the job's environment or give --scheduler none")
     return number
@@ -74,8 +76,10 @@ def expand_hosts(name: str, expression: str) -> list[str]:
     try:
         hosts = hostlist.expand_hostlist(expression)
     except hostlist.BadHostlist as exc:
-        raise ConfigError(f"{name}={expression!r}: not a Slurm hostlist ({exc}); fix the job's environment "
-                          f"or give --rdzv-endpoint HOST:PORT") from None
+        raise ConfigError(
+            f"{name}={expression!r}: not a Slurm hostlist ({exc}); fix the job's environment "
+            f"or give --rdzv-endpoint HOST:PORT"
+        ) from None
     if not hosts:
         raise ConfigError(f"{name}={expression!r}: no hosts; give --rdzv-endpoint HOST:PORT")
     return hosts
@@ -88,8 +92,10 @@ def tasks_per_node(name: str, expression: str) -> list[int]:
     try:
         return hostlist.parse_slurm_tasks_per_node(expression)
     except (ValueError, hostlist.BadHostlist) as exc:
-        raise ConfigError(f"{name}={expression!r}: not a Slurm task count list ({exc}); fix the job's "
-                          f"environment or give --scheduler none") from None
+        raise ConfigError(
+            f"{name}={expression!r}: not a Slurm task count list ({exc}); fix the job's "
+            f"environment or give --scheduler none"
+        ) from None
 
 
 def _gpu_count(environ: Mapping[str, str]) -> tuple[str, int] | None:
@@ -120,10 +126,15 @@ def discover_slurm(environ: Mapping[str, str], scheduler: str = AUTO) -> Discove
     if not job_id or not step_id or step_id in _NOT_A_TASK_STEP:
         if scheduler == AUTO:
             return None
-        where = ("not inside a Slurm job (SLURM_JOB_ID is unset)" if not job_id else
-                 "in a batch script's or salloc's shell, not in a job step (SLURM_STEP_ID is unset)")
-        raise ConfigError(f"--scheduler slurm: {where}; start fsm-agent with srun (one task per node), or "
-                          f"give --scheduler none and the rendezvous flags")
+        where = (
+            "not inside a Slurm job (SLURM_JOB_ID is unset)"
+            if not job_id
+            else "in a batch script's or salloc's shell, not in a job step (SLURM_STEP_ID is unset)"
+        )
+        raise ConfigError(
+            f"--scheduler slurm: {where}; start fsm-agent with srun (one task per node), or "
+            f"give --scheduler none and the rendezvous flags"
+        )
     job, step = _number("SLURM_JOB_ID", job_id), _number("SLURM_STEP_ID", step_id)
     restarts = _number("SLURM_RESTART_COUNT", environ.get("SLURM_RESTART_COUNT", "0").strip() or "0")
     values: dict[str, object] = {}
@@ -134,7 +145,10 @@ def discover_slurm(environ: Mapping[str, str], scheduler: str = AUTO) -> Discove
         values["nnodes"], origins["nnodes"] = _number(nodes_var, nodes), nodes_var
     node_id = environ.get("SLURM_NODEID", "").strip()
     if node_id:
-        values["rendezvous.node_rank"], origins["rendezvous.node_rank"] = _number("SLURM_NODEID", node_id), "SLURM_NODEID"
+        values["rendezvous.node_rank"], origins["rendezvous.node_rank"] = (
+            _number("SLURM_NODEID", node_id),
+            "SLURM_NODEID",
+        )
     hosts: list[str] = []
     list_var, expression = _first(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     if list_var is not None:
@@ -155,12 +169,15 @@ def discover_slurm(environ: Mapping[str, str], scheduler: str = AUTO) -> Discove
         per_node = tasks_per_node(counts_var, counts)
         here = per_node[_number("SLURM_NODEID", node_id)] if node_id and int(node_id) < len(per_node) else max(per_node)
         if here > 1:
-            several = (f"Slurm started {here} fsm-agent tasks on this node ({counts_var}={counts}): fsm-agent "
-                       f"starts the workers itself, so run one task per node (srun --ntasks-per-node=1, "
-                       f"and --nproc-per-node for the workers), or give --nnodes and --node-rank yourself "
-                       f"for one launcher per GPU")
-    return DiscoveredJob(scheduler=SCHEDULER, values=values, origins=origins, hosts=tuple(hosts),
-                         several_per_node=several)
+            several = (
+                f"Slurm started {here} fsm-agent tasks on this node ({counts_var}={counts}): fsm-agent "
+                f"starts the workers itself, so run one task per node (srun --ntasks-per-node=1, "
+                f"and --nproc-per-node for the workers), or give --nnodes and --node-rank yourself "
+                f"for one launcher per GPU"
+            )
+    return DiscoveredJob(
+        scheduler=SCHEDULER, values=values, origins=origins, hosts=tuple(hosts), several_per_node=several
+    )
 
 
 @hookimpl

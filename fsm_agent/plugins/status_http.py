@@ -93,8 +93,9 @@ def _read_token(path: str) -> str:
         with open(path, encoding="utf-8") as f:
             token = f.read().strip()
     except OSError as exc:
-        raise ConfigError(f"--status-token-file {path}: cannot read it: {exc.strerror or exc}; "
-                          f"give a readable file holding the token") from None
+        raise ConfigError(
+            f"--status-token-file {path}: cannot read it: {exc.strerror or exc}; give a readable file holding the token"
+        ) from None
     if not token:
         raise ConfigError(f"--status-token-file {path}: the file is empty; write the token into it")
     return token
@@ -102,16 +103,34 @@ def _read_token(path: str) -> str:
 
 @hookimpl
 def fsm_agent_addoption(options):
-    options.add("port", type=int, default=None, flag="--status-port", env="FSM_AGENT_STATUS_PORT",
-                check=_check_port,
-                help="serve live status on http://127.0.0.1:PORT (/status, /statechart, /healthz, POST /drain); "
-                     "0 picks a free port; unset: off")
-    options.add("host", type=str, default=HOST, flag="--status-host", env="FSM_AGENT_STATUS_HOST", check=_check_host,
-                help="address the status endpoint listens on; POST /drain from a non-loopback client needs "
-                     "--status-token-file")
-    options.add("token_file", type=str, default="", flag="--status-token-file", env="FSM_AGENT_STATUS_TOKEN_FILE",
-                help="file holding the bearer token POST /drain needs from a non-loopback client (default: none, "
-                     "loopback clients only)")
+    options.add(
+        "port",
+        type=int,
+        default=None,
+        flag="--status-port",
+        env="FSM_AGENT_STATUS_PORT",
+        check=_check_port,
+        help="serve live status on http://127.0.0.1:PORT (/status, /statechart, /healthz, POST /drain); "
+        "0 picks a free port; unset: off",
+    )
+    options.add(
+        "host",
+        type=str,
+        default=HOST,
+        flag="--status-host",
+        env="FSM_AGENT_STATUS_HOST",
+        check=_check_host,
+        help="address the status endpoint listens on; POST /drain from a non-loopback client needs --status-token-file",
+    )
+    options.add(
+        "token_file",
+        type=str,
+        default="",
+        flag="--status-token-file",
+        env="FSM_AGENT_STATUS_TOKEN_FILE",
+        help="file holding the bearer token POST /drain needs from a non-loopback client (default: none, "
+        "loopback clients only)",
+    )
 
 
 @hookimpl
@@ -192,12 +211,17 @@ class LiveStatus:
             self._state = _state_name(transition.dest)
             self._since, self._since_wall = time.monotonic(), transition.ts
             self._transition_count += 1
-            self._transitions.append({
-                "source": _state_name(transition.source), "dest": _state_name(transition.dest),
-                "trigger": transition.trigger, "ts": transition.ts,
-                "restart_count": transition.restart_count, "duration_s": round(transition.duration_s, 6),
-                "error": transition.error,
-            })
+            self._transitions.append(
+                {
+                    "source": _state_name(transition.source),
+                    "dest": _state_name(transition.dest),
+                    "trigger": transition.trigger,
+                    "ts": transition.ts,
+                    "restart_count": transition.restart_count,
+                    "duration_s": round(transition.duration_s, 6),
+                    "error": transition.error,
+                }
+            )
             if self._state in _STOPPED_STATES:  # _stop_workers ended whatever was still running
                 for row in self._workers.values():
                     if row["state"] == "running":
@@ -221,14 +245,17 @@ class LiveStatus:
         try:
             server = server_class((host, port), _Handler)
         except OSError as exc:
-            raise ConfigError(f"--status-port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}; "
-                              f"choose another port (0 picks a free one) or another --status-host") from None
+            raise ConfigError(
+                f"--status-port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}; "
+                f"choose another port (0 picks a free one) or another --status-host"
+            ) from None
         server.daemon_threads = True
         server.status = self  # type: ignore[attr-defined]
         self._server = server
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{server.server_address[1]}"
-        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="fsm-agent-status-http", daemon=True)
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="fsm-agent-status-http", daemon=True
+        )
         self._thread.start()
 
     def close(self) -> None:
@@ -248,12 +275,16 @@ class LiveStatus:
         """
         if not _is_loopback(client):
             if self._token is None:
-                return 403, {"error": f"POST /drain from {client} refused: only loopback clients may drain "
-                                      f"unless the agent has --status-token-file"}
+                return 403, {
+                    "error": f"POST /drain from {client} refused: only loopback clients may drain "
+                    f"unless the agent has --status-token-file"
+                }
             given = (authorization or "").removeprefix("Bearer ").strip()
             if not hmac.compare_digest(given.encode(), self._token.encode()):
-                return 401, {"error": f"POST /drain from {client} refused: missing or wrong bearer token "
-                                      f"(Authorization: Bearer <token of --status-token-file>)"}
+                return 401, {
+                    "error": f"POST /drain from {client} refused: missing or wrong bearer token "
+                    f"(Authorization: Bearer <token of --status-token-file>)"
+                }
         try:
             taken = self._agent.request_drain(scope=scope, source="http", by=client)
         except ValueError as exc:
@@ -318,9 +349,11 @@ class LiveStatus:
             self._chart = _mermaid()
         with self._lock:
             state = self._state
-        return (self._chart.rstrip("\n")
-                + "\n  classDef current fill:#ffd54f,stroke:#e65100,stroke-width:3px"
-                + f"\n  class {state} current\n")
+        return (
+            self._chart.rstrip("\n")
+            + "\n  classDef current fill:#ffd54f,stroke:#e65100,stroke-width:3px"
+            + f"\n  class {state} current\n"
+        )
 
 
 class _ThreadingHTTPServerV6(ThreadingHTTPServer):
@@ -341,8 +374,15 @@ def _state_name(state: Any) -> str:
 
 
 def _worker_row(worker: Any, state: str) -> dict[str, Any]:
-    return {"local_rank": worker.local_rank, "global_rank": worker.global_rank, "role_rank": worker.role_rank,
-            "world_size": worker.world_size, "pid": worker.id, "state": state, "exit_code": None}
+    return {
+        "local_rank": worker.local_rank,
+        "global_rank": worker.global_rank,
+        "role_rank": worker.role_rank,
+        "world_size": worker.world_size,
+        "pid": worker.id,
+        "state": state,
+        "exit_code": None,
+    }
 
 
 def _run_id(agent: Any) -> str | None:
@@ -379,8 +419,9 @@ class _Handler(BaseHTTPRequestHandler):
                 try:
                     count = int(query.get("transitions", [TRANSITIONS_SHOWN])[0])
                 except ValueError:
-                    return self._send(400, "application/json",
-                                      json.dumps({"error": "transitions must be an integer"}) + "\n")
+                    return self._send(
+                        400, "application/json", json.dumps({"error": "transitions must be an integer"}) + "\n"
+                    )
                 doc = status.snapshot(max(0, min(count, TRANSITIONS_KEPT)))
                 self._send(200, "application/json", json.dumps(doc, indent=2, default=str) + "\n")
                 status._last_read = time.monotonic()
@@ -391,8 +432,12 @@ class _Handler(BaseHTTPRequestHandler):
             elif url.path == "/healthz":
                 self._send(200, "text/plain; charset=utf-8", "ok\n")
             else:
-                self._send(404, "application/json", json.dumps(
-                    {"error": f"no such path {url.path!r}", "paths": ["/status", "/statechart", "/healthz"]}) + "\n")
+                self._send(
+                    404,
+                    "application/json",
+                    json.dumps({"error": f"no such path {url.path!r}", "paths": ["/status", "/statechart", "/healthz"]})
+                    + "\n",
+                )
         except Exception as exc:  # never take the agent down from the status thread
             log.exception("status request %s failed", self.path)
             self._send(500, "application/json", json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
@@ -402,8 +447,11 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         try:
             if url.path not in ("/drain", "/drain/"):
-                return self._send(404, "application/json", json.dumps(
-                    {"error": f"no such path {url.path!r} for POST", "paths": ["/drain"]}) + "\n")
+                return self._send(
+                    404,
+                    "application/json",
+                    json.dumps({"error": f"no such path {url.path!r} for POST", "paths": ["/drain"]}) + "\n",
+                )
             length = int(self.headers.get("Content-Length") or 0)
             if length:
                 self.rfile.read(min(length, 65536))  # a body is allowed, and ignored

@@ -73,13 +73,33 @@ def _rounded(seconds: float | None) -> float | None:
 
 @hookimpl
 def fsm_agent_addoption(options):
-    options.add("window", type=float, default=0.0, flag="--straggler-window", env="FSM_AGENT_STRAGGLER_WINDOW",
-                check=_non_negative, help="seconds between step-time publications to the rendezvous store "
-                                          "(fsm_agent.heartbeat(step=N)); 0: off")
-    options.add("factor", type=float, default=1.5, flag="--straggler-factor", env="FSM_AGENT_STRAGGLER_FACTOR",
-                check=_above_one, help="a rank slower than this many times the job's median step time is slow")
-    options.add("windows", type=int, default=3, flag="--straggler-windows", env="FSM_AGENT_STRAGGLER_WINDOWS",
-                check=_at_least_one, help="consecutive slow windows that make a rank a straggler")
+    options.add(
+        "window",
+        type=float,
+        default=0.0,
+        flag="--straggler-window",
+        env="FSM_AGENT_STRAGGLER_WINDOW",
+        check=_non_negative,
+        help="seconds between step-time publications to the rendezvous store (fsm_agent.heartbeat(step=N)); 0: off",
+    )
+    options.add(
+        "factor",
+        type=float,
+        default=1.5,
+        flag="--straggler-factor",
+        env="FSM_AGENT_STRAGGLER_FACTOR",
+        check=_above_one,
+        help="a rank slower than this many times the job's median step time is slow",
+    )
+    options.add(
+        "windows",
+        type=int,
+        default=3,
+        flag="--straggler-windows",
+        env="FSM_AGENT_STRAGGLER_WINDOWS",
+        check=_at_least_one,
+        help="consecutive slow windows that make a rank a straggler",
+    )
 
 
 class StepTimes:
@@ -127,12 +147,17 @@ class StepTimes:
         agent, store = self._agent, group.store
         clock = self._clock
         times = clock.sample(agent.worker_steps(), now, agent.worker_compute())
-        mine = [[w.global_rank, w.local_rank, round(times[w.local_rank], 6), _rounded(clock.compute.get(w.local_rank))]
-                for w in group.workers if w.local_rank in times]
+        mine = [
+            [w.global_rank, w.local_rank, round(times[w.local_rank], 6), _rounded(clock.compute.get(w.local_rank))]
+            for w in group.workers
+            if w.local_rank in times
+        ]
         self._seq += 1
         prefix = f"{STORE_PREFIX}/{agent.restart_count}"
-        store.set(f"{prefix}/node/{group.group_rank}", json.dumps(
-            {"host": agent.hostname, "node_rank": group.group_rank, "seq": self._seq, "ranks": mine}))
+        store.set(
+            f"{prefix}/node/{group.group_rank}",
+            json.dumps({"host": agent.hostname, "node_rank": group.group_rank, "seq": self._seq, "ranks": mine}),
+        )
         if group.group_rank == 0:
             ranks, verdict = self._judge_window(store, prefix, group.group_world_size or 1)
             store.set(f"{prefix}/job", json.dumps(verdict))
@@ -144,9 +169,12 @@ class StepTimes:
         if not (flagged and self.exclude):
             return None
         s = flagged[0]
-        return NodeProblem(f"rank {s['global_rank']} (local_rank {s['local_rank']}) is a straggler: {s['factor']}x "
-                           f"the job's median {_WHAT[s['basis']]} {s['median_s']:.4f}s for {s['windows']} windows",
-                           FailureClass.STRAGGLER, global_rank=s["global_rank"])
+        return NodeProblem(
+            f"rank {s['global_rank']} (local_rank {s['local_rank']}) is a straggler: {s['factor']}x "
+            f"the job's median {_WHAT[s['basis']]} {s['median_s']:.4f}s for {s['windows']} windows",
+            FailureClass.STRAGGLER,
+            global_rank=s["global_rank"],
+        )
 
     def _judge_window(self, store: Any, prefix: str, world: int) -> tuple[list[RankTime], dict[str, Any]]:
         keys = [f"{prefix}/node/{r}" for r in range(world)]
@@ -164,13 +192,27 @@ class StepTimes:
                 if new:
                     fresh.add(g)
         for s in self._judge.judge(ranks, fresh):
-            log.warning("straggler: rank %s (local_rank %s) on %s (node rank %s): %.2fx the job's median %s "
-                        "%.4fs for %s windows", s.global_rank, s.local_rank, s.host, s.node_rank, s.factor,
-                        _WHAT[s.basis], s.median_s, s.windows)
+            log.warning(
+                "straggler: rank %s (local_rank %s) on %s (node rank %s): %.2fx the job's median %s "
+                "%.4fs for %s windows",
+                s.global_rank,
+                s.local_rank,
+                s.host,
+                s.node_rank,
+                s.factor,
+                _WHAT[s.basis],
+                s.median_s,
+                s.windows,
+            )
             self._agent.record_event("straggler", **attrs.asdict(s))
         judge = self._judge
-        verdict = {"window": judge.window, "median_s": judge.median_s, "basis": judge.basis, "ranks": len(ranks),
-                   "stragglers": [attrs.asdict(s) for s in judge.active.values()]}
+        verdict = {
+            "window": judge.window,
+            "median_s": judge.median_s,
+            "basis": judge.basis,
+            "ranks": len(ranks),
+            "stragglers": [attrs.asdict(s) for s in judge.active.values()],
+        }
         return ranks, verdict
 
     def _read_verdict(self, store: Any, key: str) -> dict[str, Any]:
@@ -184,12 +226,28 @@ class StepTimes:
         """``/status``'s ``step_times``, the metrics and the ``step_times`` event of one window."""
         median, basis = verdict.get("median_s"), verdict.get("basis", STEP)
         slow = {s["global_rank"] for s in verdict.get("stragglers", [])}
-        rows = [{"global_rank": r.global_rank, "local_rank": r.local_rank, "node_rank": r.node_rank, "host": r.host,
-                 "step_time_s": r.step_time_s, "compute_s": r.compute_s, "ratio": ratio(r.time_s(basis), median),
-                 "straggler": r.global_rank in slow}
-                for r in sorted(ranks, key=lambda r: r.global_rank)]
-        view = {"window_s": self.window_s, "factor": self.factor, "windows": self.windows, "basis": basis,
-                "median_s": median, "stragglers": verdict.get("stragglers", []), "ranks": rows}
+        rows = [
+            {
+                "global_rank": r.global_rank,
+                "local_rank": r.local_rank,
+                "node_rank": r.node_rank,
+                "host": r.host,
+                "step_time_s": r.step_time_s,
+                "compute_s": r.compute_s,
+                "ratio": ratio(r.time_s(basis), median),
+                "straggler": r.global_rank in slow,
+            }
+            for r in sorted(ranks, key=lambda r: r.global_rank)
+        ]
+        view = {
+            "window_s": self.window_s,
+            "factor": self.factor,
+            "windows": self.windows,
+            "basis": basis,
+            "median_s": median,
+            "stragglers": verdict.get("stragglers", []),
+            "ranks": rows,
+        }
         self._agent.step_times = view
         agent = self._agent
         if median is not None:
@@ -211,12 +269,26 @@ def fsm_agent_configure(config, agent):
     exclude = FailureClass.STRAGGLER in (name.strip() for name in excluded.split(","))
     if window <= 0:
         if exclude:  # nothing would ever find a straggler to exclude
-            raise ConfigError("--exclude-node-on straggler needs --straggler-window S (seconds > 0, e.g. "
-                              "--straggler-window 30): without it no step times are judged")
+            raise ConfigError(
+                "--exclude-node-on straggler needs --straggler-window S (seconds > 0, e.g. "
+                "--straggler-window 30): without it no step times are judged"
+            )
         return
     agent.track_steps()
     agent.plugin_manager.register(
-        StepTimes(agent, window, factor=float(options.get("factor") or 1.5), windows=int(options.get("windows") or 3),
-                  exclude=exclude), f"{PLUGIN_NAME}-{id(agent)}")
-    log.info("step times every %gs (straggler: above %gx the median for %s windows%s)", window,
-             options.get("factor") or 1.5, options.get("windows") or 3, "; excluded" if exclude else "")
+        StepTimes(
+            agent,
+            window,
+            factor=float(options.get("factor") or 1.5),
+            windows=int(options.get("windows") or 3),
+            exclude=exclude,
+        ),
+        f"{PLUGIN_NAME}-{id(agent)}",
+    )
+    log.info(
+        "step times every %gs (straggler: above %gx the median for %s windows%s)",
+        window,
+        options.get("factor") or 1.5,
+        options.get("windows") or 3,
+        "; excluded" if exclude else "",
+    )

@@ -110,15 +110,16 @@ def table_rows(table: Sequence[Row], states: Iterable[Any] = STATES) -> list[Tab
         names = all_states if "*" in sources else [state_name(s) for s in sources]
         dest = row.get("dest")
         callbacks = tuple((key, cb) for key in CALLBACK_KEYS for cb in _as_list(row.get(key)))
-        rows.append(TableRow(
-            index=index,
-            trigger=str(row["trigger"]),
-            sources=tuple(names),
-            dest=None if dest is None else state_name(dest),
-            callbacks=callbacks,
-            **{key: tuple(callback_name(cb) for cb in _as_list(row.get(key)))
-               for key in CALLBACK_KEYS},
-        ))
+        rows.append(
+            TableRow(
+                index=index,
+                trigger=str(row["trigger"]),
+                sources=tuple(names),
+                dest=None if dest is None else state_name(dest),
+                callbacks=callbacks,
+                **{key: tuple(callback_name(cb) for cb in _as_list(row.get(key))) for key in CALLBACK_KEYS},
+            )
+        )
     return rows
 
 
@@ -149,8 +150,7 @@ def check_states_declared(table: Sequence[Row], states: Iterable[Any] = STATES) 
     for row in table_rows(table, declared):
         for name in [*row.sources, *([row.dest] if row.dest not in (None, "=") else [])]:
             if name not in declared:
-                problems.append(f"{row.describe()}: state {name!r} is not declared "
-                                f"(declared: {', '.join(declared)})")
+                problems.append(f"{row.describe()}: state {name!r} is not declared (declared: {', '.join(declared)})")
     return problems
 
 
@@ -158,12 +158,19 @@ def check_reachable(table: Sequence[Row], initial: Any = INITIAL, states: Iterab
     """Every declared state is reachable from ``initial`` (guards ignored)."""
     declared = [state_name(s) for s in states]
     reached = _reachable([state_name(initial)], _edges(table_rows(table, declared)))
-    return [f"state {name} is unreachable from {state_name(initial)}: no chain of rows leads to it"
-            for name in declared if name not in reached]
+    return [
+        f"state {name} is unreachable from {state_name(initial)}: no chain of rows leads to it"
+        for name in declared
+        if name not in reached
+    ]
 
 
-def check_can_terminate(table: Sequence[Row], states: Iterable[Any] = STATES,
-                        terminal: Iterable[Any] = TERMINAL, outcomes: Iterable[Any] = OUTCOMES) -> Problems:
+def check_can_terminate(
+    table: Sequence[Row],
+    states: Iterable[Any] = STATES,
+    terminal: Iterable[Any] = TERMINAL,
+    outcomes: Iterable[Any] = OUTCOMES,
+) -> Problems:
     """Every non-terminal state can reach one of ``outcomes`` (SUCCEEDED or FAILED)."""
     declared = [state_name(s) for s in states]
     terminal_names = {state_name(s) for s in terminal}
@@ -173,16 +180,24 @@ def check_can_terminate(table: Sequence[Row], states: Iterable[Any] = STATES,
         for dest in dests:
             reverse.setdefault(dest, set()).add(source)
     can_finish = _reachable(goals, reverse)
-    return [f"state {name} cannot reach {' or '.join(goals)}: a run entering it never ends"
-            for name in declared if name not in terminal_names and name not in can_finish]
+    return [
+        f"state {name} cannot reach {' or '.join(goals)}: a run entering it never ends"
+        for name in declared
+        if name not in terminal_names and name not in can_finish
+    ]
 
 
-def check_terminal_absorbing(table: Sequence[Row], terminal: Iterable[Any] = TERMINAL,
-                             states: Iterable[Any] = STATES) -> Problems:
+def check_terminal_absorbing(
+    table: Sequence[Row], terminal: Iterable[Any] = TERMINAL, states: Iterable[Any] = STATES
+) -> Problems:
     """No row leaves a terminal state (a ``"*"`` source counts as leaving every state)."""
     terminal_names = [state_name(s) for s in terminal]
-    return [f"{row.describe()} leaves terminal state {source}; terminal states have no exits"
-            for row in table_rows(table, states) for source in row.sources if source in terminal_names]
+    return [
+        f"{row.describe()} leaves terminal state {source}; terminal states have no exits"
+        for row in table_rows(table, states)
+        for source in row.sources
+        if source in terminal_names
+    ]
 
 
 def check_callbacks_resolve(table: Sequence[Row], model_cls: type) -> Problems:
@@ -196,20 +211,24 @@ def check_callbacks_resolve(table: Sequence[Row], model_cls: type) -> Problems:
                 continue
             attribute = getattr(model_cls, callback, None)
             if attribute is None:
-                problems.append(f"{row.describe()}: {key}={callback!r} is not an attribute of "
-                                f"{model_cls.__name__}")
+                problems.append(f"{row.describe()}: {key}={callback!r} is not an attribute of {model_cls.__name__}")
             elif not callable(attribute):
-                problems.append(f"{row.describe()}: {key}={callback!r} is not a method of "
-                                f"{model_cls.__name__} (found {type(attribute).__name__})")
+                problems.append(
+                    f"{row.describe()}: {key}={callback!r} is not a method of "
+                    f"{model_cls.__name__} (found {type(attribute).__name__})"
+                )
     return problems
 
 
 def check_triggers_bindable(table: Sequence[Row], model_cls: type) -> Problems:
     """No trigger is already an attribute of ``model_cls``: transitions would skip binding it."""
     triggers = dict.fromkeys(row.trigger for row in table_rows(table))
-    return [f"trigger {trigger!r} is already an attribute of {model_cls.__name__}: transitions would "
-            f"not bind it (only a warning) and firing it would call the attribute instead"
-            for trigger in triggers if hasattr(model_cls, trigger)]
+    return [
+        f"trigger {trigger!r} is already an attribute of {model_cls.__name__}: transitions would "
+        f"not bind it (only a warning) and firing it would call the attribute instead"
+        for trigger in triggers
+        if hasattr(model_cls, trigger)
+    ]
 
 
 def _enabled(row: TableRow, truth: dict[str, bool]) -> bool:
@@ -243,11 +262,16 @@ def check_deterministic(table: Sequence[Row], states: Iterable[Any] = STATES) ->
                 continue
             when = ", ".join(f"{g}={v}" for g, v in truth.items()) or "always"
             if enabled:
-                problems.append(f"{source} --{trigger}--> is ambiguous when {when}: "
-                                + " and ".join(row.describe() for row in enabled) + " are all enabled")
+                problems.append(
+                    f"{source} --{trigger}--> is ambiguous when {when}: "
+                    + " and ".join(row.describe() for row in enabled)
+                    + " are all enabled"
+                )
             else:
-                problems.append(f"{source} --{trigger}--> has no enabled row when {when}: add the "
-                                f"complementary row (conditions=X paired with unless=X)")
+                problems.append(
+                    f"{source} --{trigger}--> has no enabled row when {when}: add the "
+                    f"complementary row (conditions=X paired with unless=X)"
+                )
             break  # one counter-example per (state, trigger) is enough
     return problems
 
@@ -264,13 +288,21 @@ def check_decided_alike(table: Sequence[Row], states: Iterable[Any] = STATES) ->
         ways = {row.prepare for row in rows}
         if len(ways) > 1:
             described = "; ".join(f"{row.describe()} prepares {list(row.prepare) or 'nothing'}" for row in rows)
-            problems.append(f"{source} --{trigger}--> rows decide differently: {described}; give every row "
-                            f"of the trigger the same prepare step")
+            problems.append(
+                f"{source} --{trigger}--> rows decide differently: {described}; give every row "
+                f"of the trigger the same prepare step"
+            )
     return problems
 
 
-def check_all(table: Sequence[Row], model_cls: type, *, states: Iterable[Any] = STATES,
-              initial: Any = INITIAL, terminal: Iterable[Any] = TERMINAL) -> Problems:
+def check_all(
+    table: Sequence[Row],
+    model_cls: type,
+    *,
+    states: Iterable[Any] = STATES,
+    initial: Any = INITIAL,
+    terminal: Iterable[Any] = TERMINAL,
+) -> Problems:
     """Every check above; returns all their problems (empty: the table is sound)."""
     states = list(states)
     checks: list[Callable[[], Problems]] = [

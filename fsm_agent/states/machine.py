@@ -10,9 +10,9 @@ from transitions import Machine
 from fsm_agent.states.table import INITIAL, STATES, TERMINAL, TRANSITIONS, Row
 
 MACHINE_OPTIONS: dict[str, Any] = dict(
-    auto_transitions=False,   # no to_<state>(): only the table moves the state
-    queued=True,              # a trigger fired from a callback runs after the current transition
-    send_event=True,          # every callback gets one EventData
+    auto_transitions=False,  # no to_<state>(): only the table moves the state
+    queued=True,  # a trigger fired from a callback runs after the current transition
+    send_event=True,  # every callback gets one EventData
     ignore_invalid_triggers=False,
 )
 

@@ -37,7 +37,7 @@ STATE_NOTES = (
     "A hot spare (standby) sits in INIT: with more nodes than `MAX` (`--nnodes MIN:MAX`), the "
     "rendezvous keeps the extra ones waiting inside `_rendezvous`, the `before` step of `start`, "
     "so they run no workers and fire no transition (the `fsm` backend tells the agent, which "
-    "logs \"standby: the job has MAX nodes\", records a `standby` event and shows `standby` in "
+    'logs "standby: the job has MAX nodes", records a `standby` event and shows `standby` in '
     "`/status`; `c10d` and `etcd-v3` keep them in torch's redundancy list). A node lost or excluded "
     "from the running round lets one standby take its seat in the next round: `start` fires on "
     "the standby, while the survivors go HEALTHY -> STOPPED by `membership_changed` and back by "
@@ -53,8 +53,12 @@ HOOKS_BY_STEP: dict[str, tuple[str, ...]] = {
     "_decide_on_failed_workers": ("fsm_agent_record_event", "fsm_agent_restart_policy"),
     "_decide_on_membership_change": ("fsm_agent_record_event", "fsm_agent_restart_policy"),
     "_rendezvous": ("fsm_agent_rendezvous_completed",),
-    "_start_workers": ("fsm_agent_worker_env", "fsm_agent_workers_started", "fsm_agent_put_metric",
-                       "fsm_agent_record_event"),
+    "_start_workers": (
+        "fsm_agent_worker_env",
+        "fsm_agent_workers_started",
+        "fsm_agent_put_metric",
+        "fsm_agent_record_event",
+    ),
     "_stop_workers": (),
     "_count_restart": (),
     "_record_unhealthy": (),
@@ -115,18 +119,24 @@ def hook_map_problems(transitions: Sequence[Row] | None = None) -> list[str]:
         mapped = {step for step, hooks in HOOKS_BY_STEP.items() if hook in hooks}
         documented = {name for name in _backticked(text) if name in table_steps | HOOKS_BY_STEP.keys()}
         if mapped != documented:
-            problems.append(f"{hook}: HOOKS_BY_STEP says it is fired by {sorted(mapped) or 'no step'}, "
-                            f"its 'Called from:' names {sorted(documented) or 'no step'}")
+            problems.append(
+                f"{hook}: HOOKS_BY_STEP says it is fired by {sorted(mapped) or 'no step'}, "
+                f"its 'Called from:' names {sorted(documented) or 'no step'}"
+            )
         if documented:
             named = _backticked(text) & triggers
             running = {row.trigger for row in rows if documented & set(row.steps)}
             if named != running:
-                problems.append(f"{hook}: 'Called from:' names transitions {sorted(named)}, but the rows "
-                                f"running {sorted(documented)} are {sorted(running)}")
+                problems.append(
+                    f"{hook}: 'Called from:' names transitions {sorted(named)}, but the rows "
+                    f"running {sorted(documented)} are {sorted(running)}"
+                )
         every = bool(re.search(r"\bevery transition\b", text, re.IGNORECASE))
         if every != (hook in HOOKS_AFTER_EVERY_TRANSITION):
-            problems.append(f"{hook}: 'Called from:' {'says' if every else 'does not say'} 'every transition', "
-                            f"but it is {'not ' if every else ''}in HOOKS_AFTER_EVERY_TRANSITION")
+            problems.append(
+                f"{hook}: 'Called from:' {'says' if every else 'does not say'} 'every transition', "
+                f"but it is {'not ' if every else ''}in HOOKS_AFTER_EVERY_TRANSITION"
+            )
     return problems
 
 
@@ -146,8 +156,10 @@ def hooks_fired(row: TableRow) -> list[str]:
     hooks: list[str] = []
     for step in row.steps:
         if step not in HOOKS_BY_STEP:
-            raise ValueError(f"step {step!r} ({row.describe()}) is not in HOOKS_BY_STEP: add it to "
-                             f"fsm_agent/states/statechart.py with the hooks it fires")
+            raise ValueError(
+                f"step {step!r} ({row.describe()}) is not in HOOKS_BY_STEP: add it to "
+                f"fsm_agent/states/statechart.py with the hooks it fires"
+            )
         hooks.extend(HOOKS_BY_STEP[step])
     return [*hooks, *HOOKS_AFTER_EVERY_TRANSITION]
 
@@ -166,16 +178,21 @@ def render_mermaid(transitions: Sequence[Row] | None = None) -> str:
     from transitions.extensions import HierarchicalGraphMachine  # the flat one omits "final --> [*]"
 
     model = _DiagramModel()
-    build_machine(model, transitions, machine_cls=HierarchicalGraphMachine, graph_engine="mermaid",
-                  show_conditions=True, show_auto_transitions=False)
+    build_machine(
+        model,
+        transitions,
+        machine_cls=HierarchicalGraphMachine,
+        graph_engine="mermaid",
+        show_conditions=True,
+        show_auto_transitions=False,
+    )
     lines = model.get_graph().draw(None).splitlines()  # type: ignore[attr-defined]  # added by the machine
     # transitions writes its title as a bare "---\n<title>\n---" front matter, which Mermaid ignores
     # (not a YAML mapping): drop it, and write a "title:" front matter instead.
     if lines and lines[0].strip() == "---":
         end = next((i for i in range(1, len(lines)) if lines[i].strip() == "---"), 0)
-        lines = lines[end + 1:]
-    kept = [line.rstrip() for line in lines
-            if not line.lstrip().startswith(("Class ", "classDef "))]
+        lines = lines[end + 1 :]
+    kept = [line.rstrip() for line in lines if not line.lstrip().startswith(("Class ", "classDef "))]
     return "\n".join(["---", f"title: {TITLE}", "---", *kept]).rstrip() + "\n"
 
 
@@ -230,8 +247,8 @@ def render_markdown(transitions: Sequence[Row] | None = None) -> str:
         *(line for note in STATE_NOTES for line in (note, "")),
         "## Transitions",
         "",
-        "One line per row of the table, in table order. A guard `x` means `conditions=\"x\"`, `!x` means "
-        "`unless=\"x\"`. Steps are `ElasticAgent` methods: a `prepare` step decides (it asks the hook that "
+        'One line per row of the table, in table order. A guard `x` means `conditions="x"`, `!x` means '
+        '`unless="x"`. Steps are `ElasticAgent` methods: a `prepare` step decides (it asks the hook that '
         "decides the row, once per event, before the guards read the decision), `before` steps run before "
         "the state changes (one that raises leaves the group in its source state), `after` steps once it "
         "has changed. "
@@ -243,14 +260,20 @@ def render_markdown(transitions: Sequence[Row] | None = None) -> str:
         "|---|---|---|---|---|---|",
     ]
     for row in rows:
-        cells = [", ".join(row.sources), f"`{row.trigger}`", str(row.dest),
-                 _code([row.guard]) if row.guard else "", _steps(row), _code(hooks_fired(row))]
+        cells = [
+            ", ".join(row.sources),
+            f"`{row.trigger}`",
+            str(row.dest),
+            _code([row.guard]) if row.guard else "",
+            _steps(row),
+            _code(hooks_fired(row)),
+        ]
         lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
     lines += [
         "",
         "## Hooks",
         "",
-        "Where each hook of `fsm_agent/plugins/hookspecs.py` is called from (its \"Called from:\" section).",
+        'Where each hook of `fsm_agent/plugins/hookspecs.py` is called from (its "Called from:" section).',
         "",
         "| Hook | Called from |",
         "|---|---|",
@@ -271,10 +294,17 @@ def render_json(transitions: Sequence[Row] | None = None) -> str:
         "terminal": [state_name(s) for s in TERMINAL],
         "auto_triggers": {state_name(s): trigger for s, trigger in AUTO_TRIGGERS.items()},
         "transitions": [
-            {"trigger": row.trigger, "source": list(row.sources), "dest": row.dest,
-             "conditions": list(row.conditions), "unless": list(row.unless),
-             "prepare": list(row.prepare), "before": list(row.before), "after": list(row.after),
-             "hooks": hooks_fired(row)}
+            {
+                "trigger": row.trigger,
+                "source": list(row.sources),
+                "dest": row.dest,
+                "conditions": list(row.conditions),
+                "unless": list(row.unless),
+                "prepare": list(row.prepare),
+                "before": list(row.before),
+                "after": list(row.after),
+                "hooks": hooks_fired(row),
+            }
             for row in _rows(transitions)
         ],
     }
@@ -305,10 +335,15 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
         prog="fsm-agent statechart",
         description="Print the worker-group statechart, rendered from fsm_agent/states/table.py. "
-                    f"docs/statechart.md is its Markdown output: {REGENERATE_COMMAND}")
-    parser.add_argument("--format", choices=FORMATS, default="markdown",
-                        help="mermaid: stateDiagram-v2 text; markdown (default): the diagram and the "
-                             "transition table, as in docs/statechart.md; json: states and transitions")
+        f"docs/statechart.md is its Markdown output: {REGENERATE_COMMAND}",
+    )
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="markdown",
+        help="mermaid: stateDiagram-v2 text; markdown (default): the diagram and the "
+        "transition table, as in docs/statechart.md; json: states and transitions",
+    )
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     sys.stdout.write(render(args.format))
     return 0

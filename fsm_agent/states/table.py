@@ -36,21 +36,23 @@ _DECIDE_ON_DRAIN = "_decide_on_drain"
 
 TRANSITIONS: list[Row] = [
     # -- starting: rendezvous, assign ranks, spawn the workers ----------------------------------
-    dict(trigger="start", source=S.INIT, dest=S.HEALTHY,
-         before=["_rendezvous", "_start_workers"]),
-    dict(trigger="restart", source=S.STOPPED, dest=S.HEALTHY,
-         before=["_backoff", "_rendezvous", "_start_workers"]),
+    dict(trigger="start", source=S.INIT, dest=S.HEALTHY, before=["_rendezvous", "_start_workers"]),
+    dict(trigger="restart", source=S.STOPPED, dest=S.HEALTHY, before=["_backoff", "_rendezvous", "_start_workers"]),
     # -- while the workers run ------------------------------------------------------------------
     # Data: hung={local_rank: why}.
-    dict(trigger="workers_hung", source=S.HEALTHY, dest=S.UNHEALTHY,
-         before=["_record_unhealthy", "_dump_worker_stacks"]),
+    dict(
+        trigger="workers_hung", source=S.HEALTHY, dest=S.UNHEALTHY, before=["_record_unhealthy", "_dump_worker_stacks"]
+    ),
     # A health-check plugin found the node unhealthy: its workers count as failed (class
     # health_check). Data: problem="what the plugins said".
-    dict(trigger="health_check_failed", source=S.HEALTHY, dest=S.UNHEALTHY,
-         before="_record_unhealthy"),
+    dict(trigger="health_check_failed", source=S.HEALTHY, dest=S.UNHEALTHY, before="_record_unhealthy"),
     # Data: return_values={global_rank: value} (callable entrypoints).
-    dict(trigger="workers_succeeded", source=_RUNNING, dest=S.SUCCEEDED,
-         before=["_record_return_values", "_exit_barrier"]),
+    dict(
+        trigger="workers_succeeded",
+        source=_RUNNING,
+        dest=S.SUCCEEDED,
+        before=["_record_return_values", "_exit_barrier"],
+    ),
     # The restart policy decides: restart; take only this node out (it leaves without releasing
     # the exit barrier, so the others re-rendezvous without it); or give up the job.
     # Data from HEALTHY: exits={local_rank: exitcode} of the failed workers, exit_times={local_rank:
@@ -59,35 +61,66 @@ TRANSITIONS: list[Row] = [
     # Rows that end a cycle (workers_failed, membership_changed, workers_succeeded) may also carry
     # progress={"last_step": N, "checkpoint_step": M} (replay); else the step reads what the
     # workers reported (fsm_agent.progress).
-    dict(trigger="workers_failed", source=_RUNNING, dest=S.STOPPED,
-         prepare=_DECIDE_ON_FAILURE, conditions="has_restarts_left",
-         before="_stop_workers", after="_count_restart"),
-    dict(trigger="workers_failed", source=_RUNNING, dest=S.FAILED,
-         prepare=_DECIDE_ON_FAILURE, conditions="excludes_this_node", unless="has_restarts_left",
-         before="_stop_workers"),
-    dict(trigger="workers_failed", source=_RUNNING, dest=S.FAILED,
-         prepare=_DECIDE_ON_FAILURE, unless=["has_restarts_left", "excludes_this_node"],
-         before=["_stop_workers", "_release_exit_barrier"]),
+    dict(
+        trigger="workers_failed",
+        source=_RUNNING,
+        dest=S.STOPPED,
+        prepare=_DECIDE_ON_FAILURE,
+        conditions="has_restarts_left",
+        before="_stop_workers",
+        after="_count_restart",
+    ),
+    dict(
+        trigger="workers_failed",
+        source=_RUNNING,
+        dest=S.FAILED,
+        prepare=_DECIDE_ON_FAILURE,
+        conditions="excludes_this_node",
+        unless="has_restarts_left",
+        before="_stop_workers",
+    ),
+    dict(
+        trigger="workers_failed",
+        source=_RUNNING,
+        dest=S.FAILED,
+        prepare=_DECIDE_ON_FAILURE,
+        unless=["has_restarts_left", "excludes_this_node"],
+        before=["_stop_workers", "_release_exit_barrier"],
+    ),
     # A node lost or waiting to join: by default a restart that is not counted (torch semantics).
     # Data: change="node_lost" | "membership_change".
-    dict(trigger="membership_changed", source=S.HEALTHY, dest=S.STOPPED,
-         prepare=_DECIDE_ON_MEMBERSHIP, conditions="has_restarts_left",
-         before="_stop_workers"),
-    dict(trigger="membership_changed", source=S.HEALTHY, dest=S.FAILED,
-         prepare=_DECIDE_ON_MEMBERSHIP, conditions="excludes_this_node", unless="has_restarts_left",
-         before="_stop_workers"),
-    dict(trigger="membership_changed", source=S.HEALTHY, dest=S.FAILED,
-         prepare=_DECIDE_ON_MEMBERSHIP, unless=["has_restarts_left", "excludes_this_node"],
-         before=["_stop_workers", "_release_exit_barrier"]),
+    dict(
+        trigger="membership_changed",
+        source=S.HEALTHY,
+        dest=S.STOPPED,
+        prepare=_DECIDE_ON_MEMBERSHIP,
+        conditions="has_restarts_left",
+        before="_stop_workers",
+    ),
+    dict(
+        trigger="membership_changed",
+        source=S.HEALTHY,
+        dest=S.FAILED,
+        prepare=_DECIDE_ON_MEMBERSHIP,
+        conditions="excludes_this_node",
+        unless="has_restarts_left",
+        before="_stop_workers",
+    ),
+    dict(
+        trigger="membership_changed",
+        source=S.HEALTHY,
+        dest=S.FAILED,
+        prepare=_DECIDE_ON_MEMBERSHIP,
+        unless=["has_restarts_left", "excludes_this_node"],
+        before=["_stop_workers", "_release_exit_barrier"],
+    ),
     # -- the ways out that are not the workers' doing -------------------------------------------
     # The rendezvous or its store failed: while joining, or while checking membership.
     # Data: error="what failed".
-    dict(trigger="rendezvous_failed", source=_LIVE, dest=S.FAILED,
-         before=["_record_error", "_stop_workers"]),
+    dict(trigger="rendezvous_failed", source=_LIVE, dest=S.FAILED, before=["_record_error", "_stop_workers"]),
     # A node beyond max_nodes whose rendezvous closed: nothing to do, a clean exit.
     dict(trigger="rendezvous_not_needed", source=[S.INIT, S.STOPPED], dest=S.SUCCEEDED),
-    dict(trigger="stop_requested", source=_LIVE, dest=S.FAILED,
-         before=["_stop_workers", "_release_exit_barrier"]),
+    dict(trigger="stop_requested", source=_LIVE, dest=S.FAILED, before=["_stop_workers", "_release_exit_barrier"]),
     # A drain (preemption notice: a --drain-signals signal, the --drain-file, POST /drain, or a
     # peer's job-wide drain): an orderly stop that is neither a failure nor a restart. The workers
     # get their checkpoint signal and --drain-timeout s to exit, then the agent exits with the
@@ -96,16 +129,25 @@ TRANSITIONS: list[Row] = [
     # round) and the others re-rendezvous without counting; scope "job": the others drain too.
     # Data: scope="node" | "job", source="signal" | "file" | "http" | "peer", by="what asked".
     # UNHEALTHY's workers are failed already: a request waits for its workers_failed.
-    dict(trigger="drain_requested", source=[S.INIT, S.HEALTHY, S.STOPPED], dest=S.FAILED,
-         prepare=_DECIDE_ON_DRAIN, conditions="drains_whole_job",
-         before=["_announce_drain", "_drain_workers", "_release_exit_barrier"]),
-    dict(trigger="drain_requested", source=[S.INIT, S.HEALTHY, S.STOPPED], dest=S.FAILED,
-         prepare=_DECIDE_ON_DRAIN, unless="drains_whole_job",
-         before=["_announce_drain", "_drain_workers"]),
+    dict(
+        trigger="drain_requested",
+        source=[S.INIT, S.HEALTHY, S.STOPPED],
+        dest=S.FAILED,
+        prepare=_DECIDE_ON_DRAIN,
+        conditions="drains_whole_job",
+        before=["_announce_drain", "_drain_workers", "_release_exit_barrier"],
+    ),
+    dict(
+        trigger="drain_requested",
+        source=[S.INIT, S.HEALTHY, S.STOPPED],
+        dest=S.FAILED,
+        prepare=_DECIDE_ON_DRAIN,
+        unless="drains_whole_job",
+        before=["_announce_drain", "_drain_workers"],
+    ),
     # An unexpected exception in the agent or a plugin: the agent can no longer vouch for its workers.
     # Data: error="what raised".
-    dict(trigger="agent_errored", source=_LIVE, dest=S.UNKNOWN,
-         before=["_record_error", "_stop_workers"]),
+    dict(trigger="agent_errored", source=_LIVE, dest=S.UNKNOWN, before=["_record_error", "_stop_workers"]),
 ]
 
 #: What the run loop does in a state that advances by itself (everything else waits for facts).

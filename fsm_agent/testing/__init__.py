@@ -36,12 +36,28 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "fsm_agent.testing.fakes": ("FakeRendezvous", "Round", "FakeLauncher", "Attempt", "StartRecord", "StopRecord",
-                                "FakeLauncherError", "send_signal"),
+    "fsm_agent.testing.fakes": (
+        "FakeRendezvous",
+        "Round",
+        "FakeLauncher",
+        "Attempt",
+        "StartRecord",
+        "StopRecord",
+        "FakeLauncherError",
+        "send_signal",
+    ),
     "fsm_agent.testing.recorder": ("HookRecorder", "HookCall", "TransitionHooks"),
     "fsm_agent.testing.processes": ("AgentProcesses", "wait_until"),
-    "fsm_agent.testing.scenario": ("build_agent", "AgentFactory", "Scenario", "ScenarioResult", "trace",
-                                   "assert_trace", "format_transition", "PHRASES"),
+    "fsm_agent.testing.scenario": (
+        "build_agent",
+        "AgentFactory",
+        "Scenario",
+        "ScenarioResult",
+        "trace",
+        "assert_trace",
+        "format_transition",
+        "PHRASES",
+    ),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -112,12 +112,24 @@ class _Nodes:
         self.handlers: list[Any] = []
 
     def setup(self, min_nodes: int = 1, max_nodes: int = 1) -> RendezvousSetup:
-        return RendezvousSetup(run_id=f"conformance-{uuid.uuid4().hex[:12]}", host=LOCALHOST, port=free_port(),
-                               min_nodes=min_nodes, max_nodes=max_nodes, join_timeout=self.suite.join_timeout,
-                               last_call_timeout=self.suite.last_call_timeout, tmp_path=self.tmp_path)
+        return RendezvousSetup(
+            run_id=f"conformance-{uuid.uuid4().hex[:12]}",
+            host=LOCALHOST,
+            port=free_port(),
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            join_timeout=self.suite.join_timeout,
+            last_call_timeout=self.suite.last_call_timeout,
+            tmp_path=self.tmp_path,
+        )
 
-    def create(self, count: int = 1, min_nodes: int | None = None, max_nodes: int | None = None,
-               setup: RendezvousSetup | None = None) -> list[Any]:
+    def create(
+        self,
+        count: int = 1,
+        min_nodes: int | None = None,
+        max_nodes: int | None = None,
+        setup: RendezvousSetup | None = None,
+    ) -> list[Any]:
         """``count`` nodes of one run (node 0 first: it may host the store)."""
         if setup is None:
             setup = self.setup(count if min_nodes is None else min_nodes, count if max_nodes is None else max_nodes)
@@ -138,8 +150,11 @@ class _Nodes:
 
         Raises the first node's exception, or AssertionError if a node is still waiting after ``timeout``.
         """
-        return [call.result() for call in [self.start_join(h) for h in handlers]
-                if call.wait(timeout or self.suite.wait_timeout)]
+        return [
+            call.result()
+            for call in [self.start_join(h) for h in handlers]
+            if call.wait(timeout or self.suite.wait_timeout)
+        ]
 
     def start_join(self, handler: Any) -> "_Call":
         return _Call(handler.next_rendezvous)
@@ -150,8 +165,10 @@ class _Nodes:
         try:
             call.wait(self.suite.shutdown_timeout)
         except AssertionError:
-            raise AssertionError(f"{type(handler).__name__}.shutdown() did not return within "
-                                 f"{self.suite.shutdown_timeout}s (a deadlock?); the agent calls it as it exits") from None
+            raise AssertionError(
+                f"{type(handler).__name__}.shutdown() did not return within "
+                f"{self.suite.shutdown_timeout}s (a deadlock?); the agent calls it as it exits"
+            ) from None
         return call.result()
 
     def shutdown_all(self) -> None:
@@ -235,8 +252,15 @@ class RendezvousConformance:
     def test_handler_has_the_interface_the_agent_calls(self, rendezvous):
         """Every method the agent calls exists; a new handler is not closed."""
         (handler,) = rendezvous.create(1)
-        for name in ("next_rendezvous", "get_backend", "get_run_id", "is_closed", "set_closed",
-                     "num_nodes_waiting", "shutdown"):
+        for name in (
+            "next_rendezvous",
+            "get_backend",
+            "get_run_id",
+            "is_closed",
+            "set_closed",
+            "num_nodes_waiting",
+            "shutdown",
+        ):
             assert callable(getattr(handler, name, None)), f"{type(handler).__name__} lacks {name}()"
         assert isinstance(handler.get_backend(), str) and handler.get_backend()
         assert handler.is_closed() is False
@@ -336,7 +360,8 @@ class RendezvousConformance:
         elapsed = time.monotonic() - started
         assert _classify(caught.value) == "failed", (
             f"{type(caught.value).__name__}: {caught.value} is not a rendezvous error: the agent would end in "
-            f"UNKNOWN; raise torch's RendezvousTimeoutError or fsm_agent.errors.RendezvousFailed")
+            f"UNKNOWN; raise torch's RendezvousTimeoutError or fsm_agent.errors.RendezvousFailed"
+        )
         assert elapsed < self.join_timeout + self.wait_timeout
 
     def test_closed_run_refuses_new_rounds(self, rendezvous):
@@ -350,7 +375,8 @@ class RendezvousConformance:
         with pytest.raises(Exception) as caught:
             rendezvous.join([handler])
         assert _classify(caught.value) in ("failed", "not_needed"), (
-            f"{type(caught.value).__name__}: {caught.value} is not a rendezvous error")
+            f"{type(caught.value).__name__}: {caught.value} is not a rendezvous error"
+        )
 
     def test_shutdown_after_a_round_returns_a_bool_and_may_be_repeated(self, rendezvous):
         """shutdown() after a round returns a bool and may be called again."""
@@ -403,8 +429,13 @@ class _Workers:
     def spec(self, entrypoint: Any, args: tuple = (), count: int = 2):
         from fsm_agent.worker import WorkerSpec
 
-        return WorkerSpec(role="conformance", local_world_size=count, entrypoint=entrypoint, args=tuple(args),
-                          shutdown_timeout=self.suite.grace)
+        return WorkerSpec(
+            role="conformance",
+            local_world_size=count,
+            entrypoint=entrypoint,
+            args=tuple(args),
+            shutdown_timeout=self.suite.grace,
+        )
 
     def start(self, body: str, count: int = 2, args: tuple = ()) -> dict[int, int]:
         """Start ``count`` workers running ``PROLOGUE + body`` (``mark(name)``, ``_rank``) as a script,
@@ -419,11 +450,20 @@ class _Workers:
 
         self.attempt += 1
         layout = LogsLayout(log_dir=str(self.logs_dir), run_id="conformance", redirects=ALL)
-        self.logs = layout.reify(self.attempt, spec.local_world_size, spec.role,
-                                 {r: r for r in range(spec.local_world_size)})
-        envs = {r: {**os.environ, "LOCAL_RANK": str(r), "RANK": str(r), "FSM_CONFORMANCE_DIR": str(self.dir),
-                    "FSM_CONFORMANCE_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
-                for r in range(spec.local_world_size)}
+        self.logs = layout.reify(
+            self.attempt, spec.local_world_size, spec.role, {r: r for r in range(spec.local_world_size)}
+        )
+        envs = {
+            r: {
+                **os.environ,
+                "LOCAL_RANK": str(r),
+                "RANK": str(r),
+                "FSM_CONFORMANCE_DIR": str(self.dir),
+                "FSM_CONFORMANCE_TOKEN": self.token,
+                "PYTHONUNBUFFERED": "1",
+            }
+            for r in range(spec.local_world_size)
+        }
         pids = self.launcher.start(spec, envs, self.logs, layout.filtered_paths(self.attempt))
         self.track(*pids.values())
         return pids
@@ -533,9 +573,13 @@ class LauncherConformance:
     # -- start -----------------------------------------------------------------------------------
     def test_start_runs_one_process_per_worker_with_its_env_and_args(self, workers):
         """start() runs one live process per worker, with its environment and arguments."""
-        pids = workers.start('mark("env", json.dumps({"rank": os.environ["LOCAL_RANK"], '
-                             '"token": os.environ["FSM_CONFORMANCE_TOKEN"], "argv": sys.argv[1:]}))\n'
-                             'time.sleep(120)\n', count=3, args=("--lr", "0.1"))
+        pids = workers.start(
+            'mark("env", json.dumps({"rank": os.environ["LOCAL_RANK"], '
+            '"token": os.environ["FSM_CONFORMANCE_TOKEN"], "argv": sys.argv[1:]}))\n'
+            "time.sleep(120)\n",
+            count=3,
+            args=("--lr", "0.1"),
+        )
         assert sorted(pids) == [0, 1, 2] and len(set(pids.values())) == 3
         assert workers.launcher.pids() == pids
         for rank in range(3):
@@ -561,7 +605,7 @@ class LauncherConformance:
         The agent selects on wait_fds() (keys), then polls. Values are local ranks; a launcher may
         add helper fds under other values (e.g. a zygote's socket) that wake the agent too."""
         started = time.time()
-        workers.start('if _rank == 1:\n    time.sleep(0.3)\n    sys.exit(3)\ntime.sleep(120)\n')
+        workers.start("if _rank == 1:\n    time.sleep(0.3)\n    sys.exit(3)\ntime.sleep(120)\n")
         fds = workers.launcher.wait_fds()
         ready, _, _ = select.select(list(fds), [], [], self.wait_timeout)
         assert ready and 0 not in [fds[fd] for fd in ready], "only the exited worker's (or a helper's) fd may wake"
@@ -573,8 +617,9 @@ class LauncherConformance:
 
     def test_exit_codes_and_deaths_by_signal(self, workers):
         """Exit codes are reported as such, deaths by signal N as -N."""
-        workers.start('if _rank == 1:\n    sys.exit(7)\n'
-                      'if _rank == 2:\n    os.kill(os.getpid(), signal.SIGKILL)\n', count=3)
+        workers.start(
+            "if _rank == 1:\n    sys.exit(7)\nif _rank == 2:\n    os.kill(os.getpid(), signal.SIGKILL)\n", count=3
+        )
         assert workers.wait_exits([0, 1, 2]) == {0: 0, 1: 7, 2: -signal.SIGKILL}
         assert not {0, 1, 2} & set(workers.launcher.wait_fds().values())
         assert workers.launcher.return_values() == {}  # programs return nothing
@@ -591,8 +636,10 @@ class LauncherConformance:
     # -- stop ------------------------------------------------------------------------------------
     def test_stop_signals_every_worker_and_waits_for_it(self, workers):
         """stop(sig, timeout) signals every worker at once and returns when they are gone."""
-        workers.start('def bye(signum, frame):\n    time.sleep(0.5)\n    mark("stopped", signum)\n    sys.exit(0)\n'
-                      'signal.signal(signal.SIGTERM, bye)\nmark("ready")\ntime.sleep(120)\n')
+        workers.start(
+            'def bye(signum, frame):\n    time.sleep(0.5)\n    mark("stopped", signum)\n    sys.exit(0)\n'
+            'signal.signal(signal.SIGTERM, bye)\nmark("ready")\ntime.sleep(120)\n'
+        )
         pids = workers.launcher.pids()
         for rank in range(2):
             workers.wait_marker("ready", rank)
@@ -631,8 +678,10 @@ class LauncherConformance:
 
     def test_signal_worker_delivers_a_signal_without_stopping_anyone(self, workers):
         """signal_worker() delivers a signal to one running worker; to an exited one it is a no-op."""
-        workers.start('signal.signal(signal.SIGUSR1, lambda s, f: mark("usr1"))\nmark("ready")\n'
-                      'if _rank == 1:\n    sys.exit(0)\ntime.sleep(120)\n')
+        workers.start(
+            'signal.signal(signal.SIGUSR1, lambda s, f: mark("usr1"))\nmark("ready")\n'
+            "if _rank == 1:\n    sys.exit(0)\ntime.sleep(120)\n"
+        )
         workers.wait_marker("ready", 0)
         workers.wait_exits([1])
         workers.launcher.signal_worker(1, signal.SIGUSR1)  # exited: a no-op, not an error
@@ -654,11 +703,15 @@ class LauncherConformance:
 
     def test_nothing_is_left_running_after_stop_and_close(self, workers):
         """Nothing outlives stop() and close() (grandchildren included), nor shutdown() (helpers)."""
-        body = ('child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])\n'
-                'mark("child", child.pid)\n')
+        body = (
+            'child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])\n'
+            'mark("child", child.pid)\n'
+        )
         if self.sweeps_daemons:
-            body += ('daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], '
-                     'start_new_session=True)\nmark("daemon", daemon.pid)\n')
+            body += (
+                'daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], '
+                'start_new_session=True)\nmark("daemon", daemon.pid)\n'
+            )
         body += 'mark("ready")\ntime.sleep(120)\n'
         pids = workers.start(body)
         kinds = ["child", "daemon"] if self.sweeps_daemons else ["child"]
@@ -669,12 +722,14 @@ class LauncherConformance:
         workers.track(*leftovers)
         workers.launcher.stop(signal.SIGTERM, self.grace)
         workers.launcher.close()
-        survivors = [pid for pid in [*pids.values(), *leftovers]
-                     if not _wait_until(lambda pid=pid: not workers.alive(pid), 10.0)]
+        survivors = [
+            pid for pid in [*pids.values(), *leftovers] if not _wait_until(lambda pid=pid: not workers.alive(pid), 10.0)
+        ]
         assert survivors == [], f"processes left running after stop() and close(): {survivors}"
         workers.shutdown()  # the agent's last call, if the launcher has it: helpers (a zygote) go too
         assert _wait_until(lambda: not workers.descendants(), 10.0), (
-            f"processes left after shutdown(): {[p.pid for p in workers.descendants()]}")
+            f"processes left after shutdown(): {[p.pid for p in workers.descendants()]}"
+        )
 
     # -- callables -------------------------------------------------------------------------------
     def test_callable_workers_return_their_values(self, workers):

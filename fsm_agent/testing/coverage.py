@@ -133,8 +133,11 @@ class RunLoopRules:
 
     def unreachable(self, edges: Iterable[Edge]) -> dict[Edge, str]:
         """The ``edges`` the run loop cannot take, with the reason for each."""
-        return {edge: self.why_not(edge.source, edge.trigger) for edge in edges
-                if not self.can_fire(edge.source, edge.trigger)}
+        return {
+            edge: self.why_not(edge.source, edge.trigger)
+            for edge in edges
+            if not self.can_fire(edge.source, edge.trigger)
+        }
 
 
 def _agent_source() -> tuple[str, str]:
@@ -156,8 +159,12 @@ def _display_path(path: str) -> str:
 
 
 def _is_self_state(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Attribute) and node.attr == "state"
-            and isinstance(node.value, ast.Name) and node.value.id == "self")
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "state"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    )
 
 
 def _state_constant(node: ast.AST, states: set[str]) -> str | None:
@@ -209,9 +216,9 @@ class _FactFlow:
 
     def __init__(self, all_states: set[str], triggers: set[str]):
         self.all_states, self.triggers = all_states, triggers
-        self.returns: dict[str, dict[str, int]] = {}   # trigger -> {state: line}
-        self.exits: dict[str, tuple[int, str]] = {}    # state -> (line, test) of the branch that returned for it
-        self.unknown: dict[str, int] = {}              # state -> line of a return the analysis cannot read
+        self.returns: dict[str, dict[str, int]] = {}  # trigger -> {state: line}
+        self.exits: dict[str, tuple[int, str]] = {}  # state -> (line, test) of the branch that returned for it
+        self.unknown: dict[str, int] = {}  # state -> line of a return the analysis cannot read
         self.return_lines: set[int] = set()
 
     def walk(self, body: list[ast.stmt], states: set[str], source: str) -> set[str]:
@@ -254,8 +261,9 @@ class _FactFlow:
         return states
 
 
-def run_loop_rules(source: str | None = None, path: str | None = None,
-                   auto_triggers: dict[Any, str] | None = None) -> RunLoopRules:
+def run_loop_rules(
+    source: str | None = None, path: str | None = None, auto_triggers: dict[Any, str] | None = None
+) -> RunLoopRules:
     """Compute which triggers the run loop can fire in each live state (see the module docstring).
 
     Args:
@@ -282,15 +290,22 @@ def run_loop_rules(source: str | None = None, path: str | None = None,
     # Rule 1: AUTO_TRIGGERS[state] in its own state, if _step dispatches on AUTO_TRIGGERS.get(self.state).
     auto_line = None
     for node in ast.walk(step) if step else ():
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "AUTO_TRIGGERS"
-                and node.args and _is_self_state(node.args[0])):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "AUTO_TRIGGERS"
+            and node.args
+            and _is_self_state(node.args[0])
+        ):
             auto_line = node.lineno
     for state, trigger in auto.items():
         targets = [state] if auto_line is not None else live
         for target in targets:
-            fireable[target][trigger] = (f"the run loop fires it by itself in {state} "
-                                         f"(AUTO_TRIGGERS, {where}:{auto_line or '?'})")
+            fireable[target][trigger] = (
+                f"the run loop fires it by itself in {state} (AUTO_TRIGGERS, {where}:{auto_line or '?'})"
+            )
 
     # Rule 2: the facts _wait_for_fact returns, per waiting state (all live states if it cannot be read).
     blocked: dict[tuple[str, str], str] = {}
@@ -304,8 +319,9 @@ def run_loop_rules(source: str | None = None, path: str | None = None,
                 fireable[state][trigger] = f"ElasticAgent._wait_for_fact returns it ({where}:{line})"
         for state, line in flow.unknown.items():  # a computed return value: it could be any trigger
             for trigger in triggers:
-                fireable[state].setdefault(trigger, f"ElasticAgent._wait_for_fact returns a computed value "
-                                                    f"({where}:{line})")
+                fireable[state].setdefault(
+                    trigger, f"ElasticAgent._wait_for_fact returns a computed value ({where}:{line})"
+                )
         for trigger, lines in flow.returns.items():
             at = ", ".join(f"{where}:{n}" for n in sorted(set(lines.values())))
             for state in set(auto) - {state_name(s) for s in TERMINAL}:
@@ -313,28 +329,37 @@ def run_loop_rules(source: str | None = None, path: str | None = None,
                     blocked[(state, trigger)] = (
                         f"{trigger} comes only from ElasticAgent._wait_for_fact ({at}), which the run loop "
                         f"never calls in {state}: it fires {auto[state]} there by itself "
-                        f"(AUTO_TRIGGERS, {where}:{auto_line})")
+                        f"(AUTO_TRIGGERS, {where}:{auto_line})"
+                    )
             for state in waiting - set(lines):
                 if state in flow.exits:
                     line, test = flow.exits[state]
                     blocked[(state, trigger)] = (
                         f"{trigger} comes only from ElasticAgent._wait_for_fact "
                         f"({', '.join(f'{where}:{n}' for n in sorted(set(lines.values())))}), which in {state} "
-                        f"has already returned at {where}:{line} (`if {test}:`)")
+                        f"has already returned at {where}:{line} (`if {test}:`)"
+                    )
     elif facts is not None:
         flow.walk(facts.body, set(live), source)
 
     # Rule 3: every other mention of a trigger name in the agent module: any live state.
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and node.value in triggers:
-            returned = (facts is not None and auto_line is not None and node.lineno in flow.return_lines
-                        and facts.lineno <= node.lineno <= (facts.end_lineno or node.lineno))
+            returned = (
+                facts is not None
+                and auto_line is not None
+                and node.lineno in flow.return_lines
+                and facts.lineno <= node.lineno <= (facts.end_lineno or node.lineno)
+            )
             if returned:
                 continue
             for state in live:
-                fireable[state].setdefault(node.value, f"named at {where}:{node.lineno}, in no "
-                                                       f"state-specific branch: assumed possible in every live state")
-    for (state, trigger) in list(blocked):
+                fireable[state].setdefault(
+                    node.value,
+                    f"named at {where}:{node.lineno}, in no "
+                    f"state-specific branch: assumed possible in every live state",
+                )
+    for state, trigger in list(blocked):
         if trigger in fireable[state]:
             del blocked[(state, trigger)]
     return RunLoopRules(fireable=fireable, blocked=blocked, path=path)
@@ -419,8 +444,9 @@ class CoverageReport:
         return self.threshold is None or self.percent + 1e-9 >= self.threshold
 
     def summary(self) -> str:
-        return (f"statechart coverage: {len(self.covered)}/{len(self.counted)} transitions "
-                f"exercised ({self.percent:.1f}%)")
+        return (
+            f"statechart coverage: {len(self.covered)}/{len(self.counted)} transitions exercised ({self.percent:.1f}%)"
+        )
 
     def format(self) -> str:
         """The report printed at the end of ``pytest --statechart-coverage``."""
@@ -443,8 +469,10 @@ class CoverageReport:
             for edge, why in self.unreachable.items():
                 lines.append(f"    {edge}: {why}")
         for edge in self.contradictions:
-            lines.append(f"  WARNING: {edge} was observed {self.counts[edge]}x, although the run-loop analysis says "
-                         f"it cannot be taken: fix fsm_agent.testing.coverage.run_loop_rules")
+            lines.append(
+                f"  WARNING: {edge} was observed {self.counts[edge]}x, although the run-loop analysis says "
+                f"it cannot be taken: fix fsm_agent.testing.coverage.run_loop_rules"
+            )
         for edge in self.unreachable_states:
             lines.append(f"  not reachable from {state_name(INITIAL)} (not counted): {edge}")
         for edge, count in self.foreign.items():
@@ -462,16 +490,29 @@ class CoverageReport:
             "threshold": self.threshold,
             "passed": self.passed,
             "observations": self.observations,
-            "edges": [{"source": e.source, "trigger": e.trigger, "dest": e.dest, "count": self.counts.get(e, 0),
-                       "example": self.examples.get(e)} for e in self.counted],
+            "edges": [
+                {
+                    "source": e.source,
+                    "trigger": e.trigger,
+                    "dest": e.dest,
+                    "count": self.counts.get(e, 0),
+                    "example": self.examples.get(e),
+                }
+                for e in self.counted
+            ],
             "missing": [str(e) for e in self.missing],
             "unreachable": {str(e): why for e, why in self.unreachable.items()},
             "foreign": {str(e): n for e, n in self.foreign.items()},
         }
 
 
-def build_report(observations: Iterable[Observation], *, transitions: Sequence[dict] | None = None,
-                 rules: RunLoopRules | None = None, threshold: float | None = None) -> CoverageReport:
+def build_report(
+    observations: Iterable[Observation],
+    *,
+    transitions: Sequence[dict] | None = None,
+    rules: RunLoopRules | None = None,
+    threshold: float | None = None,
+) -> CoverageReport:
     """Compare ``observations`` with the table's edges (see the module docstring)."""
     observations = list(observations)
     edges = table_edges(transitions)

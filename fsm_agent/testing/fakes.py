@@ -50,8 +50,10 @@ def send_signal(sig: int = signal.SIGTERM) -> Callable[[], None]:
     def deliver() -> None:
         handler = signal.getsignal(sig)
         if handler in (signal.SIG_DFL, signal.SIG_IGN, None):
-            raise RuntimeError(f"send_signal({signal.Signals(sig).name}): no Python handler is installed; "
-                               "deliver it only while agent.run() is running")
+            raise RuntimeError(
+                f"send_signal({signal.Signals(sig).name}): no Python handler is installed; "
+                "deliver it only while agent.run() is running"
+            )
         os.kill(os.getpid(), sig)
 
     deliver.__qualname__ = f"send_signal({signal.Signals(sig).name})"
@@ -168,8 +170,15 @@ class FakeRendezvous(RendezvousHandler):
 
     agent_hosts_worker_store = False
 
-    def __init__(self, rounds: Any = (), *, run_id: str = "fake-run", master_addr: str = "127.0.0.1",
-                 master_port: int = 29500, store_timeout: float = 30.0):
+    def __init__(
+        self,
+        rounds: Any = (),
+        *,
+        run_id: str = "fake-run",
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
+        store_timeout: float = 30.0,
+    ):
         import torch.distributed as dist
 
         self.rounds: list[Round] = [as_round(r) for r in rounds]
@@ -227,11 +236,16 @@ class FakeRendezvous(RendezvousHandler):
         store = PrefixStore(f"fake_rdzv/round_{index}/", self.store)
         if script.world_size > 1:
             self._stop_peers = threading.Event()
-            self._peers = threading.Thread(target=self._play_peers, args=(store, script, self._stop_peers),
-                                           name=f"FakeRendezvous-peers-{index}", daemon=True)
+            self._peers = threading.Thread(
+                target=self._play_peers,
+                args=(store, script, self._stop_peers),
+                name=f"FakeRendezvous-peers-{index}",
+                daemon=True,
+            )
             self._peers.start()
-        info = RendezvousInfo(store, script.rank, script.world_size,
-                              RendezvousStoreInfo(self.master_addr, self.master_port))
+        info = RendezvousInfo(
+            store, script.rank, script.world_size, RendezvousStoreInfo(self.master_addr, self.master_port)
+        )
         self.infos.append(info)
         return info
 
@@ -275,9 +289,13 @@ class FakeRendezvous(RendezvousHandler):
                 return
             time.sleep(0.002)
         own = json.loads(bytes(store.get(own_key)).decode())
-        peers = [threading.Thread(target=self._play_peer, args=(store, rank, script, own), daemon=True,
-                                  name=f"FakeRendezvous-peer-{rank}")
-                 for rank in range(script.world_size) if rank != script.rank]
+        peers = [
+            threading.Thread(
+                target=self._play_peer, args=(store, rank, script, own), daemon=True, name=f"FakeRendezvous-peer-{rank}"
+            )
+            for rank in range(script.world_size)
+            if rank != script.rank
+        ]
         for peer in peers:
             peer.start()
         for peer in peers:
@@ -363,8 +381,9 @@ class Attempt:
             codes = dict(self.exits)
         for rank in (*codes, *self.at, *self.hangs):
             if not 0 <= rank < local_world_size:
-                raise FakeLauncherError(f"{self!r} scripts local rank {rank}, but the group has "
-                                        f"{local_world_size} workers")
+                raise FakeLauncherError(
+                    f"{self!r} scripts local rank {rank}, but the group has {local_world_size} workers"
+                )
         return {r: (code, int(self.at.get(r, 0))) for r, code in codes.items()}
 
 
@@ -388,9 +407,9 @@ class _FakeWorker:
     read_fd: int
     write_fd: int
     planned: tuple[int, int] | None  # (exit code, tick) or None: runs until stopped
-    exitcode: int | None = None      # set when the worker "exits" (its fd becomes readable)
+    exitcode: int | None = None  # set when the worker "exits" (its fd becomes readable)
     exited_at: float | None = None
-    observed: bool = False           # reported by poll() (the real launcher's handle.exitcode)
+    observed: bool = False  # reported by poll() (the real launcher's handle.exitcode)
     stopped_by: int | None = None
 
     def exit(self, code: int) -> None:
@@ -470,8 +489,9 @@ class FakeLauncher:
         return self
 
     # -- launcher interface -----------------------------------------------------------------------
-    def start(self, spec, envs: dict[int, dict[str, str]], logs: dict[int, Any],
-              filtered: tuple = (None, None)) -> dict[int, int]:
+    def start(
+        self, spec, envs: dict[int, dict[str, str]], logs: dict[int, Any], filtered: tuple = (None, None)
+    ) -> dict[int, int]:
         index = self.start_calls
         self.start_calls += 1
         script = self.attempt_for(index)
@@ -484,11 +504,20 @@ class FakeLauncher:
         for rank in sorted(envs):
             r, w = os.pipe()
             os.set_blocking(r, False)
-            self._workers[rank] = _FakeWorker(local_rank=rank, pid=self.pid_base + 100 * index + rank,
-                                              read_fd=r, write_fd=w, planned=plan.get(rank))
+            self._workers[rank] = _FakeWorker(
+                local_rank=rank, pid=self.pid_base + 100 * index + rank, read_fd=r, write_fd=w, planned=plan.get(rank)
+            )
         pids = self.pids()
-        self.started.append(StartRecord(attempt=index, spec=spec, envs={r: dict(e) for r, e in envs.items()},
-                                        logs=dict(logs), filtered=tuple(filtered), pids=dict(pids)))
+        self.started.append(
+            StartRecord(
+                attempt=index,
+                spec=spec,
+                envs={r: dict(e) for r, e in envs.items()},
+                logs=dict(logs),
+                filtered=tuple(filtered),
+                pids=dict(pids),
+            )
+        )
         self._end_tick(0)
         return pids
 
@@ -504,7 +533,8 @@ class FakeLauncher:
         if self.polls > self.max_polls:
             raise FakeLauncherError(
                 f"FakeLauncher attempt {self.attempt}: workers still running after {self.max_polls} polls; "
-                "script an exit, a signal or a join, or raise max_polls")
+                "script an exit, a signal or a join, or raise max_polls"
+            )
         for worker in self._workers.values():
             if worker.exitcode is not None:
                 worker.observed = True
@@ -530,8 +560,11 @@ class FakeLauncher:
         script = self._script
         if script is not None and script.on_stop is not None:
             script.on_stop()
-        if script is not None and script.stop_raises is not None and (
-                script.stop_raises_times is None or self._stop_raised < script.stop_raises_times):
+        if (
+            script is not None
+            and script.stop_raises is not None
+            and (script.stop_raises_times is None or self._stop_raised < script.stop_raises_times)
+        ):
             self._stop_raised += 1
             raise script.stop_raises
         stopped = []
@@ -565,11 +598,11 @@ class FakeLauncher:
         for worker in self._workers.values():
             if worker.planned is not None and worker.planned[1] == tick:
                 worker.exit(worker.planned[0])
-        for rank, hang_tick in (self._script.hangs.items() if self._script is not None else ()):
+        for rank, hang_tick in self._script.hangs.items() if self._script is not None else ():
             if hang_tick == tick and self._workers[rank].exitcode is None:
                 self._stop_progress(rank)
         action = self._script.actions.get(tick) if self._script is not None else None
-        for fn in (action if isinstance(action, (list, tuple)) else [action]):
+        for fn in action if isinstance(action, (list, tuple)) else [action]:
             _call(fn)
 
     def _stop_progress(self, rank: int) -> None:
@@ -577,8 +610,10 @@ class FakeLauncher:
 
         path = self._envs.get(rank, {}).get(HEARTBEAT_FILE_ENV)
         if not path:
-            raise FakeLauncherError(f"attempt {self.attempt} scripts local rank {rank} to hang, but its env has no "
-                                    f"{HEARTBEAT_FILE_ENV}: build the agent with hang_timeout=...")
+            raise FakeLauncherError(
+                f"attempt {self.attempt} scripts local rank {rank} to hang, but its env has no "
+                f"{HEARTBEAT_FILE_ENV}: build the agent with hang_timeout=..."
+            )
         with open(path, "a"):
             pass
         os.utime(path, (0, 0))  # the last heartbeat was long ago

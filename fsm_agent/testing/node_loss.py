@@ -37,7 +37,7 @@ from pathlib import Path
 
 from fsm_agent.testing.processes import remove_worker_cgroups, tmpdir_env, wait_until
 
-WORKER = r'''
+WORKER = r"""
 import json, os, sys, time
 out, name = sys.argv[1], sys.argv[2]
 world = int(os.environ["WORLD_SIZE"])
@@ -57,7 +57,7 @@ if not os.path.exists(os.path.join(out, "finish")):  # read at start only: it en
             sys.exit(3)
         time.sleep(0.1)
     sys.exit(5)
-'''
+"""
 
 
 class NodeLossJob:
@@ -84,9 +84,15 @@ class NodeLossJob:
         launcher = command or [sys.executable, "-m", "fsm_agent", "run", "--events-file", str(self.events_path(name))]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **tmpdir_env(self.tmp), **self.env}
         with open(self.dir / f"agent_{name}.out", "w") as out, open(self.dir / f"agent_{name}.err", "w") as err:
-            proc = subprocess.Popen([*launcher, *self.flags, *extra, str(self.script), str(self.out), name],
-                                    cwd=self.dir, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                [*launcher, *self.flags, *extra, str(self.script), str(self.out), name],
+                cwd=self.dir,
+                env=env,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.procs[name] = proc
         return proc
 
@@ -122,8 +128,11 @@ class NodeLossJob:
         return events
 
     def transitions(self, name: str, since: float = 0.0) -> list[tuple[str, str, str]]:
-        return [(e["source"], e["dest"], e["trigger"]) for e in self.events(name)
-                if e["kind"] == "transition" and e["ts"] >= since]
+        return [
+            (e["source"], e["dest"], e["trigger"])
+            for e in self.events(name)
+            if e["kind"] == "transition" and e["ts"] >= since
+        ]
 
     def first_transition(self, name: str, trigger: str, since: float) -> dict:
         """The first ``trigger`` transition event of agent ``name`` at or after ``since``."""
@@ -141,8 +150,9 @@ class NodeLossJob:
                 text += f"--- agent {name} std{kind} (last {tail} chars) ---\n{body[-tail:]}\n"
         return text
 
-    def wait_for_world(self, world: int, names: set[str], timeout: float = 120.0, since: float = 0.0,
-                       running: set[str] | None = None) -> float:
+    def wait_for_world(
+        self, world: int, names: set[str], timeout: float = 120.0, since: float = 0.0, running: set[str] | None = None
+    ) -> float:
         """Wait until every agent in ``names`` has a worker in a world of ``world`` (started at or
         after ``since``); fail at once when an agent of ``running`` (default ``names``) exits.
         Returns the start time of the last of those workers."""
@@ -153,13 +163,16 @@ class NodeLossJob:
                 return True
             ended = {n: self.procs[n].poll() for n in watched if self.procs[n].poll() is not None}
             if ended and not names <= self.names_in_world(world, since):
-                raise AssertionError(f"waiting for a world of {world} with {sorted(names)}: agents ended {ended}\n"
-                                     f"{self.diagnostics()}")
+                raise AssertionError(
+                    f"waiting for a world of {world} with {sorted(names)}: agents ended {ended}\n{self.diagnostics()}"
+                )
             return False
 
         if not wait_until(ready, timeout=timeout):
-            raise AssertionError(f"no world of {world} with {sorted(names)} within {timeout:.0f}s "
-                                 f"(records: {self.records()})\n{self.diagnostics()}")
+            raise AssertionError(
+                f"no world of {world} with {sorted(names)} within {timeout:.0f}s "
+                f"(records: {self.records()})\n{self.diagnostics()}"
+            )
         return max(r["ts"] for r in self.records() if r["world"] == world and r["ts"] >= since and r["name"] in names)
 
     # -- faults -------------------------------------------------------------------------------------

@@ -130,9 +130,15 @@ class AgentProcesses:
         base = dict(os.environ) if self.env is None else dict(self.env)
         if self.tmp_dir is None:
             self.tmp_dir = Path(tempfile.mkdtemp(prefix="fsm_agent_processes_"))
-        proc = subprocess.Popen([sys.executable, "-m", "fsm_agent", *self.command, *args], cwd=self.cwd, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                env={**base, **tmpdir_env(self.tmp_dir), **(env or {})})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fsm_agent", *self.command, *args],
+            cwd=self.cwd,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env={**base, **tmpdir_env(self.tmp_dir), **(env or {})},
+        )
         self.procs.append(proc)
         return proc
 

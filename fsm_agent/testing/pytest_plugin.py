@@ -81,25 +81,47 @@ def agent_processes(tmp_path):
 
 def pytest_addoption(parser):
     group = parser.getgroup("fsm-agent", "fsm-agent statechart test kit")
-    group.addoption("--statechart-coverage", action="store_true", default=False,
-                    help="report which (source, trigger, dest) edges of the worker-group statechart the "
-                         "agents of this run took, in-process and in subprocesses, and which are missing")
-    group.addoption("--no-statechart-coverage", action="store_true", default=False,
-                    help="turn statechart coverage off (wins over --statechart-coverage, e.g. from addopts)")
-    group.addoption("--statechart-coverage-fail-under", type=float, default=None, metavar="PCT",
-                    help="fail the run when less than PCT%% of the transitions were exercised "
-                         "(implies --statechart-coverage)")
-    group.addoption("--statechart-coverage-report", default=None, metavar="PATH",
-                    help="also write the coverage report as JSON to PATH (implies --statechart-coverage)")
-    parser.addini("statechart_coverage_fail_under", default="",
-                  help="like --statechart-coverage-fail-under, but enforced only when pytest runs its whole "
-                       "testpaths with nothing deselected (a partial run reports without failing)")
+    group.addoption(
+        "--statechart-coverage",
+        action="store_true",
+        default=False,
+        help="report which (source, trigger, dest) edges of the worker-group statechart the "
+        "agents of this run took, in-process and in subprocesses, and which are missing",
+    )
+    group.addoption(
+        "--no-statechart-coverage",
+        action="store_true",
+        default=False,
+        help="turn statechart coverage off (wins over --statechart-coverage, e.g. from addopts)",
+    )
+    group.addoption(
+        "--statechart-coverage-fail-under",
+        type=float,
+        default=None,
+        metavar="PCT",
+        help="fail the run when less than PCT%% of the transitions were exercised (implies --statechart-coverage)",
+    )
+    group.addoption(
+        "--statechart-coverage-report",
+        default=None,
+        metavar="PATH",
+        help="also write the coverage report as JSON to PATH (implies --statechart-coverage)",
+    )
+    parser.addini(
+        "statechart_coverage_fail_under",
+        default="",
+        help="like --statechart-coverage-fail-under, but enforced only when pytest runs its whole "
+        "testpaths with nothing deselected (a partial run reports without failing)",
+    )
 
 
 def pytest_configure(config):
     option = config.option
-    wanted = (option.statechart_coverage or option.statechart_coverage_fail_under is not None
-              or option.statechart_coverage_report)
+    wanted = (
+        option.statechart_coverage
+        or option.statechart_coverage_fail_under is not None
+        or option.statechart_coverage_report
+    )
     if wanted and not option.no_statechart_coverage and not hasattr(config, "workerinput"):
         config.pluginmanager.register(StatechartCoverage(config), COVERAGE_PLUGIN_NAME)
 
@@ -132,8 +154,10 @@ class StatechartCoverage:
             return None, ""
         whole = self.config.args_source == pytest.Config.ArgsSource.TESTPATHS and not self.deselected
         if not whole:
-            return None, (f"statechart_coverage_fail_under = {ini} not enforced: this run is narrowed "
-                          f"(paths given or tests deselected)")
+            return None, (
+                f"statechart_coverage_fail_under = {ini} not enforced: this run is narrowed "
+                f"(paths given or tests deselected)"
+            )
         return float(ini), "statechart_coverage_fail_under"
 
     def pytest_deselected(self, items):

@@ -89,11 +89,13 @@ def _spy_function(name: str, spec_function: Any, argnames: Sequence[str], record
     1.7 unwraps ``__wrapped__`` and reads the code's argument names, so the spy carries both
     (``__wrapped__`` is the hookspec function itself, which has exactly the spec's arguments).
     """
+
     def spy(*args: Any, **kwargs: Any) -> None:
         record(name, {**dict(zip(argnames, args)), **kwargs})
 
     spy.__signature__ = inspect.Signature(
-        [inspect.Parameter(a, inspect.Parameter.POSITIONAL_OR_KEYWORD) for a in argnames])
+        [inspect.Parameter(a, inspect.Parameter.POSITIONAL_OR_KEYWORD) for a in argnames]
+    )
     spy.__wrapped__ = spec_function
     spy.__name__ = spy.__qualname__ = name  # no "." in the qualname: pluggy keeps the first argument
     return spy
@@ -138,8 +140,13 @@ class HookRecorder:
         spy = types.SimpleNamespace()
         for name, caller in vars(pm.hook).items():
             if isinstance(caller, pluggy.HookCaller) and caller.spec is not None:
-                setattr(spy, name, mark(tryfirst=True)(_spy_function(name, caller.spec.function, caller.spec.argnames,
-                                                                     self._from_spy)))
+                setattr(
+                    spy,
+                    name,
+                    mark(tryfirst=True)(
+                        _spy_function(name, caller.spec.function, caller.spec.argnames, self._from_spy)
+                    ),
+                )
         return spy
 
     def attach(self, agent: Any) -> "HookRecorder":
@@ -205,10 +212,22 @@ class HookRecorder:
         for index, record in enumerate(agent.transitions):
             end = self._ends.get(index + 1)
             if end is None:  # changed outside a trigger (the agent's last-resort UNKNOWN): end at its state_changed
-                end = next((i + 1 for i in range(start, len(self._calls))
-                            if self._calls[i].kwargs.get("transition") is record), len(self._calls))
-            result.append(TransitionHooks(index=index, transition=record, label=f"{record.source}->{record.dest}",
-                                          calls=tuple(self._calls[start:end])))
+                end = next(
+                    (
+                        i + 1
+                        for i in range(start, len(self._calls))
+                        if self._calls[i].kwargs.get("transition") is record
+                    ),
+                    len(self._calls),
+                )
+            result.append(
+                TransitionHooks(
+                    index=index,
+                    transition=record,
+                    label=f"{record.source}->{record.dest}",
+                    calls=tuple(self._calls[start:end]),
+                )
+            )
             start = end
         return result
 
@@ -223,15 +242,17 @@ class HookRecorder:
         """
         transitions = self.by_transition()
         if which == "setup":
-            return list(self._calls[:self._setup_end])
+            return list(self._calls[: self._setup_end])
         if which == "end":
             done = self._setup_end + sum(len(t.calls) for t in transitions)
             return list(self._calls[done:])
         if isinstance(which, str):
             matches = [t for t in transitions if t.label == which]
             if len(matches) != 1:
-                raise LookupError(f"transition {which!r} occurs {len(matches)} times in "
-                                  f"{[t.label for t in transitions]}; pass its index instead")
+                raise LookupError(
+                    f"transition {which!r} occurs {len(matches)} times in "
+                    f"{[t.label for t in transitions]}; pass its index instead"
+                )
             return list(matches[0].calls)
         return list(transitions[which].calls)
 
@@ -240,8 +261,9 @@ class HookRecorder:
         skip = set(expand(ignore))
         return [c.name for c in self.segment(which) if c.name not in skip]
 
-    def assert_sequence(self, expected: Iterable[str], *, transition: int | str | None = None,
-                        ignore: Iterable[str] = ()) -> None:
+    def assert_sequence(
+        self, expected: Iterable[str], *, transition: int | str | None = None, ignore: Iterable[str] = ()
+    ) -> None:
         """Assert the exact hook sequence, of the whole run or of one ``transition`` (see ``segment``).
 
         Names may omit the ``fsm_agent_`` prefix and use ``"name*N"`` for N calls in a row; hooks
@@ -251,9 +273,15 @@ class HookRecorder:
         got = self.names(ignore) if transition is None else self.transition_names(transition, ignore)
         if got != want:
             where = "the run" if transition is None else f"transition {transition!r}"
-            diff = "\n".join(difflib.unified_diff([n.removeprefix(HOOK_PREFIX) for n in want],
-                                                  [n.removeprefix(HOOK_PREFIX) for n in got],
-                                                  "expected", "recorded", lineterm=""))
+            diff = "\n".join(
+                difflib.unified_diff(
+                    [n.removeprefix(HOOK_PREFIX) for n in want],
+                    [n.removeprefix(HOOK_PREFIX) for n in got],
+                    "expected",
+                    "recorded",
+                    lineterm="",
+                )
+            )
             raise AssertionError(f"hook sequence of {where} differs:\n{diff}")
 
     def _require_agent(self) -> Any:

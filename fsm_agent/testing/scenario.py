@@ -47,13 +47,27 @@ DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 # =============================================================================================
 
 
-def build_agent(rendezvous: Any = None, launcher: Any = None, *, plugin_manager: Any = None,
-                plugins: Iterable[Any] | Mapping[str, Any] = (), load_entry_points: bool = False,
-                local_world_size: int = 2, max_restarts: int = 0, role: str = "default",
-                entrypoint: Any = "fake_train.py", args: tuple = (), monitor_interval: float = 0.01,
-                exit_barrier_timeout: float = 5.0, log_dir: str | None = os.devnull,
-                events_path: str | None = None, signals_to_handle: str = DEFAULT_SIGNALS,
-                config: Any = None, recorder: Any = None, **spec_fields: Any):
+def build_agent(
+    rendezvous: Any = None,
+    launcher: Any = None,
+    *,
+    plugin_manager: Any = None,
+    plugins: Iterable[Any] | Mapping[str, Any] = (),
+    load_entry_points: bool = False,
+    local_world_size: int = 2,
+    max_restarts: int = 0,
+    role: str = "default",
+    entrypoint: Any = "fake_train.py",
+    args: tuple = (),
+    monitor_interval: float = 0.01,
+    exit_barrier_timeout: float = 5.0,
+    log_dir: str | None = os.devnull,
+    events_path: str | None = None,
+    signals_to_handle: str = DEFAULT_SIGNALS,
+    config: Any = None,
+    recorder: Any = None,
+    **spec_fields: Any,
+):
     """A real ElasticAgent wired to a fake (or any) rendezvous handler and launcher.
 
     Args:
@@ -80,13 +94,28 @@ def build_agent(rendezvous: Any = None, launcher: Any = None, *, plugin_manager:
     for name, plugin in named:
         pm.register(plugin, name=name)
     run_id = rendezvous.get_run_id()
-    spec = WorkerSpec(role=role, local_world_size=local_world_size, entrypoint=entrypoint, args=tuple(args),
-                      rendezvous=RendezvousSpec(backend=rendezvous.get_backend(), run_id=run_id),
-                      max_restarts=max_restarts, monitor_interval=monitor_interval,
-                      exit_barrier_timeout=exit_barrier_timeout, **spec_fields)
+    spec = WorkerSpec(
+        role=role,
+        local_world_size=local_world_size,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rendezvous=RendezvousSpec(backend=rendezvous.get_backend(), run_id=run_id),
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        exit_barrier_timeout=exit_barrier_timeout,
+        **spec_fields,
+    )
     logs = LogsLayout(log_dir=log_dir, run_id=run_id)
-    agent = ElasticAgent(spec, pm, rendezvous, launcher, logs, events_path=events_path,
-                         signals_to_handle=signals_to_handle, config=config)
+    agent = ElasticAgent(
+        spec,
+        pm,
+        rendezvous,
+        launcher,
+        logs,
+        events_path=events_path,
+        signals_to_handle=signals_to_handle,
+        config=config,
+    )
     if recorder is not None:
         recorder.attach(agent)
     return agent
@@ -156,8 +185,13 @@ def assert_trace(agent_or_records: Any, expected: Iterable[str]) -> None:
     if len(records) != len(expected) or got != expected:
         full = trace(records, triggers=True)
         errors = [r.error for r in records if r.error]
-        raise AssertionError("state trace differs\n  expected: " + repr(expected) + "\n  recorded: " + repr(full)
-                             + (f"\n  agent error: {errors[-1]}" if errors else ""))
+        raise AssertionError(
+            "state trace differs\n  expected: "
+            + repr(expected)
+            + "\n  recorded: "
+            + repr(full)
+            + (f"\n  agent error: {errors[-1]}" if errors else "")
+        )
 
 
 # =============================================================================================
@@ -192,8 +226,7 @@ PHRASES = {
     "SIGTERM during rendezvous": "the agent receives the signal inside the next rendezvous call",
     "restart": "what follows happens in the next attempt (after the next rendezvous)",
     "rendezvous rank R of W": "the next round gives group rank R of W nodes",
-    "rendezvous times out | rendezvous closed | rendezvous graceful exit | rendezvous fails":
-        "the next rendezvous raises RendezvousTimeoutError / ClosedError / GracefulExitError / RendezvousError",
+    "rendezvous times out | rendezvous closed | rendezvous graceful exit | rendezvous fails": "the next rendezvous raises RendezvousTimeoutError / ClosedError / GracefulExitError / RendezvousError",
     "launcher fails to start": "the launcher's start raises (agent_errored)",
     "stop fails | stop fails once": "the launcher's stop raises (every time / only the first time)",
 }
@@ -317,11 +350,21 @@ class Scenario:
         if match(r"rendezvous (?:gives )?rank (\d+) of (\d+)"):
             self._open_slot().round.update(rank=int(m.group(1)), world_size=int(m.group(2)))
             return False
-        if match(r"rendezvous (times out|timeout|(?:is )?closed|graceful exit|exits gracefully|not needed|"
-                 r"fails|connection fails)"):
-            kind = {"times out": "timeout", "timeout": "timeout", "closed": "closed", "is closed": "closed",
-                    "graceful exit": "graceful_exit", "exits gracefully": "graceful_exit",
-                    "not needed": "graceful_exit", "fails": "error", "connection fails": "connection"}[m.group(1)]
+        if match(
+            r"rendezvous (times out|timeout|(?:is )?closed|graceful exit|exits gracefully|not needed|"
+            r"fails|connection fails)"
+        ):
+            kind = {
+                "times out": "timeout",
+                "timeout": "timeout",
+                "closed": "closed",
+                "is closed": "closed",
+                "graceful exit": "graceful_exit",
+                "exits gracefully": "graceful_exit",
+                "not needed": "graceful_exit",
+                "fails": "error",
+                "connection fails": "connection",
+            }[m.group(1)]
             self._open_slot().round["raises"] = kind
             return False
         if match(rf"(?:signal )?{_SIG} (?:during|in) (?:the )?rendezvous"):
@@ -384,8 +427,10 @@ class Scenario:
     def _make_attempt(self, fields: dict[str, Any], rendezvous: FakeRendezvous) -> Attempt:
         fields = dict(fields)
         rest_ok_at = fields.pop("rest_ok_at", None)
-        actions = {tick: [self._bind(a, rendezvous) for a in (acts if isinstance(acts, list) else [acts])]
-                   for tick, acts in fields.pop("actions", {}).items()}
+        actions = {
+            tick: [self._bind(a, rendezvous) for a in (acts if isinstance(acts, list) else [acts])]
+            for tick, acts in fields.pop("actions", {}).items()
+        }
         if rest_ok_at is not None:
             exits = {} if isinstance(fields.get("exits"), str) else dict(fields.get("exits") or {})
             at = dict(fields.get("at") or {})
@@ -414,8 +459,13 @@ class Scenario:
         factory = AgentFactory() if factory is None else factory
         agent = factory(rendezvous=rendezvous, launcher=launcher, **self.agent_kwargs)
         result = agent.run()
-        outcome = ScenarioResult(agent=agent, result=result, rendezvous=rendezvous, launcher=launcher,
-                                 hooks=getattr(factory, "recorder", None))
+        outcome = ScenarioResult(
+            agent=agent,
+            result=result,
+            rendezvous=rendezvous,
+            launcher=launcher,
+            hooks=getattr(factory, "recorder", None),
+        )
         if self.expected is not None:
             outcome.assert_trace(self.expected)
         return outcome

@@ -63,8 +63,17 @@ def write_worker(directory: Path, lockstep: bool = False) -> str:
 
 def straggler_flags(*extra: str) -> list[str]:
     """Two workers per agent and the straggler plugin on, with the settings above."""
-    return ["--nproc-per-node", "2", "--straggler-window", str(WINDOW_S), "--straggler-factor", str(FACTOR),
-            "--straggler-windows", str(WINDOWS), *extra]
+    return [
+        "--nproc-per-node",
+        "2",
+        "--straggler-window",
+        str(WINDOW_S),
+        "--straggler-factor",
+        str(FACTOR),
+        "--straggler-windows",
+        str(WINDOWS),
+        *extra,
+    ]
 
 
 def events(path: Path, kind: str) -> list[dict[str, Any]]:

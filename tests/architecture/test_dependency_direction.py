@@ -15,34 +15,75 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 #: Backends reached only through hooks and the registry.
-BACKENDS = ("fsm_agent.plugins.rendezvous_", "fsm_agent.plugins.launcher_", "fsm_agent.plugins.containment",
-            "fsm_agent.plugins.restart_policy", "fsm_agent.plugins.progress", "fsm_agent.plugins.health_check",
-            "fsm_agent.plugins.status_http", "fsm_agent.plugins.events_jsonl", "fsm_agent.plugins.metrics_logging",
-            "fsm_agent.plugins.straggler", "fsm_agent.plugins.drain")
+BACKENDS = (
+    "fsm_agent.plugins.rendezvous_",
+    "fsm_agent.plugins.launcher_",
+    "fsm_agent.plugins.containment",
+    "fsm_agent.plugins.restart_policy",
+    "fsm_agent.plugins.progress",
+    "fsm_agent.plugins.health_check",
+    "fsm_agent.plugins.status_http",
+    "fsm_agent.plugins.events_jsonl",
+    "fsm_agent.plugins.metrics_logging",
+    "fsm_agent.plugins.straggler",
+    "fsm_agent.plugins.drain",
+)
 #: The commands and what only they use: the run parser, the merge of the sources, the doc generator.
-CLI = ("fsm_agent.cli", "fsm_agent.launch", "fsm_agent.status_cli", "fsm_agent.docgen", "fsm_agent.run_parser",
-       "fsm_agent.resolve", "fsm_agent.reference")
+CLI = (
+    "fsm_agent.cli",
+    "fsm_agent.launch",
+    "fsm_agent.status_cli",
+    "fsm_agent.docgen",
+    "fsm_agent.run_parser",
+    "fsm_agent.resolve",
+    "fsm_agent.reference",
+)
 
 #: (rule, which modules it applies to, the prefixes they may not import, allowed exceptions)
 RULES = [
-    ("the statechart knows no agent, backend, configuration or CLI",
-     lambda m: m.startswith("fsm_agent.states"),
-     ("fsm_agent.",), ("fsm_agent.states", "fsm_agent.plugins.hookspec_info", "fsm_agent.plugins.hookspecs",
-                       "fsm_agent.plugins", "fsm_agent.argparsing", "fsm_agent.errors")),
-    ("the agent reaches backends only through hooks and the registry, and knows no CLI or configuration",
-     lambda m: m == "fsm_agent.agent",
-     (*BACKENDS, *CLI, "fsm_agent.config", "fsm_agent.settings", "fsm_agent.plugins.manager", "fsm_agent.testing"),
-     ()),
-    ("the configuration schema knows nothing of fsm-agent but its errors",
-     lambda m: m == "fsm_agent.settings", ("fsm_agent.",), ("fsm_agent.errors",)),
-    ("no plugin knows the CLI, the launch or the agent's module",
-     lambda m: m.startswith("fsm_agent.plugins") or m.startswith("fsm_agent_"),
-     (*CLI, "fsm_agent.agent"), ()),
-    ("the product does not depend on its test kit (replay is built on it, by design)",
-     lambda m: m.startswith("fsm_agent") and not m.startswith(("fsm_agent.testing", "fsm_agent.replay")),
-     ("fsm_agent.testing",), ()),
-    ("the CLI reaches the agent only through the launch API",
-     lambda m: m in ("fsm_agent.cli", "fsm_agent.status_cli"), ("fsm_agent.agent",), ()),
+    (
+        "the statechart knows no agent, backend, configuration or CLI",
+        lambda m: m.startswith("fsm_agent.states"),
+        ("fsm_agent.",),
+        (
+            "fsm_agent.states",
+            "fsm_agent.plugins.hookspec_info",
+            "fsm_agent.plugins.hookspecs",
+            "fsm_agent.plugins",
+            "fsm_agent.argparsing",
+            "fsm_agent.errors",
+        ),
+    ),
+    (
+        "the agent reaches backends only through hooks and the registry, and knows no CLI or configuration",
+        lambda m: m == "fsm_agent.agent",
+        (*BACKENDS, *CLI, "fsm_agent.config", "fsm_agent.settings", "fsm_agent.plugins.manager", "fsm_agent.testing"),
+        (),
+    ),
+    (
+        "the configuration schema knows nothing of fsm-agent but its errors",
+        lambda m: m == "fsm_agent.settings",
+        ("fsm_agent.",),
+        ("fsm_agent.errors",),
+    ),
+    (
+        "no plugin knows the CLI, the launch or the agent's module",
+        lambda m: m.startswith("fsm_agent.plugins") or m.startswith("fsm_agent_"),
+        (*CLI, "fsm_agent.agent"),
+        (),
+    ),
+    (
+        "the product does not depend on its test kit (replay is built on it, by design)",
+        lambda m: m.startswith("fsm_agent") and not m.startswith(("fsm_agent.testing", "fsm_agent.replay")),
+        ("fsm_agent.testing",),
+        (),
+    ),
+    (
+        "the CLI reaches the agent only through the launch API",
+        lambda m: m in ("fsm_agent.cli", "fsm_agent.status_cli"),
+        ("fsm_agent.agent",),
+        (),
+    ),
 ]
 
 
@@ -93,7 +134,8 @@ def violations(rule, root: Path = ROOT) -> list[str]:
             if imported.startswith(module + ".") or imported == module:
                 continue  # a room's own modules
             if any(imported.startswith(b) for b in banned) and not any(
-                    imported == a or imported.startswith(a + ".") for a in allowed):
+                imported == a or imported.startswith(a + ".") for a in allowed
+            ):
                 problems[(str(path), line)] = f"{path.relative_to(root)}:{line} imports {imported}"
     return sorted(problems.values())
 
@@ -108,13 +150,19 @@ def test_the_check_sees_a_violation(tmp_path):
     not vacuous); a type-only import is not a dependency."""
     fake = tmp_path / "fsm_agent"
     fake.mkdir()
-    (fake / "agent.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import fsm_agent.cli\n"
-                                   "def f():\n    from fsm_agent.plugins.rendezvous_c10d import FreshStoreHandler\n")
+    (fake / "agent.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import fsm_agent.cli\n"
+        "def f():\n    from fsm_agent.plugins.rendezvous_c10d import FreshStoreHandler\n"
+    )
     agent_rule = RULES[1]
     assert violations(agent_rule, tmp_path) == ["fsm_agent/agent.py:5 imports fsm_agent.plugins.rendezvous_c10d"]
 
 
 def test_every_module_is_read():
     names = {_module_name(p, ROOT) for p in _modules(ROOT)}
-    assert {"fsm_agent.agent", "fsm_agent.states.table", "fsm_agent.plugins.rendezvous_fsm.planner",
-            "fsm_agent_etcd"} <= names
+    assert {
+        "fsm_agent.agent",
+        "fsm_agent.states.table",
+        "fsm_agent.plugins.rendezvous_fsm.planner",
+        "fsm_agent_etcd",
+    } <= names

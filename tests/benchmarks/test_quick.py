@@ -26,9 +26,19 @@ def test_quick_mode_runs_every_scenario_with_both_launchers(tmp_path):
     done = subprocess.run(
         # --tmp-dir: the bench's directory (its trials', and TMPDIR of every launcher it starts) is
         # made under tmp_path, so nothing of it stays in /tmp even if the bench dies before removing it.
-        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--markdown", str(markdown),
-         "--tmp-dir", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=1140,
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "run.py"),
+            "--quick",
+            "--markdown",
+            str(markdown),
+            "--tmp-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1140,
     )
     report = f"stdout:\n{done.stdout[-6000:]}\nstderr:\n{done.stderr[-6000:]}"
     assert done.returncode == 0, report

@@ -164,8 +164,10 @@ def _free_port() -> int:
 
 def _listens(pid: int, port: int) -> bool:
     try:
-        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
-                   for c in psutil.Process(pid).net_connections("tcp"))
+        return any(
+            c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+            for c in psutil.Process(pid).net_connections("tcp")
+        )
     except psutil.Error:
         return False
 
@@ -209,10 +211,25 @@ def _start_agent(tmp: Path, name: str, args: list[str], env: dict) -> subprocess
     """An agent in its own session; its stdout and stderr go to files (no pipe to fill while we wait).
     Its TMPDIR is ``tmp/tmp``: a SIGKILLed agent's heartbeat directory stays there."""
     with open(tmp / f"{name}.out", "w") as out, open(tmp / f"{name}.err", "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "fsm_agent", "run", "--monitor-interval", "0.1",
-                                 "--shutdown-timeout", "2", "-r", "3", *args],
-                                env={**env, **tmpdir_env(tmp / "tmp")}, stdout=out, stderr=err,
-                                start_new_session=True)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fsm_agent",
+                "run",
+                "--monitor-interval",
+                "0.1",
+                "--shutdown-timeout",
+                "2",
+                "-r",
+                "3",
+                *args,
+            ],
+            env={**env, **tmpdir_env(tmp / "tmp")},
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
 
 
 def _read_events(path: Path) -> list[dict]:
@@ -228,9 +245,25 @@ def run_trial(tmp: Path, fault: str, rank: int, delay: float) -> dict:
     script = tmp / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "CHAOS_DIR": str(chaos_dir), "CHAOS_FAULT": f"{fault}:{rank}:{delay}"}
-    agent = _start_agent(tmp, "agent", ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                                        "--hang-timeout", "1", "--log-dir", str(log_dir),
-                                        "--events-file", str(tmp / "events.jsonl"), str(script)], env)
+    agent = _start_agent(
+        tmp,
+        "agent",
+        [
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--hang-timeout",
+            "1",
+            "--log-dir",
+            str(log_dir),
+            "--events-file",
+            str(tmp / "events.jsonl"),
+            str(script),
+        ],
+        env,
+    )
     tracked: set[int] = {agent.pid}
     try:
         if fault.startswith("agent_") or fault == "worker_sigkill":
@@ -248,10 +281,21 @@ def run_trial(tmp: Path, fault: str, rank: int, delay: float) -> dict:
         survivors_gone, leftover, cgroups_left = _end_all([agent], tracked)
     out, err = (tmp / "agent.out").read_text(), (tmp / "agent.err").read_text()
     events = _read_events(tmp / "events.jsonl")
-    return {"fault": fault, "rank": rank, "delay": delay, "rc": agent.returncode, "stderr": err, "stdout": out,
-            "survivors_gone": survivors_gone, "leftover": leftover, "cgroups_left": cgroups_left, "events": events,
-            "log_dir": log_dir,
-            "triggers": [e["trigger"] for e in events if e["kind"] == "transition"], "notes": []}
+    return {
+        "fault": fault,
+        "rank": rank,
+        "delay": delay,
+        "rc": agent.returncode,
+        "stderr": err,
+        "stdout": out,
+        "survivors_gone": survivors_gone,
+        "leftover": leftover,
+        "cgroups_left": cgroups_left,
+        "events": events,
+        "log_dir": log_dir,
+        "triggers": [e["trigger"] for e in events if e["kind"] == "transition"],
+        "notes": [],
+    }
 
 
 def check_invariants(t: dict) -> list[str]:
@@ -266,8 +310,11 @@ def check_invariants(t: dict) -> list[str]:
     if fault in ("worker_crash", "worker_sigkill", "worker_hang"):
         if rc != 0:
             problems.append(f"expected a restart and exit 0, got {rc}")
-        expected = ["start", "workers_hung", "workers_failed", "restart", "workers_succeeded"] if fault == "worker_hang" \
+        expected = (
+            ["start", "workers_hung", "workers_failed", "restart", "workers_succeeded"]
+            if fault == "worker_hang"
             else ["start", "workers_failed", "restart", "workers_succeeded"]
+        )
         if triggers != expected:
             problems.append(f"trace {triggers} != {expected}")
     elif fault == "agent_sigterm":
@@ -311,9 +358,24 @@ def run_node_loss_trial(tmp: Path, fault: str, rank: int, delay: float, victim: 
     script.write_text(NODE_WORKER)
     port = _free_port()
     run_id = f"chaos-{uuid.uuid4().hex[:12]}"
-    common = ("--nnodes", "1:2", "--rdzv-backend", "fsm", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-              "--local-addr", "127.0.0.1", "--nproc-per-node", "2", "--max-restarts", "1",
-              "--rdzv-conf", "last_call_timeout=1")
+    common = (
+        "--nnodes",
+        "1:2",
+        "--rdzv-backend",
+        "fsm",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        run_id,
+        "--local-addr",
+        "127.0.0.1",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--rdzv-conf",
+        "last_call_timeout=1",
+    )
     nodes = ("n0", "n1")
     agents: list[subprocess.Popen] = []
     tracked: set[int] = set()
@@ -323,9 +385,12 @@ def run_node_loss_trial(tmp: Path, fault: str, rank: int, delay: float, victim: 
     survivor_timed_out = False
 
     def start(node: str) -> subprocess.Popen:
-        agent = _start_agent(tmp, node, [*common, "--log-dir", str(tmp / f"logs_{node}"),
-                                         "--events-file", str(tmp / f"{node}.jsonl"), str(script)],
-                             {**os.environ, "CHAOS_DIR": str(chaos_dir), "CHAOS_NODE": node})
+        agent = _start_agent(
+            tmp,
+            node,
+            [*common, "--log-dir", str(tmp / f"logs_{node}"), "--events-file", str(tmp / f"{node}.jsonl"), str(script)],
+            {**os.environ, "CHAOS_DIR": str(chaos_dir), "CHAOS_NODE": node},
+        )
         agents.append(agent)
         tracked.add(agent.pid)
         return agent
@@ -335,15 +400,18 @@ def run_node_loss_trial(tmp: Path, fault: str, rank: int, delay: float, victim: 
 
     try:
         host = start("n0")
-        assert wait_until(lambda: _listens(host.pid, port) or host.poll() is not None, 60), \
+        assert wait_until(lambda: _listens(host.pid, port) or host.poll() is not None, 60), (
             f"n0 never listened on 127.0.0.1:{port}"
+        )
         assert host.poll() is None, f"n0 exited {host.returncode} before n1 started"
         start("n1")
+
         def four():
             return sum(len(_markers(chaos_dir, n, 4)) for n in nodes) >= 4
 
-        assert wait_until(lambda: four() or exited(), 60) and four(), \
+        assert wait_until(lambda: four() or exited(), 60) and four(), (
             f"the 2-node round never ran 4 workers ({exited()}; markers {sorted(p.name for p in chaos_dir.iterdir())})"
+        )
         time.sleep(delay)
         for agent in agents:
             tracked.update(_descendants(agent.pid))  # workers and cgroup keepers of both nodes
@@ -369,15 +437,32 @@ def run_node_loss_trial(tmp: Path, fault: str, rank: int, delay: float, victim: 
         survivors_gone, leftover, cgroups_left = _end_all(agents, tracked)
     events = _read_events(tmp / f"{nodes[1 - v]}.jsonl")
     after = [e for e in events if e["kind"] == "transition" and e["ts"] >= killed_at]
-    return {"fault": fault, "rank": rank, "delay": delay, "victim": victim, "port": port,
-            "rc": None if survivor_timed_out else agents[1 - v].returncode, "victim_rc": agents[v].returncode,
-            "stdout": (tmp / f"{nodes[1 - v]}.out").read_text(), "stderr": (tmp / f"{nodes[1 - v]}.err").read_text(),
-            "survivors_gone": survivors_gone, "leftover": leftover, "cgroups_left": cgroups_left,
-            "tracked": sorted(tracked), "events": events,
-            "after": after,
-            "triggers": [e["trigger"] for e in after], "recovery_s": None if ended_at is None else ended_at - killed_at,
-            "chaos_dir": chaos_dir, "before_kill": before_kill, "survivor": nodes[1 - v], "lost": nodes[v],
-            "log_dir": tmp / f"logs_{nodes[1 - v]}", "victim_log_dir": tmp / f"logs_{nodes[v]}", "notes": []}
+    return {
+        "fault": fault,
+        "rank": rank,
+        "delay": delay,
+        "victim": victim,
+        "port": port,
+        "rc": None if survivor_timed_out else agents[1 - v].returncode,
+        "victim_rc": agents[v].returncode,
+        "stdout": (tmp / f"{nodes[1 - v]}.out").read_text(),
+        "stderr": (tmp / f"{nodes[1 - v]}.err").read_text(),
+        "survivors_gone": survivors_gone,
+        "leftover": leftover,
+        "cgroups_left": cgroups_left,
+        "tracked": sorted(tracked),
+        "events": events,
+        "after": after,
+        "triggers": [e["trigger"] for e in after],
+        "recovery_s": None if ended_at is None else ended_at - killed_at,
+        "chaos_dir": chaos_dir,
+        "before_kill": before_kill,
+        "survivor": nodes[1 - v],
+        "lost": nodes[v],
+        "log_dir": tmp / f"logs_{nodes[1 - v]}",
+        "victim_log_dir": tmp / f"logs_{nodes[v]}",
+        "notes": [],
+    }
 
 
 def check_node_loss(t: dict) -> list[str]:
@@ -398,8 +483,10 @@ def check_node_loss(t: dict) -> list[str]:
             problems.append(f"{node}'s workers had ranks {got} of WORLD_SIZE=4, expected {ranks}")
     triggers, after = t["triggers"], t["after"]
     if not after or after[0]["trigger"] != "membership_changed" or after[0].get("failure_class") != "node_lost":
-        problems.append(f"the survivor's first transition after the loss is not membership_changed/node_lost: "
-                        f"{[(e['trigger'], e.get('failure_class')) for e in after]}")
+        problems.append(
+            f"the survivor's first transition after the loss is not membership_changed/node_lost: "
+            f"{[(e['trigger'], e.get('failure_class')) for e in after]}"
+        )
     if t["victim"] == "peer":
         if t["rc"] not in (None, 0):
             problems.append(f"expected the survivor to re-rendezvous alone and exit 0, got {t['rc']}")
@@ -408,10 +495,15 @@ def check_node_loss(t: dict) -> list[str]:
         final = _markers(chaos_dir, survivor, 2, skip=t["before_kill"])
         restarted = {w["pid"]: w["world_size"] for e in after if e["trigger"] == "restart" for w in e["workers"]}
         if [(a, r) for a, r, _ in final] != [(0, 0), (0, 1)] or restarted != {pid: 2 for *_, pid in final}:
-            problems.append(f"the survivor's workers after the loss were not ranks 0, 1 of WORLD_SIZE=2 at restart "
-                            f"count 0: markers {final}, restart event {restarted}")
-        others = {p.name for p in chaos_dir.glob("pid_*")} - t["before_kill"] \
+            problems.append(
+                f"the survivor's workers after the loss were not ranks 0, 1 of WORLD_SIZE=2 at restart "
+                f"count 0: markers {final}, restart event {restarted}"
+            )
+        others = (
+            {p.name for p in chaos_dir.glob("pid_*")}
+            - t["before_kill"]
             - {f"pid_{survivor}_2_{a}_{r}_{pid}" for a, r, pid in final}
+        )
         if others:
             problems.append(f"other workers ran after the loss: {sorted(others)}")
         ends = [e for e in t["events"] if e["kind"] == "run_end"]
@@ -447,7 +539,7 @@ def test_every_fault_is_drawn_when_trials_allow():
         plan = draw_trials(random.Random(seed), len(FAULTS))
         assert sorted(t["fault"] for t in plan) == sorted(FAULTS)
         longer = draw_trials(random.Random(seed), 3 * len(FAULTS) + 1)
-        assert longer[:len(FAULTS)] == plan  # more trials extend the same run
+        assert longer[: len(FAULTS)] == plan  # more trials extend the same run
         two_rounds = draw_trials(random.Random(seed), 2 * len(FAULTS))
         assert sorted(t["victim"] for t in two_rounds if "victim" in t) == sorted(VICTIMS)
 
@@ -463,11 +555,15 @@ def test_chaos(tmp_path):
         problems = check_invariants(result)
         what = params["fault"] + (f"({params['victim']})" if "victim" in params else "")
         report.append((trial, what, result["rc"], time.monotonic() - began, result["notes"], problems))
-        assert not problems, f"trial {trial} ({what} rank {params['rank']} after {params['delay']}s): " \
-                             f"{problems}\n{result['stderr'][-3000:]}"
+        assert not problems, (
+            f"trial {trial} ({what} rank {params['rank']} after {params['delay']}s): "
+            f"{problems}\n{result['stderr'][-3000:]}"
+        )
     held = sum(1 for *_, p in report if not p)
     notes = sorted({n for *_, ns, _ in report for n in ns})
-    print(f"\nchaos: seed={SEED} trials={TRIALS} invariants held in {held}/{TRIALS} "
-          f"({time.monotonic() - started:.1f} s): "
-          + ", ".join(f"{w}->{rc} {s:.1f}s" for _, w, rc, s, _, _ in report)
-          + "".join(f"\nchaos: note: {n}" for n in notes))
+    print(
+        f"\nchaos: seed={SEED} trials={TRIALS} invariants held in {held}/{TRIALS} "
+        f"({time.monotonic() - started:.1f} s): "
+        + ", ".join(f"{w}->{rc} {s:.1f}s" for _, w, rc, s, _, _ in report)
+        + "".join(f"\nchaos: note: {n}" for n in notes)
+    )

@@ -23,8 +23,9 @@ def run_config(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_json_shows_every_key_with_value_and_source(capsys, monkeypatch, write_toml, script):
-    path = write_toml('max_restarts = 3\nrole = "file"\n[rendezvous]\njoin_timeout = 900\n'
-                      '[plugins.status-http]\nport = 8600\n')
+    path = write_toml(
+        'max_restarts = 3\nrole = "file"\n[rendezvous]\njoin_timeout = 900\n[plugins.status-http]\nport = 8600\n'
+    )
     monkeypatch.setenv("PET_ROLE", "pet")
     code, out, err = run_config(capsys, "--config", path, "--json", "--nproc-per-node", "2", script)
     assert code == 0 and err == ""
@@ -38,9 +39,10 @@ def test_json_shows_every_key_with_value_and_source(capsys, monkeypatch, write_t
     assert values["rendezvous.join_timeout"] == {"value": 900, "source": f"file {path}"}
     assert values["plugins.status-http.port"] == {"value": 8600, "source": f"file {path}"}
     # implicit standalone: the rendezvous settings are derived, not the defaults
-    assert values["rendezvous.backend"] == {"value": STANDALONE[0],
-                                            "source": "derived implicit --standalone (one node, no endpoint, "
-                                                      "no --master-port)"}
+    assert values["rendezvous.backend"] == {
+        "value": STANDALONE[0],
+        "source": "derived implicit --standalone (one node, no endpoint, no --master-port)",
+    }
 
 
 def test_needs_no_script_and_does_not_touch_omp(capsys, monkeypatch):
@@ -70,10 +72,19 @@ def test_piped_table_keeps_every_value_whole(tmp_path):
     import sys
 
     log_dir = str(tmp_path / ("a-rather-long-directory-name-for-the-logs-of-this-job" * 2))
-    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "fsm_agent", "config", "--log-dir", log_dir], capture_output=True,
-                          text=True, env=env, cwd=tmp_path, timeout=120)
+    env = {
+        **os.environ,
+        "COLUMNS": "80",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "fsm_agent", "config", "--log-dir", log_dir],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     (row,) = [line for line in done.stdout.splitlines() if line.startswith("logs.log_dir ")]
     assert row.split() == ["logs.log_dir", log_dir, "cli", "--log-dir"]
@@ -90,13 +101,17 @@ def test_bad_flag_is_one_line(capsys):
 STATIC = ["--nnodes", "2", "--master-port", "29500"]
 
 
-@pytest.mark.parametrize("where, argv, env, toml", [
-    ("--rdzv-conf join_timout=5", ["--rdzv-conf", "join_timout=5"], {}, ""),
-    ("PET_RDZV_CONF join_timout=5", [], {"PET_RDZV_CONF": "join_timout=5"}, ""),
-    ("{path} rendezvous join_timout=5", [], {}, "[rendezvous]\nconf = { join_timout = 5 }\n"),
-])
-def test_a_rendezvous_option_no_backend_reads_is_an_error_with_a_suggestion(capsys, monkeypatch, write_toml,
-                                                                             where, argv, env, toml):
+@pytest.mark.parametrize(
+    "where, argv, env, toml",
+    [
+        ("--rdzv-conf join_timout=5", ["--rdzv-conf", "join_timout=5"], {}, ""),
+        ("PET_RDZV_CONF join_timout=5", [], {"PET_RDZV_CONF": "join_timout=5"}, ""),
+        ("{path} rendezvous join_timout=5", [], {}, "[rendezvous]\nconf = { join_timout = 5 }\n"),
+    ],
+)
+def test_a_rendezvous_option_no_backend_reads_is_an_error_with_a_suggestion(
+    capsys, monkeypatch, write_toml, where, argv, env, toml
+):
     """torch ignores ``join_timout=5`` silently (and waits 600 s); the same typo as a typed file key is caught."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -104,8 +119,9 @@ def test_a_rendezvous_option_no_backend_reads_is_an_error_with_a_suggestion(caps
     code, out, err = run_config(capsys, *config, "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", *argv)
     where = where.format(path=config[1] if toml else "")
     assert (code, out) == (2, "")
-    assert err == (f"fsm-agent: error: {where}: no loaded rendezvous backend reads 'join_timout'; "
-                   f"did you mean join_timeout?\n")
+    assert err == (
+        f"fsm-agent: error: {where}: no loaded rendezvous backend reads 'join_timout'; did you mean join_timeout?\n"
+    )
 
 
 def test_a_rendezvous_option_another_backend_reads_is_a_warning(capsys, caplog, monkeypatch):
@@ -116,7 +132,8 @@ def test_a_rendezvous_option_another_backend_reads_is_a_warning(capsys, caplog, 
     assert json.loads(out)["values"]["rendezvous.timeout"]["value"] == "7"
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and warnings[0].startswith(
-        "PET_RDZV_CONF join_timeout=5: backend static does not read 'join_timeout' (c10d, "), warnings
+        "PET_RDZV_CONF join_timeout=5: backend static does not read 'join_timeout' (c10d, "
+    ), warnings
     assert warnings[0].endswith(" do); ignored")
 
 

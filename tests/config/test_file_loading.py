@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from fsm_agent import cli
-from fsm_agent.config import (KEYS, ConfigFile, LaunchConfig, OptionRegistry, find_config_file,
-                              load_file_values)
+from fsm_agent.config import KEYS, ConfigFile, LaunchConfig, OptionRegistry, find_config_file, load_file_values
 from fsm_agent.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -49,8 +48,14 @@ colour = true
 
 def test_malformed_file_prints_all_three_errors_with_paths_and_exits_non_zero(tmp_path, write_toml, script):
     path = write_toml(MALFORMED)
-    proc = subprocess.run([sys.executable, "-m", "fsm_agent", "run", "--config", path, script],
-                          cwd=tmp_path, env=_subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsm_agent", "run", "--config", path, script],
+        cwd=tmp_path,
+        env=_subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert proc.stderr.splitlines() == [  # one line per error, each naming the file and the key
@@ -85,92 +90,148 @@ def test_the_same_errors_from_fsm_agent_config(write_toml, capsys):
 # ------------------------------------------------------------------ strict scalars
 
 
-@pytest.mark.parametrize("data,message", [
-    ({"standalone": "false"}, 'standalone: expected true or false, got "false"'),
-    ({"standalone": 0}, "standalone: expected true or false, got 0"),
-    ({"max_restarts": 2.7}, "max_restarts: expected an integer >= 0, got 2.7"),
-    ({"max_restarts": True}, "max_restarts: expected an integer >= 0, got true"),
-    ({"max_restarts": -1}, "max_restarts: expected an integer >= 0, got -1"),
-    ({"monitor_interval": "3"}, 'monitor_interval: expected seconds > 0, got "3"'),
-    ({"monitor_interval": 0}, "monitor_interval: expected seconds > 0, got 0"),
-    ({"monitor_interval": float("inf")}, "monitor_interval: expected seconds > 0"),
-    ({"role": 3}, "role: expected a string, got 3"),
-    ({"nnodes": "3:2"}, 'nnodes: expected a node count > 0 or "MIN:MAX" with 0 < MIN <= MAX, got "3:2"'),
-    ({"nnodes": 0}, "nnodes: expected a node count > 0"),
-    ({"nproc_per_node": "tpu"}, 'nproc_per_node: expected a worker count > 0 or one of "auto"'),
-    ({"nproc_per_node": 0}, "nproc_per_node: expected a worker count > 0"),
-    ({"start_method": "thread"}, 'start_method: expected one of "spawn", "fork", "forkserver", got "thread"'),
-    ({"signals_to_handle": ["SIGKILL"]}, "signals_to_handle: expected signal names"),
-    ({"signals_to_handle": "SIGNOPE"}, "'SIGNOPE' is not a signal"),
-    ({"disabled_plugins": "a"}, 'disabled_plugins: expected a list of plugin names, got "a"'),
-    ({"rendezvous": {"master_port": 70000}}, "rendezvous.master_port: expected a port number 1-65535, got 70000"),
-    ({"rendezvous": {"is_host": "yes"}}, 'rendezvous.is_host: expected true or false, got "yes"'),
-    ({"rendezvous": {"keep_alive_max_attempt": 1.5}}, "rendezvous.keep_alive_max_attempt: expected an integer > 0"),
-    ({"rendezvous": {"conf": {"x": [1]}}}, "rendezvous.conf: expected a table of backend options"),
-    ({"rendezvous": {"conf": {"join_timeout": 5}}}, "set 'join_timeout' as rendezvous.join_timeout"),
-    ({"logs": {"tee": 4}}, "logs.tee: expected 0 (none), 1 (stdout), 2 (stderr), 3 (both)"),
-    ({"logs": {"redirects": "0:4"}}, 'logs.redirects: expected 0 (none)'),
-    ({"logs": {"local_ranks_filter": [0, -1]}}, "logs.local_ranks_filter: expected a list of local ranks >= 0"),
-    ({"logs": {"duplicate_stdout_filters": ["a", 1]}}, "logs.duplicate_stdout_filters: expected a list of strings"),
-    ({"rendezvous": "c10d"}, 'rendezvous: expected a table, got "c10d"'),
-    ({"plugins": 3}, "plugins: expected a table of plugin tables, got 3"),
-])
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        ({"standalone": "false"}, 'standalone: expected true or false, got "false"'),
+        ({"standalone": 0}, "standalone: expected true or false, got 0"),
+        ({"max_restarts": 2.7}, "max_restarts: expected an integer >= 0, got 2.7"),
+        ({"max_restarts": True}, "max_restarts: expected an integer >= 0, got true"),
+        ({"max_restarts": -1}, "max_restarts: expected an integer >= 0, got -1"),
+        ({"monitor_interval": "3"}, 'monitor_interval: expected seconds > 0, got "3"'),
+        ({"monitor_interval": 0}, "monitor_interval: expected seconds > 0, got 0"),
+        ({"monitor_interval": float("inf")}, "monitor_interval: expected seconds > 0"),
+        ({"role": 3}, "role: expected a string, got 3"),
+        ({"nnodes": "3:2"}, 'nnodes: expected a node count > 0 or "MIN:MAX" with 0 < MIN <= MAX, got "3:2"'),
+        ({"nnodes": 0}, "nnodes: expected a node count > 0"),
+        ({"nproc_per_node": "tpu"}, 'nproc_per_node: expected a worker count > 0 or one of "auto"'),
+        ({"nproc_per_node": 0}, "nproc_per_node: expected a worker count > 0"),
+        ({"start_method": "thread"}, 'start_method: expected one of "spawn", "fork", "forkserver", got "thread"'),
+        ({"signals_to_handle": ["SIGKILL"]}, "signals_to_handle: expected signal names"),
+        ({"signals_to_handle": "SIGNOPE"}, "'SIGNOPE' is not a signal"),
+        ({"disabled_plugins": "a"}, 'disabled_plugins: expected a list of plugin names, got "a"'),
+        ({"rendezvous": {"master_port": 70000}}, "rendezvous.master_port: expected a port number 1-65535, got 70000"),
+        ({"rendezvous": {"is_host": "yes"}}, 'rendezvous.is_host: expected true or false, got "yes"'),
+        ({"rendezvous": {"keep_alive_max_attempt": 1.5}}, "rendezvous.keep_alive_max_attempt: expected an integer > 0"),
+        ({"rendezvous": {"conf": {"x": [1]}}}, "rendezvous.conf: expected a table of backend options"),
+        ({"rendezvous": {"conf": {"join_timeout": 5}}}, "set 'join_timeout' as rendezvous.join_timeout"),
+        ({"logs": {"tee": 4}}, "logs.tee: expected 0 (none), 1 (stdout), 2 (stderr), 3 (both)"),
+        ({"logs": {"redirects": "0:4"}}, "logs.redirects: expected 0 (none)"),
+        ({"logs": {"local_ranks_filter": [0, -1]}}, "logs.local_ranks_filter: expected a list of local ranks >= 0"),
+        ({"logs": {"duplicate_stdout_filters": ["a", 1]}}, "logs.duplicate_stdout_filters: expected a list of strings"),
+        ({"rendezvous": "c10d"}, 'rendezvous: expected a table, got "c10d"'),
+        ({"plugins": 3}, "plugins: expected a table of plugin tables, got 3"),
+    ],
+)
 def test_values_are_checked_strictly(data, message):
     text = errors_of(data)
     assert text.startswith("fsm.toml: 1 error: ")
     assert message in text
 
 
-@pytest.mark.parametrize("data,message", [
-    ({"max_restart": 1}, "max_restart: unknown key; did you mean max_restarts?"),
-    ({"join_timeout": 5}, "join_timeout: unknown key at the top level; did you mean rendezvous.join_timeout?"),
-    ({"log_dir": "x"}, "log_dir: unknown key at the top level; did you mean logs.log_dir?"),
-    ({"rendezvous": {"backnd": "c10d"}}, "rendezvous.backnd: unknown key; did you mean rendezvous.backend?"),
-    ({"logs": {"colour": True}}, "logs.colour: unknown key in [logs] (see docs/configuration.md for the keys)"),
-    ({"plugins": {"nope": {"x": 1}}}, "plugins.nope: no loaded plugin named 'nope' declares options"),
-    ({"tool": {"fsm_agent": {"max_restarts": 1}}},
-     "tool: unknown key at the top level; a [tool.fsm_agent] table is read from pyproject.toml only"),
-])
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        ({"max_restart": 1}, "max_restart: unknown key; did you mean max_restarts?"),
+        ({"join_timeout": 5}, "join_timeout: unknown key at the top level; did you mean rendezvous.join_timeout?"),
+        ({"log_dir": "x"}, "log_dir: unknown key at the top level; did you mean logs.log_dir?"),
+        ({"rendezvous": {"backnd": "c10d"}}, "rendezvous.backnd: unknown key; did you mean rendezvous.backend?"),
+        ({"logs": {"colour": True}}, "logs.colour: unknown key in [logs] (see docs/configuration.md for the keys)"),
+        ({"plugins": {"nope": {"x": 1}}}, "plugins.nope: no loaded plugin named 'nope' declares options"),
+        (
+            {"tool": {"fsm_agent": {"max_restarts": 1}}},
+            "tool: unknown key at the top level; a [tool.fsm_agent] table is read from pyproject.toml only",
+        ),
+    ],
+)
 def test_unknown_keys_are_errors_with_a_hint(data, message):
     assert message in errors_of(data)
 
 
 def test_every_error_is_reported_in_one_pass():
-    text = errors_of({"max_restarts": "x", "standalone": "no", "bogus": 1,
-                      "rendezvous": {"join_timeout": 0, "master_port": "29500"},
-                      "logs": {"tee": 9, "colour": 1}})
+    text = errors_of(
+        {
+            "max_restarts": "x",
+            "standalone": "no",
+            "bogus": 1,
+            "rendezvous": {"join_timeout": 0, "master_port": "29500"},
+            "logs": {"tee": 9, "colour": 1},
+        }
+    )
     assert text.startswith("fsm.toml: 7 errors: ")
-    for path in ("max_restarts:", "standalone:", "bogus:", "rendezvous.join_timeout:",
-                 "rendezvous.master_port:", "logs.tee:", "logs.colour:"):
+    for path in (
+        "max_restarts:",
+        "standalone:",
+        "bogus:",
+        "rendezvous.join_timeout:",
+        "rendezvous.master_port:",
+        "logs.tee:",
+        "logs.colour:",
+    ):
         assert path in text
     assert "\n" not in text
 
 
 def test_valid_file_values_are_converted_to_what_the_flags_store():
-    got = load({
-        "nnodes": 2, "nproc_per_node": "auto", "max_restarts": 3, "monitor_interval": 1, "standalone": True,
-        "signals_to_handle": ["SIGTERM", "SIGUSR1"], "disabled_plugins": ["a", " b "],
-        "rendezvous": {"backend": "c10d", "run_id": "job", "join_timeout": 900, "is_host": False,
-                       "conf": {"store_type": "tcp", "n": 2}, "master_port": 1234},
-        "logs": {"tee": 3, "redirects": "0:1,1:2", "local_ranks_filter": [0, 2],
-                 "duplicate_stdout_filters": ["a,b"]},
-    }).values
+    got = load(
+        {
+            "nnodes": 2,
+            "nproc_per_node": "auto",
+            "max_restarts": 3,
+            "monitor_interval": 1,
+            "standalone": True,
+            "signals_to_handle": ["SIGTERM", "SIGUSR1"],
+            "disabled_plugins": ["a", " b "],
+            "rendezvous": {
+                "backend": "c10d",
+                "run_id": "job",
+                "join_timeout": 900,
+                "is_host": False,
+                "conf": {"store_type": "tcp", "n": 2},
+                "master_port": 1234,
+            },
+            "logs": {
+                "tee": 3,
+                "redirects": "0:1,1:2",
+                "local_ranks_filter": [0, 2],
+                "duplicate_stdout_filters": ["a,b"],
+            },
+        }
+    ).values
     assert got == {
-        "nnodes": "2", "nproc_per_node": "auto", "max_restarts": 3, "monitor_interval": 1, "standalone": True,
-        "signals_to_handle": "SIGTERM,SIGUSR1", "disabled_plugins": ("a", "b"),
-        "rendezvous.backend": "c10d", "rendezvous.run_id": "job", "rendezvous.join_timeout": 900,
-        "rendezvous.is_host": False, "rendezvous.conf": {"store_type": "tcp", "n": 2},
+        "nnodes": "2",
+        "nproc_per_node": "auto",
+        "max_restarts": 3,
+        "monitor_interval": 1,
+        "standalone": True,
+        "signals_to_handle": "SIGTERM,SIGUSR1",
+        "disabled_plugins": ("a", "b"),
+        "rendezvous.backend": "c10d",
+        "rendezvous.run_id": "job",
+        "rendezvous.join_timeout": 900,
+        "rendezvous.is_host": False,
+        "rendezvous.conf": {"store_type": "tcp", "n": 2},
         "rendezvous.master_port": 1234,
-        "logs.tee": "3", "logs.redirects": "0:1,1:2", "logs.local_ranks_filter": "0,2",
+        "logs.tee": "3",
+        "logs.redirects": "0:1,1:2",
+        "logs.local_ranks_filter": "0,2",
         "logs.duplicate_stdout_filters": ["a,b"],
     }
 
 
 def test_every_key_loads_its_own_kind_of_value():
     """Each key accepts a value of its documented TOML type (a smoke test of the generated schema)."""
-    samples = {"integer": 1, "number": 1.5, "string": "x", "boolean": True, "array of strings": ["SIGTERM"],
-               "array of integers": [0], "table": {"k": "v"}, 'integer or "MIN:MAX"': "1:2",
-               "integer or string": 1}
+    samples = {
+        "integer": 1,
+        "number": 1.5,
+        "string": "x",
+        "boolean": True,
+        "array of strings": ["SIGTERM"],
+        "array of integers": [0],
+        "table": {"k": "v"},
+        'integer or "MIN:MAX"': "1:2",
+        "integer or string": 1,
+    }
     for key in KEYS:
         value = samples[key.kind.toml]
         if key.key in ("start_method", "numa_binding"):
@@ -186,8 +247,12 @@ def test_every_key_loads_its_own_kind_of_value():
 def _options() -> OptionRegistry:
     options = OptionRegistry()
     options.current_plugin = "myplug"
-    options.add("level", type=int, default=1, check=lambda v: None if v < 10 else (_ for _ in ()).throw(
-        ValueError("expected a level below 10")))
+    options.add(
+        "level",
+        type=int,
+        default=1,
+        check=lambda v: None if v < 10 else (_ for _ in ()).throw(ValueError("expected a level below 10")),
+    )
     options.add("verbose", type=bool, default=False)
     options.add("mode", choices=("fast", "slow"), default="fast")
     return options
@@ -196,8 +261,9 @@ def _options() -> OptionRegistry:
 def test_plugin_tables_are_checked_against_the_declared_options():
     got = load({"plugins": {"myplug": {"level": 3, "verbose": True}}}, _options())
     assert got.plugins == {"myplug": {"level": 3, "verbose": True}}
-    text = errors_of({"plugins": {"myplug": {"level": 30, "verbose": "false", "mode": "medium", "extra": 1}}},
-                     _options())
+    text = errors_of(
+        {"plugins": {"myplug": {"level": 30, "verbose": "false", "mode": "medium", "extra": 1}}}, _options()
+    )
     assert text.startswith("fsm.toml: 4 errors: ")
     assert "plugins.myplug.level: expected a level below 10, got 30" in text
     assert 'plugins.myplug.verbose: expected true or false, got "false"' in text
@@ -213,8 +279,10 @@ def test_a_disabled_plugins_table_is_ignored():
 
 
 def test_pyproject_in_the_current_directory(tmp_path, write_toml):
-    write_toml('[project]\nname = "x"\n[tool.fsm_agent]\nmax_restarts = 2\n[tool.fsm_agent.rendezvous]\n'
-               'backend = "c10d"\n', "pyproject.toml")
+    write_toml(
+        '[project]\nname = "x"\n[tool.fsm_agent]\nmax_restarts = 2\n[tool.fsm_agent.rendezvous]\nbackend = "c10d"\n',
+        "pyproject.toml",
+    )
     found = find_config_file(None)
     assert found is not None and found.label == "pyproject.toml [tool.fsm_agent]"
     assert load_file_values(found).values == {"max_restarts": 2, "rendezvous.backend": "c10d"}
@@ -231,12 +299,14 @@ def test_a_misspelled_or_dashed_tool_table_is_an_error(write_toml, name):
     write_toml(f'[project]\nname = "x"\n[tool.{name}]\nmax_restarts = 2\n', "pyproject.toml")
     with pytest.raises(ConfigError) as err:
         find_config_file(None)
-    assert str(err.value) == (f"pyproject.toml: [tool.{name.strip(chr(34))}] is not read; fsm-agent's table is "
-                              f"[tool.fsm_agent] (an underscore, as in the module name): rename it")
+    assert str(err.value) == (
+        f"pyproject.toml: [tool.{name.strip(chr(34))}] is not read; fsm-agent's table is "
+        f"[tool.fsm_agent] (an underscore, as in the module name): rename it"
+    )
 
 
 def test_other_tools_tables_are_left_alone(write_toml):
-    write_toml('[tool.black]\nline-length = 1\n[tool.fsm-agent-prometheus]\nx = 1\n', "pyproject.toml")
+    write_toml("[tool.black]\nline-length = 1\n[tool.fsm-agent-prometheus]\nx = 1\n", "pyproject.toml")
     assert find_config_file(None) is None
 
 
@@ -252,10 +322,13 @@ def test_explicit_pyproject_reads_the_tool_table(write_toml, tmp_path):
     assert found.table == "tool.fsm_agent" and found.data == {"role": "r"}
 
 
-@pytest.mark.parametrize("text,origin,message", [
-    (None, "--config", "--config {path}: no such file; check the path"),
-    ("max_restarts = = 3\n", "--config", "{path}: not valid TOML: "),
-])
+@pytest.mark.parametrize(
+    "text,origin,message",
+    [
+        (None, "--config", "--config {path}: no such file; check the path"),
+        ("max_restarts = = 3\n", "--config", "{path}: not valid TOML: "),
+    ],
+)
 def test_unreadable_files_are_one_line(tmp_path, text, origin, message):
     path = tmp_path / "c.toml"
     if text is not None:
@@ -267,15 +340,21 @@ def test_unreadable_files_are_one_line(tmp_path, text, origin, message):
 
 
 def test_tool_table_must_be_a_table(write_toml):
-    write_toml('[tool]\nfsm_agent = 3\n', "pyproject.toml")
+    write_toml("[tool]\nfsm_agent = 3\n", "pyproject.toml")
     with pytest.raises(ConfigError, match=r"\[tool.fsm_agent\] must be a table, got 3"):
         find_config_file(None)
 
 
 def test_bad_toml_via_the_cli_is_one_line(tmp_path, write_toml, script):
     path = write_toml("max_restarts = \n")
-    proc = subprocess.run([sys.executable, "-m", "fsm_agent", "run", "--config", path, script], cwd=tmp_path,
-                          env=_subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsm_agent", "run", "--config", path, script],
+        cwd=tmp_path,
+        env=_subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "not valid TOML" in proc.stderr
 

@@ -64,18 +64,32 @@ def resolve(*argv: str):
 def test_defaults_flags_env_and_file(with_plugin, monkeypatch, write_toml, script):
     with_plugin(OptionsPlugin())
     config, _ = resolve(script)
-    assert dict(config.plugin_options("myplug")) == {"level": 1, "ratio": 0.5, "verbose": False, "name": None,
-                                                     "mode": "fast"}
+    assert dict(config.plugin_options("myplug")) == {
+        "level": 1,
+        "ratio": 0.5,
+        "verbose": False,
+        "name": None,
+        "mode": "fast",
+    }
     path = write_toml('[plugins.myplug]\nlevel = 2\nverbose = true\nname = "file"\n')
     monkeypatch.setenv("FSM_AGENT_MYPLUG_RATIO", "0.25")
     monkeypatch.setenv("MYPLUG_NAME", "env")
     config, resolved = resolve("--config", path, "--myplug-verbose", "false", "--myplug-mode", "slow", script)
-    assert dict(config.plugin_options("myplug")) == {"level": 2, "ratio": 0.25, "verbose": False, "name": "env",
-                                                     "mode": "slow"}
+    assert dict(config.plugin_options("myplug")) == {
+        "level": 2,
+        "ratio": 0.25,
+        "verbose": False,
+        "name": "env",
+        "mode": "slow",
+    }
     sources = {k: str(v) for k, v in resolved.sources.items() if k.startswith("plugins.myplug.")}
-    assert sources == {"plugins.myplug.level": f"file {path}", "plugins.myplug.ratio": "env FSM_AGENT_MYPLUG_RATIO",
-                       "plugins.myplug.verbose": "cli --myplug-verbose", "plugins.myplug.name": "env MYPLUG_NAME",
-                       "plugins.myplug.mode": "cli --myplug-mode"}
+    assert sources == {
+        "plugins.myplug.level": f"file {path}",
+        "plugins.myplug.ratio": "env FSM_AGENT_MYPLUG_RATIO",
+        "plugins.myplug.verbose": "cli --myplug-verbose",
+        "plugins.myplug.name": "env MYPLUG_NAME",
+        "plugins.myplug.mode": "cli --myplug-mode",
+    }
 
 
 def test_the_plugin_reads_its_values_in_configure(with_plugin, script):
@@ -90,11 +104,20 @@ def test_the_plugin_reads_its_values_in_configure(with_plugin, script):
         agent.close()
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--myplug-level", "2.5"], "argument --myplug-level/--myplug_level: expected an integer, got \"2.5\""),
-    (["--myplug-verbose", "maybe"], "argument --myplug-verbose/--myplug_verbose: expected true or false, got \"maybe\""),
-    (["--myplug-mode", "medium"], 'argument --myplug-mode/--myplug_mode: expected one of "fast", "slow", got "medium"'),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--myplug-level", "2.5"], 'argument --myplug-level/--myplug_level: expected an integer, got "2.5"'),
+        (
+            ["--myplug-verbose", "maybe"],
+            'argument --myplug-verbose/--myplug_verbose: expected true or false, got "maybe"',
+        ),
+        (
+            ["--myplug-mode", "medium"],
+            'argument --myplug-mode/--myplug_mode: expected one of "fast", "slow", got "medium"',
+        ),
+    ],
+)
 def test_flag_values_are_strict(with_plugin, script, argv, message):
     with_plugin(OptionsPlugin())
     with pytest.raises(ConfigError) as err:
@@ -126,14 +149,20 @@ def test_disabling_the_plugin_drops_its_flags_and_table(with_plugin, write_toml,
     assert dict(config.plugin_options("myplug")) == {}
 
 
-@pytest.mark.parametrize("declare,message", [
-    (lambda o: o.add("Bad-Name"), "plugin 'myplug' declared option 'Bad-Name': names are snake_case"),
-    (lambda o: o.add("x", type=list), "plugin 'myplug' option 'x': type must be str, int, float or bool"),
-    (lambda o: o.add("x", flag="-x"), "flag '-x' must start with '--'"),
-    (lambda o: (o.add("x"), o.add("x")), "plugin 'myplug' declares key 'plugins.myplug.x', already declared"),
-    (lambda o: o.add("x", flag="--status-port"), "declares flag '--status-port', already declared by plugin 'status-http'"),
-    (lambda o: o.add("x", flag="--max-restarts"), "plugin 'myplug' option 'x': argument --max-restarts"),
-])
+@pytest.mark.parametrize(
+    "declare,message",
+    [
+        (lambda o: o.add("Bad-Name"), "plugin 'myplug' declared option 'Bad-Name': names are snake_case"),
+        (lambda o: o.add("x", type=list), "plugin 'myplug' option 'x': type must be str, int, float or bool"),
+        (lambda o: o.add("x", flag="-x"), "flag '-x' must start with '--'"),
+        (lambda o: (o.add("x"), o.add("x")), "plugin 'myplug' declares key 'plugins.myplug.x', already declared"),
+        (
+            lambda o: o.add("x", flag="--status-port"),
+            "declares flag '--status-port', already declared by plugin 'status-http'",
+        ),
+        (lambda o: o.add("x", flag="--max-restarts"), "plugin 'myplug' option 'x': argument --max-restarts"),
+    ],
+)
 def test_bad_declarations_are_plugin_errors(with_plugin, script, declare, message):
     with_plugin(OptionsPlugin(declare))
     with pytest.raises(PluginError) as err:

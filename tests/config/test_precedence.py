@@ -34,54 +34,171 @@ class Case:
 
     @property
     def env_suffix(self) -> str:
-        return {"rendezvous.endpoint": "RDZV_ENDPOINT", "rendezvous.backend": "RDZV_BACKEND",
-                "rendezvous.run_id": "RDZV_ID"}.get(self.key, self.key.rpartition(".")[2].upper())
+        return {
+            "rendezvous.endpoint": "RDZV_ENDPOINT",
+            "rendezvous.backend": "RDZV_BACKEND",
+            "rendezvous.run_id": "RDZV_ID",
+        }.get(self.key, self.key.rpartition(".")[2].upper())
 
 
 MULTI = ("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1")  # no implicit standalone
 
 CASES = [
-    Case("max_restarts", "max_restarts = 1", "2", "3", ("--max-restarts", "4"),
-         lambda c: c.max_restarts, (0, 1, 2, 3, 4)),
-    Case("monitor_interval", "monitor_interval = 1.5", "2.5", "3.5", ("--monitor-interval", "4.5"),
-         lambda c: c.monitor_interval, (0.1, 1.5, 2.5, 3.5, 4.5)),
-    Case("nproc_per_node", "nproc_per_node = 2", "3", "4", ("--nproc-per-node", "5"),
-         lambda c: c.nproc_per_node, (1, 2, 3, 4, 5)),
-    Case("nnodes", 'nnodes = "1:2"', "1:3", "1:4", ("--nnodes", "1:5"),
-         lambda c: (c.min_nodes, c.max_nodes), ((1, 1), (1, 2), (1, 3), (1, 4), (1, 5)),
-         base=("--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1")),
-    Case("role", 'role = "file"', "pet", "fsm", ("--role", "cli"),
-         lambda c: c.role, ("default", "file", "pet", "fsm", "cli")),
-    Case("standalone", "standalone = true", "0", "1", ("--standalone",),
-         lambda c: c.standalone, (False, True, False, True, True)),
-    Case("rendezvous.endpoint", '[rendezvous]\nendpoint = "file:1"', "pet:1", "fsm:1", ("--rdzv-endpoint", "cli:1"),
-         lambda c: c.rdzv_endpoint, ("", "file:1", "pet:1", "fsm:1", "cli:1"),
-         base=("--nnodes", "1:2", "--rdzv-backend", "c10d")),
-    Case("rendezvous.run_id", '[rendezvous]\nrun_id = "file"', "pet", "fsm", ("--rdzv-id", "cli"),
-         lambda c: c.run_id, ("none", "file", "pet", "fsm", "cli"), base=MULTI),
-    Case("rendezvous.node_rank", "[rendezvous]\nnode_rank = 1", "2", "3", ("--node-rank", "4"),
-         lambda c: c.node_rank, (0, 1, 2, 3, 4), base=("--nnodes", "5", "--master-port", "1234")),
-    Case("logs.log_dir", '[logs]\nlog_dir = "/file"', "/pet", "/fsm", ("--log-dir", "/cli"),
-         lambda c: c.log_dir, (None, "/file", "/pet", "/fsm", "/cli")),
-    Case("logs.tee", "[logs]\ntee = 1", "2", "3", ("--tee", "0:1"),
-         lambda c: c.tee, ("0", "1", "2", "3", "0:1")),
-    Case("logs.local_ranks_filter", "[logs]\nlocal_ranks_filter = [0]", "1", "2", ("--local-ranks-filter", "3"),
-         lambda c: c.local_ranks_filter, (None, {0}, {1}, {2}, {3})),
-    Case("logs.duplicate_stdout_filters", '[logs]\nduplicate_stdout_filters = ["f"]', "p", "s",
-         ("--duplicate-stdout-filters", "c"), lambda c: c.duplicate_stdout_filters, ((), ("f",), ("p",), ("s",), ("c",))),
+    Case(
+        "max_restarts", "max_restarts = 1", "2", "3", ("--max-restarts", "4"), lambda c: c.max_restarts, (0, 1, 2, 3, 4)
+    ),
+    Case(
+        "monitor_interval",
+        "monitor_interval = 1.5",
+        "2.5",
+        "3.5",
+        ("--monitor-interval", "4.5"),
+        lambda c: c.monitor_interval,
+        (0.1, 1.5, 2.5, 3.5, 4.5),
+    ),
+    Case(
+        "nproc_per_node",
+        "nproc_per_node = 2",
+        "3",
+        "4",
+        ("--nproc-per-node", "5"),
+        lambda c: c.nproc_per_node,
+        (1, 2, 3, 4, 5),
+    ),
+    Case(
+        "nnodes",
+        'nnodes = "1:2"',
+        "1:3",
+        "1:4",
+        ("--nnodes", "1:5"),
+        lambda c: (c.min_nodes, c.max_nodes),
+        ((1, 1), (1, 2), (1, 3), (1, 4), (1, 5)),
+        base=("--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"),
+    ),
+    Case(
+        "role",
+        'role = "file"',
+        "pet",
+        "fsm",
+        ("--role", "cli"),
+        lambda c: c.role,
+        ("default", "file", "pet", "fsm", "cli"),
+    ),
+    Case(
+        "standalone",
+        "standalone = true",
+        "0",
+        "1",
+        ("--standalone",),
+        lambda c: c.standalone,
+        (False, True, False, True, True),
+    ),
+    Case(
+        "rendezvous.endpoint",
+        '[rendezvous]\nendpoint = "file:1"',
+        "pet:1",
+        "fsm:1",
+        ("--rdzv-endpoint", "cli:1"),
+        lambda c: c.rdzv_endpoint,
+        ("", "file:1", "pet:1", "fsm:1", "cli:1"),
+        base=("--nnodes", "1:2", "--rdzv-backend", "c10d"),
+    ),
+    Case(
+        "rendezvous.run_id",
+        '[rendezvous]\nrun_id = "file"',
+        "pet",
+        "fsm",
+        ("--rdzv-id", "cli"),
+        lambda c: c.run_id,
+        ("none", "file", "pet", "fsm", "cli"),
+        base=MULTI,
+    ),
+    Case(
+        "rendezvous.node_rank",
+        "[rendezvous]\nnode_rank = 1",
+        "2",
+        "3",
+        ("--node-rank", "4"),
+        lambda c: c.node_rank,
+        (0, 1, 2, 3, 4),
+        base=("--nnodes", "5", "--master-port", "1234"),
+    ),
+    Case(
+        "logs.log_dir",
+        '[logs]\nlog_dir = "/file"',
+        "/pet",
+        "/fsm",
+        ("--log-dir", "/cli"),
+        lambda c: c.log_dir,
+        (None, "/file", "/pet", "/fsm", "/cli"),
+    ),
+    Case("logs.tee", "[logs]\ntee = 1", "2", "3", ("--tee", "0:1"), lambda c: c.tee, ("0", "1", "2", "3", "0:1")),
+    Case(
+        "logs.local_ranks_filter",
+        "[logs]\nlocal_ranks_filter = [0]",
+        "1",
+        "2",
+        ("--local-ranks-filter", "3"),
+        lambda c: c.local_ranks_filter,
+        (None, {0}, {1}, {2}, {3}),
+    ),
+    Case(
+        "logs.duplicate_stdout_filters",
+        '[logs]\nduplicate_stdout_filters = ["f"]',
+        "p",
+        "s",
+        ("--duplicate-stdout-filters", "c"),
+        lambda c: c.duplicate_stdout_filters,
+        ((), ("f",), ("p",), ("s",), ("c",)),
+    ),
     # No PET_ variable (torchrun has none): the file, then FSM_AGENT_*, then the flag.
-    Case("logs.logs_specs", '[logs]\nlogs_specs = "file"', None, "fsm", ("--logs-specs", "cli"),
-         lambda c: c.logs_specs, (None, "file", "file", "fsm", "cli")),
-    Case("numa_binding", 'numa_binding = "node"', None, "socket", ("--numa-binding", "exclusive"),
-         lambda c: c.numa_binding, (None, "node", "node", "socket", "exclusive")),
+    Case(
+        "logs.logs_specs",
+        '[logs]\nlogs_specs = "file"',
+        None,
+        "fsm",
+        ("--logs-specs", "cli"),
+        lambda c: c.logs_specs,
+        (None, "file", "file", "fsm", "cli"),
+    ),
+    Case(
+        "numa_binding",
+        'numa_binding = "node"',
+        None,
+        "socket",
+        ("--numa-binding", "exclusive"),
+        lambda c: c.numa_binding,
+        (None, "node", "node", "socket", "exclusive"),
+    ),
     # fsm-agent's own flags: one FSM_AGENT_* variable.
-    Case("exit_barrier_timeout", "exit_barrier_timeout = 1", None, "2", ("--exit-barrier-timeout", "3"),
-         lambda c: c.exit_barrier_timeout, (300, 1, 1, 2, 3)),
-    Case("logs.events_file", '[logs]\nevents_file = "f.jsonl"', None, "e.jsonl", ("--events-file", "c.jsonl"),
-         lambda c: c.events_file, (None, "f.jsonl", "f.jsonl", "e.jsonl", "c.jsonl")),
+    Case(
+        "exit_barrier_timeout",
+        "exit_barrier_timeout = 1",
+        None,
+        "2",
+        ("--exit-barrier-timeout", "3"),
+        lambda c: c.exit_barrier_timeout,
+        (300, 1, 1, 2, 3),
+    ),
+    Case(
+        "logs.events_file",
+        '[logs]\nevents_file = "f.jsonl"',
+        None,
+        "e.jsonl",
+        ("--events-file", "c.jsonl"),
+        lambda c: c.events_file,
+        (None, "f.jsonl", "f.jsonl", "e.jsonl", "c.jsonl"),
+    ),
     # A plugin's option: [plugins.status-http] port, FSM_AGENT_STATUS_PORT, --status-port.
-    Case("plugins.status-http.port", "[plugins.status-http]\nport = 1001", None, "1002", ("--status-port", "1003"),
-         lambda c: c.plugin_options("status-http")["port"], (None, 1001, 1001, 1002, 1003)),
+    Case(
+        "plugins.status-http.port",
+        "[plugins.status-http]\nport = 1001",
+        None,
+        "1002",
+        ("--status-port", "1003"),
+        lambda c: c.plugin_options("status-http")["port"],
+        (None, 1001, 1001, 1002, 1003),
+    ),
 ]
 
 
@@ -207,8 +324,9 @@ def test_torch_shutdown_env_sits_between_ours_and_the_file(monkeypatch, write_to
 def test_file_standalone_is_applied_with_torchrun_semantics(write_toml, script):
     path = write_toml('standalone = true\n[rendezvous]\nbackend = "etcd"\nendpoint = "h:1"\n')
     config, _ = resolve(["--config", path, script])
-    assert (config.rdzv_backend, config.rdzv_endpoint) == tuple(getattr(cli, "STANDALONE_RENDEZVOUS",
-                                                                         ("c10d", "localhost:0")))
+    assert (config.rdzv_backend, config.rdzv_endpoint) == tuple(
+        getattr(cli, "STANDALONE_RENDEZVOUS", ("c10d", "localhost:0"))
+    )
 
 
 def test_file_endpoint_turns_off_implicit_standalone(write_toml, script):
@@ -220,13 +338,16 @@ def test_file_endpoint_turns_off_implicit_standalone(write_toml, script):
 # ------------------------------------------------------------------ env vars: strict, all at once
 
 
-@pytest.mark.parametrize("name,raw,message", [
-    ("FSM_AGENT_STANDALONE", "maybe", "FSM_AGENT_STANDALONE='maybe': not a boolean"),
-    ("FSM_AGENT_MAX_RESTARTS", "2.7", "FSM_AGENT_MAX_RESTARTS='2.7': not a valid int for --max-restarts"),
-    ("FSM_AGENT_NUMA_BINDING", "all", "FSM_AGENT_NUMA_BINDING='all': choose from node, socket"),
-    ("FSM_AGENT_STATUS_PORT", "http", "FSM_AGENT_STATUS_PORT='http': expected an integer, got \"http\""),
-    ("FSM_AGENT_STATUS_PORT", "70000", "FSM_AGENT_STATUS_PORT='70000': expected a port number 0-65535"),
-])
+@pytest.mark.parametrize(
+    "name,raw,message",
+    [
+        ("FSM_AGENT_STANDALONE", "maybe", "FSM_AGENT_STANDALONE='maybe': not a boolean"),
+        ("FSM_AGENT_MAX_RESTARTS", "2.7", "FSM_AGENT_MAX_RESTARTS='2.7': not a valid int for --max-restarts"),
+        ("FSM_AGENT_NUMA_BINDING", "all", "FSM_AGENT_NUMA_BINDING='all': choose from node, socket"),
+        ("FSM_AGENT_STATUS_PORT", "http", "FSM_AGENT_STATUS_PORT='http': expected an integer, got \"http\""),
+        ("FSM_AGENT_STATUS_PORT", "70000", "FSM_AGENT_STATUS_PORT='70000': expected a port number 0-65535"),
+    ],
+)
 def test_bad_env_values_name_the_variable(monkeypatch, script, name, raw, message):
     monkeypatch.setenv(name, raw)
     with pytest.raises(ConfigError) as err:

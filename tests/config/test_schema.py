@@ -38,7 +38,9 @@ def test_the_file_keys_are_the_settings_keys():
     assert [s.key for s in settings.KEYS] == list(settings.BY_KEY)
     for setting in settings.KEYS:
         assert setting.kind is not None and setting.field, setting.key
-        assert (setting.dest is None) == (setting.section == "rendezvous" and setting.name in settings.RENDEZVOUS_OPTIONS)
+        assert (setting.dest is None) == (
+            setting.section == "rendezvous" and setting.name in settings.RENDEZVOUS_OPTIONS
+        )
 
 
 def test_variables_follow_the_declaration():
@@ -53,13 +55,23 @@ def test_variables_follow_the_declaration():
 
 def test_the_environment_reader_checks_like_the_flag_and_names_the_variable():
     chosen = [settings.BY_DEST[d] for d in ("nnodes", "standalone", "start_method", "max_restarts", "rdzv_id")]
-    values, sources, errors = settings.read_environment(chosen, {
-        "FSM_AGENT_NNODES": "1:2", "PET_NNODES": "garbage",  # the first set variable wins, unchecked the rest
-        "PET_STANDALONE": "yes", "PET_START_METHOD": "thread", "PET_MAX_RESTARTS": "three", "PET_RDZV_ID": ""})
+    values, sources, errors = settings.read_environment(
+        chosen,
+        {
+            "FSM_AGENT_NNODES": "1:2",
+            "PET_NNODES": "garbage",  # the first set variable wins, unchecked the rest
+            "PET_STANDALONE": "yes",
+            "PET_START_METHOD": "thread",
+            "PET_MAX_RESTARTS": "three",
+            "PET_RDZV_ID": "",
+        },
+    )
     assert values == {"nnodes": "1:2", "standalone": True}
     assert sources == {"nnodes": "FSM_AGENT_NNODES", "standalone": "PET_STANDALONE"}
-    assert errors == ["PET_START_METHOD='thread': choose from spawn, fork, forkserver",
-                      "PET_MAX_RESTARTS='three': not a valid int for --max-restarts; fix or unset it"]
+    assert errors == [
+        "PET_START_METHOD='thread': choose from spawn, fork, forkserver",
+        "PET_MAX_RESTARTS='three': not a valid int for --max-restarts; fix or unset it",
+    ]
     _, _, errors = settings.read_environment([settings.BY_DEST["nnodes"]], {"PET_NNODES": "0"})
     assert errors == ["PET_NNODES='0': node counts must be > 0 (e.g. --nnodes 1 or --nnodes 1:4)"]
 
@@ -130,8 +142,11 @@ def test_the_cli_hands_its_plugin_manager_down(monkeypatch, script):
 
     monkeypatch.setattr(manager, "get_plugin_manager", counting)
     calls = []
-    fake = types.SimpleNamespace(run_agent=lambda config, entrypoint, args, plugin_manager=None:
-                                 calls.append(plugin_manager) or types.SimpleNamespace(exit_code=0))
+    fake = types.SimpleNamespace(
+        run_agent=lambda config, entrypoint, args, plugin_manager=None: (
+            calls.append(plugin_manager) or types.SimpleNamespace(exit_code=0)
+        )
+    )
     monkeypatch.setitem(sys.modules, "fsm_agent.launch", fake)
     assert cli.run_command([script]) == 0
     assert len(built) == 1 and calls == [built[0]]

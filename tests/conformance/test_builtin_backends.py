@@ -22,25 +22,35 @@ def backend(kind: str, name: str):
 def torch_parameters(backend_name: str, setup, **config):
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    return RendezvousParameters(backend=backend_name, endpoint=setup.endpoint, run_id=setup.run_id,
-                                min_nodes=setup.min_nodes, max_nodes=setup.max_nodes, local_addr=setup.host,
-                                **config)
+    return RendezvousParameters(
+        backend=backend_name,
+        endpoint=setup.endpoint,
+        run_id=setup.run_id,
+        min_nodes=setup.min_nodes,
+        max_nodes=setup.max_nodes,
+        local_addr=setup.host,
+        **config,
+    )
 
 
 class TestC10dRendezvous(RendezvousConformance):
     def make_handler(self, setup, node):
-        params = torch_parameters("c10d", setup, join_timeout=str(setup.join_timeout),
-                                  last_call_timeout=str(setup.last_call_timeout), is_host=str(node == 0).lower())
+        params = torch_parameters(
+            "c10d",
+            setup,
+            join_timeout=str(setup.join_timeout),
+            last_call_timeout=str(setup.last_call_timeout),
+            is_host=str(node == 0).lower(),
+        )
         return backend("rendezvous", "c10d")(params)
 
 
 class TestStaticRendezvous(RendezvousConformance):
-    elastic = False    # a fixed world of --nnodes agents
-    closable = False   # torch's StaticTCPRendezvous.set_closed() does nothing
+    elastic = False  # a fixed world of --nnodes agents
+    closable = False  # torch's StaticTCPRendezvous.set_closed() does nothing
 
     def make_handler(self, setup, node):
-        return backend("rendezvous", "static")(torch_parameters("static", setup, rank=node,
-                                                                timeout=setup.join_timeout))
+        return backend("rendezvous", "static")(torch_parameters("static", setup, rank=node, timeout=setup.join_timeout))
 
 
 class TestSubprocessLauncher(LauncherConformance):
@@ -54,9 +64,17 @@ class TestFsmRendezvous(RendezvousConformance):
     def make_handler(self, setup, node):
         fsm = pytest.importorskip("fsm_agent.plugins.rendezvous_fsm")
         params = fsm.FsmRendezvousParameters(
-            backend="fsm", endpoint=setup.endpoint, run_id=setup.run_id, min_nodes=setup.min_nodes,
-            max_nodes=setup.max_nodes, local_addr=setup.host, join_timeout=setup.join_timeout,
-            last_call_timeout=setup.last_call_timeout, is_host=int(node == 0), node_rank=node)
+            backend="fsm",
+            endpoint=setup.endpoint,
+            run_id=setup.run_id,
+            min_nodes=setup.min_nodes,
+            max_nodes=setup.max_nodes,
+            local_addr=setup.host,
+            join_timeout=setup.join_timeout,
+            last_call_timeout=setup.last_call_timeout,
+            is_host=int(node == 0),
+            node_rank=node,
+        )
         return fsm.create_fsm_handler(params)
 
 
@@ -81,9 +99,10 @@ class TestPreloadLauncher(LauncherConformance):
     def test_a_worker_gone_before_its_pidfd_is_opened_is_still_reported(self, workers, monkeypatch):
         """A worker may exit, and the zygote reap it, before the launcher opens its pidfd (seen in
         CI: the agent then failed in INIT). The race is forced here: every pidfd_open finds no process."""
+
         def no_such_process(pid):
             raise ProcessLookupError(3, "No such process")
 
         monkeypatch.setattr(os, "pidfd_open", no_such_process)
-        workers.start('if _rank == 1:\n    sys.exit(7)\n')
+        workers.start("if _rank == 1:\n    sys.exit(7)\n")
         assert workers.wait_exits([0, 1]) == {0: 0, 1: 7}

@@ -35,7 +35,8 @@ def test_the_page_quotes_every_file_of_the_worked_example():
 def test_each_quote_is_the_file_byte_for_byte(path):
     body = quotes()[path]
     assert body == (ROOT / path).read_text(), (
-        f"docs/testing.md quotes an outdated {path}: paste the file into the block after <!-- file: {path} -->")
+        f"docs/testing.md quotes an outdated {path}: paste the file into the block after <!-- file: {path} -->"
+    )
 
 
 def test_the_worked_example_runs(request, pytester):

@@ -49,18 +49,25 @@ def dispatch_line() -> int:
 def test_every_row_gives_one_edge_per_source_and_all_are_reachable_from_init():
     edges = table_edges()
     # One edge per (source, trigger, destination): guarded rows to the same destination share it.
-    expected = {(s, row["trigger"], row["dest"]) for row in TRANSITIONS
-                for s in (row["source"] if isinstance(row["source"], list) else [row["source"]])}
+    expected = {
+        (s, row["trigger"], row["dest"])
+        for row in TRANSITIONS
+        for s in (row["source"] if isinstance(row["source"], list) else [row["source"]])
+    }
     assert len(edges) == len(set(edges)) == len(expected) == 29
-    assert Edge("HEALTHY", "workers_failed", "STOPPED") in edges and Edge("HEALTHY", "workers_failed", "FAILED") in edges
+    assert (
+        Edge("HEALTHY", "workers_failed", "STOPPED") in edges and Edge("HEALTHY", "workers_failed", "FAILED") in edges
+    )
     assert reachable_edges() == edges
     assert str(edges[0]) == "INIT --start--> HEALTHY"
 
 
 def test_edges_from_a_state_unreachable_from_init_are_not_counted():
-    island = [dict(trigger="start", source=S.INIT, dest=S.HEALTHY),
-              dict(trigger="workers_succeeded", source=S.HEALTHY, dest=S.SUCCEEDED),
-              dict(trigger="restart", source=S.STOPPED, dest=S.HEALTHY)]  # nothing leads to STOPPED
+    island = [
+        dict(trigger="start", source=S.INIT, dest=S.HEALTHY),
+        dict(trigger="workers_succeeded", source=S.HEALTHY, dest=S.SUCCEEDED),
+        dict(trigger="restart", source=S.STOPPED, dest=S.HEALTHY),
+    ]  # nothing leads to STOPPED
     assert Edge("STOPPED", "restart", "HEALTHY") not in reachable_edges(island)
     report = build_report([], transitions=island)
     assert report.unreachable_states == (Edge("STOPPED", "restart", "HEALTHY"),)
@@ -78,8 +85,14 @@ def test_the_run_loop_cannot_take_exactly_one_edge_of_the_table_and_says_why():
     assert "ElasticAgent._wait_for_fact" in why and f"fsm_agent/agent.py:{dispatch_line()}" in why
     assert "never calls in UNHEALTHY: it fires workers_failed there by itself (AUTO_TRIGGERS" in why
     # what the run loop can do in each live state
-    assert sorted(rules.fireable["UNHEALTHY"]) == ["agent_errored", "drain_requested", "rendezvous_failed",
-                                                   "rendezvous_not_needed", "stop_requested", "workers_failed"]
+    assert sorted(rules.fireable["UNHEALTHY"]) == [
+        "agent_errored",
+        "drain_requested",
+        "rendezvous_failed",
+        "rendezvous_not_needed",
+        "stop_requested",
+        "workers_failed",
+    ]
     assert {"workers_succeeded", "workers_hung", "membership_changed"} <= set(rules.fireable["HEALTHY"])
     assert "start" in rules.fireable["INIT"] and "start" not in rules.fireable["STOPPED"]
     assert "AUTO_TRIGGERS" in rules.fireable["STOPPED"]["restart"]
@@ -100,9 +113,11 @@ def test_a_tightened_table_has_no_edge_the_run_loop_cannot_take():
 
 
 def test_a_trigger_named_outside_the_fact_analysis_counts_in_every_state():
-    source = edited("    def _fire_error(self, trigger: str, error: str) -> None:",
-                    "    def _succeed_anyway(self) -> None:\n        self._fire(\"workers_succeeded\")\n\n"
-                    "    def _fire_error(self, trigger: str, error: str) -> None:")
+    source = edited(
+        "    def _fire_error(self, trigger: str, error: str) -> None:",
+        '    def _succeed_anyway(self) -> None:\n        self._fire("workers_succeeded")\n\n'
+        "    def _fire_error(self, trigger: str, error: str) -> None:",
+    )
     rules = run_loop_rules(source, "agent.py")
     assert rules.unreachable(reachable_edges()) == {}
     assert "assumed possible in every live state" in rules.fireable["UNHEALTHY"]["workers_succeeded"]
@@ -170,8 +185,10 @@ def test_the_recorder_is_test_tooling_registered_only_while_coverage_records(mon
     pm = get_plugin_manager(load_entry_points=False)
     assert pm.get_plugin("statechart-coverage") is coverage_recorder
     assert "statechart-coverage" not in [row["name"] for row in plugin_rows(pm)]  # not listed to users
-    assert get_plugin_manager(disabled=["statechart-coverage"], load_entry_points=False).get_plugin(
-        "statechart-coverage") is None  # its name still works for --disable-plugin
+    assert (
+        get_plugin_manager(disabled=["statechart-coverage"], load_entry_points=False).get_plugin("statechart-coverage")
+        is None
+    )  # its name still works for --disable-plugin
     monkeypatch.delenv(COVERAGE_DIR_ENV)
     assert get_plugin_manager(load_entry_points=False).get_plugin("statechart-coverage") is None
 
@@ -185,7 +202,10 @@ def test_the_recorder_writes_only_when_a_directory_is_set(tmp_path, monkeypatch)
     with open(tmp_path / f"transitions-{os.getpid()}.jsonl", "a") as f:
         f.write('{"source": "HEALTHY", "trig')  # a process killed mid-line
     got = read_observations(str(tmp_path))
-    assert [o.edge for o in got] == [Edge("INIT", "start", "HEALTHY"), Edge("HEALTHY", "workers_succeeded", "SUCCEEDED")]
+    assert [o.edge for o in got] == [
+        Edge("INIT", "start", "HEALTHY"),
+        Edge("HEALTHY", "workers_succeeded", "SUCCEEDED"),
+    ]
     assert got[0].where.endswith("test_the_recorder_writes_only_when_a_directory_is_set")
 
 
@@ -210,9 +230,25 @@ def test_a_subprocess_agent_records_its_transitions(tmp_path):
     script.write_text("print('hello')\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
     env[COVERAGE_DIR_ENV] = str(tmp_path / "cov")
-    proc = subprocess.Popen([sys.executable, "-m", "fsm_agent", "run", "--standalone", "--nproc-per-node", "1",
-                             "--log-dir", str(tmp_path / "logs"), str(script)], env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fsm_agent",
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            str(script),
+        ],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = proc.communicate(timeout=120)
     finally:
@@ -221,5 +257,8 @@ def test_a_subprocess_agent_records_its_transitions(tmp_path):
             proc.communicate()
     assert proc.returncode == 0, err
     got = read_observations(str(tmp_path / "cov"))
-    assert [o.edge for o in got] == [Edge("INIT", "start", "HEALTHY"), Edge("HEALTHY", "workers_succeeded", "SUCCEEDED")]
+    assert [o.edge for o in got] == [
+        Edge("INIT", "start", "HEALTHY"),
+        Edge("HEALTHY", "workers_succeeded", "SUCCEEDED"),
+    ]
     assert got[0].where == f"pid {proc.pid} (__main__.py)"

@@ -37,20 +37,23 @@ def test_without_the_option_nothing_is_reported(suite):
 
 
 def test_the_report_lists_what_was_exercised_and_what_is_missing(suite):
-    result = suite.runpytest("-p", "no:cacheprovider", "-q", "--statechart-coverage",
-                                        "--statechart-coverage-report", "cov.json")
+    result = suite.runpytest(
+        "-p", "no:cacheprovider", "-q", "--statechart-coverage", "--statechart-coverage-report", "cov.json"
+    )
     result.assert_outcomes(passed=2)
     assert result.ret == 0
-    result.stdout.fnmatch_lines([
-        "*= fsm-agent statechart coverage =*",
-        "statechart coverage: 4/28 transitions exercised (14.3%)",
-        "*INIT --start--> HEALTHY * 2x  e.g. test_agent_paths.py::test_success",
-        "*HEALTHY --workers_failed--> STOPPED * 1x  e.g. test_agent_paths.py::test_restart",
-        "  missing (24):",
-        "    UNHEALTHY --workers_failed--> STOPPED",
-        "  cannot be taken by the run loop (not counted):",
-        "    UNHEALTHY --workers_succeeded--> SUCCEEDED: workers_succeeded comes only from*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*= fsm-agent statechart coverage =*",
+            "statechart coverage: 4/28 transitions exercised (14.3%)",
+            "*INIT --start--> HEALTHY * 2x  e.g. test_agent_paths.py::test_success",
+            "*HEALTHY --workers_failed--> STOPPED * 1x  e.g. test_agent_paths.py::test_restart",
+            "  missing (24):",
+            "    UNHEALTHY --workers_failed--> STOPPED",
+            "  cannot be taken by the run loop (not counted):",
+            "    UNHEALTHY --workers_succeeded--> SUCCEEDED: workers_succeeded comes only from*",
+        ]
+    )
     report = json.loads((suite.path / "cov.json").read_text())
     assert (report["covered"], report["counted"], report["threshold"]) == (4, 28, None)
 
@@ -66,8 +69,9 @@ def test_fail_under_fails_a_green_run(suite):
 
 
 def test_no_statechart_coverage_wins(suite):
-    result = suite.runpytest("-p", "no:cacheprovider", "--statechart-coverage-fail-under", "90",
-                                        "--no-statechart-coverage")
+    result = suite.runpytest(
+        "-p", "no:cacheprovider", "--statechart-coverage-fail-under", "90", "--no-statechart-coverage"
+    )
     assert result.ret == 0 and "statechart coverage" not in result.stdout.str()
 
 

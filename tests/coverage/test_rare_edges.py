@@ -33,14 +33,16 @@ class SharedBudgetPolicy:
 def test_rendezvous_lost_while_handling_a_hang(make_agent, hook_recorder):
     policy = SharedBudgetPolicy()
     run = Scenario("worker 1 hangs", max_restarts=3, hang_timeout=1, plugins=[policy]).run(make_agent)
-    run.assert_trace(["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (workers_hung)",
-                      "UNHEALTHY->FAILED (rendezvous_failed)"])
+    run.assert_trace(
+        ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (workers_hung)", "UNHEALTHY->FAILED (rendezvous_failed)"]
+    )
     assert policy.asked == [["hang"]]
     assert run.result.state == WorkerState.FAILED and run.result.restart_count == 0
     assert "RendezvousConnectionError" in run.result.error and "restart budget" in run.result.error
     assert [s.stopped for s in run.launcher.stops] == [(0, 1)]  # the hung group is stopped on the way out
-    hook_recorder.assert_sequence(["record_event", "restart_policy", "state_changed", "record_event", "put_metric*3"],
-                                  transition=2)  # the cycle record, then the decision
+    hook_recorder.assert_sequence(
+        ["record_event", "restart_policy", "state_changed", "record_event", "put_metric*3"], transition=2
+    )  # the cycle record, then the decision
 
 
 def test_rendezvous_lost_while_handling_a_failure(make_agent):

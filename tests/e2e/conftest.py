@@ -48,14 +48,31 @@ PORT_VAR = "FSM_E2E_PROBE_PORT"
 
 #: Variables that would change how a launcher or a worker behaves; removed from the test env.
 _SCRUB_PREFIXES = ("PET_", "FSM_AGENT_", "TORCHELASTIC_", "TORCH_ELASTIC_")
-_SCRUB_KEYS = frozenset({
-    "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-    "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "PYTHON_EXEC", "LOGLEVEL",
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    "PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER",
-})
+_SCRUB_KEYS = frozenset(
+    {
+        "OMP_NUM_THREADS",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "ROLE_WORLD_SIZE",
+        "PYTHON_EXEC",
+        "LOGLEVEL",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        "CUDA_VISIBLE_DEVICES",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "PYTEST_CURRENT_TEST",
+        "PYTEST_XDIST_WORKER",
+    }
+)
 
-PROBE = r'''
+PROBE = r"""
 import json, os, socket, sys
 rank = os.environ["RANK"]
 record = {
@@ -82,7 +99,7 @@ with open(path + ".tmp", "w") as f:
 os.replace(path + ".tmp", path)
 print("probe-out rank=%s local_rank=%s" % (rank, os.environ["LOCAL_RANK"]), flush=True)
 print("probe-err rank=%s local_rank=%s" % (rank, os.environ["LOCAL_RANK"]), file=sys.stderr, flush=True)
-'''
+"""
 
 
 def free_port() -> int:
@@ -144,7 +161,8 @@ class Result:
     def check(self, code: int = 0) -> Result:
         assert self.returncode == code, (
             f"exit code {self.returncode} (expected {code}) for {self.args}\n"
-            f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}")
+            f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}"
+        )
         return self
 
 
@@ -211,8 +229,7 @@ class Launcher:
 
     # -- environment ---------------------------------------------------------------------------
     def env(self, extra: dict[str, str] | None = None, unset: tuple[str, ...] = ()) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items()
-               if k not in _SCRUB_KEYS and not k.startswith(_SCRUB_PREFIXES)}
+        env = {k: v for k, v in os.environ.items() if k not in _SCRUB_KEYS and not k.startswith(_SCRUB_PREFIXES)}
         env.update({TOKEN_VAR: self.token, OUT_VAR: str(self.out), "PYTHONUNBUFFERED": "1"})
         env.update(tmpdir_env(self.tmp))
         env.update(extra or {})
@@ -221,8 +238,15 @@ class Launcher:
         return env
 
     # -- starting processes ----------------------------------------------------------------------
-    def start(self, args: list[str], *, env: dict[str, str] | None = None, unset: tuple[str, ...] = (),
-              cwd: Path | None = None, cpus: int | None = None) -> Proc:
+    def start(
+        self,
+        args: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        unset: tuple[str, ...] = (),
+        cwd: Path | None = None,
+        cpus: int | None = None,
+    ) -> Proc:
         """Start ``args`` in a new session; ``cpus`` pins it (and so its workers) to that many CPUs."""
         self._count += 1
         stdout = self.dir / f"proc{self._count}.stdout"
@@ -232,8 +256,15 @@ class Launcher:
             pin = f"import os, sys; os.sched_setaffinity(0, {allowed!r}); os.execvp(sys.argv[1], sys.argv[1:])"
             args = [sys.executable, "-c", pin, *args]
         with open(stdout, "wb") as out, open(stderr, "wb") as err:
-            popen = subprocess.Popen(args, cwd=cwd or self.dir, env=self.env(env, unset), stdout=out, stderr=err,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+            popen = subprocess.Popen(
+                args,
+                cwd=cwd or self.dir,
+                env=self.env(env, unset),
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         proc = Proc(list(args), popen, stdout, stderr)
         self.procs.append(proc)
         return proc
@@ -258,7 +289,7 @@ class Launcher:
         """{RANK: record} written by probe workers (with ``$FSM_E2E_TAG`` == tag)."""
         found = {}
         for path in self.out.glob(f"{tag}rank*.json"):
-            rank = path.name[len(tag) + len("rank"):-len(".json")]
+            rank = path.name[len(tag) + len("rank") : -len(".json")]
             if rank.isdigit():
                 found[int(rank)] = json.loads(path.read_text())
         return found
@@ -270,9 +301,13 @@ class Launcher:
             ended = not any(p.alive() for p in self.procs)
             if time.monotonic() > deadline or ended:
                 why = "every process ended before it appeared" if ended else f"not within {timeout}s"
-                pytest.fail(f"{path}: {why}\n" + "\n".join(
-                    f"{p.args} rc={p.popen.poll()}\n--- stdout ---\n{p.output()[0]}\n--- stderr ---\n{p.output()[1]}"
-                    for p in self.procs))
+                pytest.fail(
+                    f"{path}: {why}\n"
+                    + "\n".join(
+                        f"{p.args} rc={p.popen.poll()}\n--- stdout ---\n{p.output()[0]}\n--- stderr ---\n{p.output()[1]}"
+                        for p in self.procs
+                    )
+                )
             time.sleep(0.05)
 
     # -- teardown ------------------------------------------------------------------------------
@@ -280,8 +315,11 @@ class Launcher:
         found = []
         for proc in psutil.process_iter():
             try:
-                if (proc.pid != os.getpid() and proc.environ().get(TOKEN_VAR) == self.token
-                        and proc.status() != psutil.STATUS_ZOMBIE):
+                if (
+                    proc.pid != os.getpid()
+                    and proc.environ().get(TOKEN_VAR) == self.token
+                    and proc.status() != psutil.STATUS_ZOMBIE
+                ):
                     found.append(proc)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
                 continue
@@ -317,8 +355,10 @@ class Launcher:
                 pass
         psutil.wait_procs(leftovers, timeout=10)
         # A keeper killed above (it had not ended by itself) leaves its agent's worker cgroup.
-        described += [f"worker cgroup {path}: its keeper did not remove it"
-                      for path in remove_worker_cgroups(proc.pid for proc in self.procs)]
+        described += [
+            f"worker cgroup {path}: its keeper did not remove it"
+            for path in remove_worker_cgroups(proc.pid for proc in self.procs)
+        ]
         shutil.rmtree(self.tmp, ignore_errors=True)
         return described
 

@@ -34,7 +34,7 @@ UNAVAILABLE = cgroup_unavailable()
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no writable cgroup v2: {UNAVAILABLE}")
 
 #: Each worker double-forks a daemon (its own session) that records its pid and cgroup, then sleeps.
-DAEMON_WORKER = r'''
+DAEMON_WORKER = r"""
 import json, os, time
 if os.fork() == 0:
     os.setsid()
@@ -47,11 +47,11 @@ if os.fork() == 0:
         time.sleep(300)
     os._exit(0)
 time.sleep(300)
-'''
+"""
 
 #: Records the worker's cgroup and its agent's other children (the keeper, if any) in
 #: worker<restart count>.json, then exits 0 (1 on the first attempt with $FAIL_FIRST_ATTEMPT set).
-RECORDING_WORKER = r'''
+RECORDING_WORKER = r"""
 import json, os, sys, psutil
 from fsm_agent.plugins.containment import cgroup_dir
 count = os.environ["TORCHELASTIC_RESTART_COUNT"]
@@ -59,7 +59,7 @@ helpers = [(p.pid, p.cmdline()) for p in psutil.Process(os.getppid()).children()
 with open(os.path.join(os.environ["FSM_E2E_OUT"], "worker%s.json" % count), "w") as f:
     json.dump({"cgroup": cgroup_dir(), "agent_cgroup": cgroup_dir(os.getppid()), "helpers": helpers}, f)
 sys.exit(1 if count == "0" and os.environ.get("FAIL_FIRST_ATTEMPT") else 0)
-'''
+"""
 
 
 def gone(pid: int) -> bool:
@@ -171,8 +171,10 @@ def test_a_new_cgroup_removes_the_empty_cgroups_of_agents_that_are_gone(cgroups,
     dead = subprocess.Popen(["true"])
     dead.wait()
     parent = cgroup_dir()
-    gone_empty, gone_busy, alive_empty = (os.path.join(parent, f"{PREFIX}{pid}-{suffix}") for pid, suffix in (
-        (dead.pid, "deadbeef"), (dead.pid, "0badf00d"), (os.getpid(), "cafef00d")))
+    gone_empty, gone_busy, alive_empty = (
+        os.path.join(parent, f"{PREFIX}{pid}-{suffix}")
+        for pid, suffix in ((dead.pid, "deadbeef"), (dead.pid, "0badf00d"), (os.getpid(), "cafef00d"))
+    )
     for path in (gone_empty, gone_busy, alive_empty):
         os.mkdir(path)
         cgroups.append(path)
@@ -184,11 +186,11 @@ def test_a_new_cgroup_removes_the_empty_cgroups_of_agents_that_are_gone(cgroups,
     assert os.path.isdir(gone_busy) and os.path.isdir(alive_empty) and os.path.isdir(new.path)
 
 
-SLEEPING_WORKER = r'''
+SLEEPING_WORKER = r"""
 import os, time
 open(os.path.join(os.environ["FSM_E2E_OUT"], "started"), "w").close()
 time.sleep(120)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -230,7 +232,8 @@ def _cgroup_of_daemons(launcher, count: int) -> tuple[list[int], str]:
     """Wait for ``count`` daemon records; return their pids and their (single) cgroup directory."""
     records = []
     assert wait_until(lambda: len(list(launcher.out.glob("daemon_*[0-9]"))) >= count, 60), [
-        p.output() for p in launcher.procs]
+        p.output() for p in launcher.procs
+    ]
     for path in launcher.out.glob("daemon_*[0-9]"):
         records.append(json.loads(path.read_text()))
     cgroups = {r["cgroup"] for r in records}
@@ -239,9 +242,11 @@ def _cgroup_of_daemons(launcher, count: int) -> tuple[list[int], str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", [(), ("--launcher", "preload", "--preload-modules", "json"),
-                                    ("--run-path", "--start-method", "fork")],
-                         ids=["subprocess", "preload", "run-path-fork"])
+@pytest.mark.parametrize(
+    "launch",
+    [(), ("--launcher", "preload", "--preload-modules", "json"), ("--run-path", "--start-method", "fork")],
+    ids=["subprocess", "preload", "run-path-fork"],
+)
 def test_sigkill_of_the_agent_kills_daemonized_descendants(launcher, cgroups, launch):
     """Only the agent is SIGKILLed: workers die by parent-death signal, their daemons by the keeper."""
     script = write_script(launcher.dir, "w.py", DAEMON_WORKER)
@@ -255,7 +260,8 @@ def test_sigkill_of_the_agent_kills_daemonized_descendants(launcher, cgroups, la
     os.kill(agent.pid, signal.SIGKILL)  # the agent alone, not its process group
     agent.popen.wait(10)
     assert wait_until(lambda: all(gone(pid) for pid in daemons + keepers), 15), [
-        (pid, not gone(pid)) for pid in daemons + keepers]
+        (pid, not gone(pid)) for pid in daemons + keepers
+    ]
     assert wait_until(lambda: not os.path.exists(path), 5)
 
 
@@ -282,8 +288,9 @@ def test_normal_exit_removes_the_cgroup_and_off_creates_none(launcher, cgroups, 
 def test_one_cgroup_and_keeper_serve_every_attempt(launcher, cgroups):
     """The restart's sweep spares the keeper; the second attempt's worker joins the same cgroup."""
     script = write_script(launcher.dir, "w.py", RECORDING_WORKER)
-    agent = launcher.fsm("--standalone", "--nproc-per-node", "1", "--max-restarts", "1", script,
-                         env={"FAIL_FIRST_ATTEMPT": "1"})
+    agent = launcher.fsm(
+        "--standalone", "--nproc-per-node", "1", "--max-restarts", "1", script, env={"FAIL_FIRST_ATTEMPT": "1"}
+    )
     agent.wait().check()
     first, second = (json.loads((launcher.out / f"worker{n}.json").read_text()) for n in (0, 1))
     cgroups.append(first["cgroup"])

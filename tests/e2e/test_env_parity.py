@@ -46,12 +46,19 @@ if socket.getfqdn() != "127.0.0.1":
 
 #: case id -> (flags, extra parent env, nproc, the keys whose values differ: exactly these)
 CASES = {
-    "standalone-2": (["--standalone", "--nproc-per-node", "2"], {}, 2,
-                     STANDALONE | {"TORCHELASTIC_USE_AGENT_STORE"}),
-    "static-master-port-2": (["--master-port", "{port}", "--nproc-per-node", "2"], {}, 2,
-                             {"TORCHELASTIC_ERROR_FILE", SIGNALS}),
-    "standalone-unshared-store": (["--standalone", "--nproc-per-node", "1"],
-                                  {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, 1, STANDALONE),
+    "standalone-2": (["--standalone", "--nproc-per-node", "2"], {}, 2, STANDALONE | {"TORCHELASTIC_USE_AGENT_STORE"}),
+    "static-master-port-2": (
+        ["--master-port", "{port}", "--nproc-per-node", "2"],
+        {},
+        2,
+        {"TORCHELASTIC_ERROR_FILE", SIGNALS},
+    ),
+    "standalone-unshared-store": (
+        ["--standalone", "--nproc-per-node", "1"],
+        {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        1,
+        STANDALONE,
+    ),
 }
 _ERROR_FILE_TAIL = re.compile(r"/[^/]+_[^/]+/attempt_0/(\d+)/error\.json$")
 
@@ -92,7 +99,8 @@ def test_worker_env_matches_torchrun(launcher, case):
         assert differing == expected, (
             f"rank {rank}: unexpected differences {sorted(differing - expected)}, "
             f"expected but equal {sorted(expected - differing)}\n"
-            + "\n".join(f"  {k}: torchrun={t_set.get(k)!r} fsm-agent={f_set.get(k)!r}" for k in sorted(differing)))
+            + "\n".join(f"  {k}: torchrun={t_set.get(k)!r} fsm-agent={f_set.get(k)!r}" for k in sorted(differing))
+        )
 
         # ... and each difference is of the kind the docstring says.
         for env in (t_set, f_set):

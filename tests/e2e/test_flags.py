@@ -25,16 +25,16 @@ from tests.e2e.conftest import free_port, one_error_line, write_script
 
 pytestmark = pytest.mark.slow
 
-FAIL_ONCE = r'''
+FAIL_ONCE = r"""
 import os, sys
 count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 print("attempt %d of max %s rank %s" % (count, os.environ["TORCHELASTIC_MAX_RESTARTS"], os.environ["RANK"]),
       flush=True)
 sys.exit(3 if count < 1 else 0)
-'''
+"""
 
 #: Ignores SIGTERM (so only SIGKILL stops it) after writing $FSM_E2E_OUT/ready_<RANK>.
-STUBBORN = r'''
+STUBBORN = r"""
 import os, signal, time
 out = os.environ["FSM_E2E_OUT"]
 def on_term(signum, frame):
@@ -46,7 +46,7 @@ signal.signal(signal.SIGUSR1, on_usr1)
 with open(os.path.join(out, "ready_" + os.environ["RANK"]), "w") as f:
     f.write(str(os.getpid()))
 time.sleep(120)
-'''
+"""
 
 
 def _pids_gone(pids: list[int], timeout: float = 10.0) -> bool:
@@ -76,6 +76,7 @@ def test_parser_accepts_every_torchrun_flag():
 # Size: --nnodes, --nproc-per-node
 # ---------------------------------------------------------------------------------------------
 
+
 def test_nproc_per_node_int(launcher):
     """An int (the underscored spelling here; the dashed one is used throughout)."""
     launcher.run_fsm("--nproc_per_node", "2", launcher.probe).check()
@@ -104,8 +105,19 @@ def test_nproc_per_node_cpu_and_auto(launcher, value):
 def test_nnodes_range_completes_with_the_nodes_present(launcher):
     """--nnodes 1:2: one agent is enough once last_call_timeout passes; GROUP_WORLD_SIZE=1."""
     port = free_port()
-    launcher.run_fsm("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                     "--rdzv-conf", "last_call_timeout=1", "--local-addr", "127.0.0.1", launcher.probe).check()
+    launcher.run_fsm(
+        "--nnodes",
+        "1:2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-conf",
+        "last_call_timeout=1",
+        "--local-addr",
+        "127.0.0.1",
+        launcher.probe,
+    ).check()
     env = launcher.records()[0]["env"]
     assert env["GROUP_WORLD_SIZE"] == "1" and env["WORLD_SIZE"] == "1"
 
@@ -113,8 +125,19 @@ def test_nnodes_range_completes_with_the_nodes_present(launcher):
 def test_nnodes_two_waits_for_the_second_node_until_join_timeout(launcher):
     """--nnodes 2 with one agent never starts workers; --rdzv-conf join_timeout=2 bounds the wait."""
     port = free_port()
-    result = launcher.run_fsm("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                              "--rdzv-conf", "join_timeout=2", "--local-addr", "127.0.0.1", launcher.probe)
+    result = launcher.run_fsm(
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-conf",
+        "join_timeout=2",
+        "--local-addr",
+        "127.0.0.1",
+        launcher.probe,
+    )
     assert result.returncode != 0
     assert launcher.records() == {}
     assert result.duration < 60
@@ -125,10 +148,21 @@ def test_nnodes_two_waits_for_the_second_node_until_join_timeout(launcher):
 # Rendezvous: --standalone, --rdzv-backend/--rdzv-endpoint/--rdzv-id/--rdzv-conf
 # ---------------------------------------------------------------------------------------------
 
+
 def test_standalone_ignores_explicit_rendezvous_flags(launcher):
     """--standalone: a fresh local rendezvous with a uuid run id, whatever the rdzv flags say (--local-addr counts)."""
-    result = launcher.run_fsm("--standalone", "--rdzv-backend", "nope", "--rdzv-endpoint", "127.0.0.1:1",
-                              "--rdzv-id", "ignored-id", "--local-addr", "127.0.0.1", launcher.probe).check()
+    result = launcher.run_fsm(
+        "--standalone",
+        "--rdzv-backend",
+        "nope",
+        "--rdzv-endpoint",
+        "127.0.0.1:1",
+        "--rdzv-id",
+        "ignored-id",
+        "--local-addr",
+        "127.0.0.1",
+        launcher.probe,
+    ).check()
     env = launcher.records()[0]["env"]
     assert env["MASTER_ADDR"] == "127.0.0.1"  # --local-addr (default: the FQDN)
     uuid.UUID(env["TORCHELASTIC_RUN_ID"])  # a fresh uuid4, not the given id
@@ -148,9 +182,22 @@ def test_rdzv_backend_endpoint_id_and_conf(launcher):
     """c10d at 127.0.0.1:PORT: the agent serves the rendezvous store there; the run id reaches workers and logs."""
     port = free_port()
     log_dir = launcher.dir / "logs"
-    launcher.run_fsm("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "e2e-job-42",
-                     "--rdzv-conf", "join_timeout=30,read_timeout=30,is_host=1", "--local-addr", "127.0.0.1",
-                     "--log-dir", log_dir, launcher.probe, env={"FSM_E2E_PROBE_PORT": str(port)}).check()
+    launcher.run_fsm(
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "e2e-job-42",
+        "--rdzv-conf",
+        "join_timeout=30,read_timeout=30,is_host=1",
+        "--local-addr",
+        "127.0.0.1",
+        "--log-dir",
+        log_dir,
+        launcher.probe,
+        env={"FSM_E2E_PROBE_PORT": str(port)},
+    ).check()
     record = launcher.records()[0]
     assert record["env"]["TORCHELASTIC_RUN_ID"] == "e2e-job-42"
     assert record["port_open"], "nothing listened on the --rdzv-endpoint port while the workers ran"
@@ -160,6 +207,7 @@ def test_rdzv_backend_endpoint_id_and_conf(launcher):
 # ---------------------------------------------------------------------------------------------
 # Worker lifecycle: --max-restarts, --monitor-interval, --role
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("max_restarts, code", [(1, 0), (0, 3)])
 def test_max_restarts(launcher, max_restarts, code):
@@ -191,10 +239,12 @@ def test_role_sets_role_name_and_log_prefix(launcher):
 # Entrypoint: --run-path, --start-method, -m/--module, --no-python, PYTHON_EXEC, ${local_rank}
 # ---------------------------------------------------------------------------------------------
 
+
 def test_run_path_runs_the_script_in_a_python_worker(launcher):
     """--run-path: runpy in a multiprocessing child (as __main__), taking precedence over --no-python."""
-    launcher.run_fsm("--run-path", "--no-python", "--nproc-per-node", "2", launcher.probe, "a",
-                     "rank=${local_rank}").check()
+    launcher.run_fsm(
+        "--run-path", "--no-python", "--nproc-per-node", "2", launcher.probe, "a", "rank=${local_rank}"
+    ).check()
     records = launcher.records()
     assert sorted(records) == [0, 1]
     for record in records.values():
@@ -224,9 +274,12 @@ def test_module(launcher):
 
 
 def test_no_python_runs_a_binary(launcher):
-    wrapper = write_script(launcher.dir, "wrapper.sh",
-                           f'#!/bin/sh\nexport E2E_VIA_SH=1\nexec "{sys.executable}" "{launcher.probe}" "$@"\n',
-                           executable=True)
+    wrapper = write_script(
+        launcher.dir,
+        "wrapper.sh",
+        f'#!/bin/sh\nexport E2E_VIA_SH=1\nexec "{sys.executable}" "{launcher.probe}" "$@"\n',
+        executable=True,
+    )
     launcher.run_fsm("--no-python", wrapper, "arg1").check()
     record = launcher.records()[0]
     assert record["env"]["E2E_VIA_SH"] == "1"
@@ -235,8 +288,12 @@ def test_no_python_runs_a_binary(launcher):
 
 
 def test_python_exec_chooses_the_interpreter(launcher):
-    wrapper = write_script(launcher.dir, "mypython",
-                           f'#!/bin/sh\nexport E2E_VIA_PYTHON_EXEC=1\nexec "{sys.executable}" "$@"\n', executable=True)
+    wrapper = write_script(
+        launcher.dir,
+        "mypython",
+        f'#!/bin/sh\nexport E2E_VIA_PYTHON_EXEC=1\nexec "{sys.executable}" "$@"\n',
+        executable=True,
+    )
     launcher.run_fsm(launcher.probe, env={"PYTHON_EXEC": str(wrapper)}).check()
     record = launcher.records()[0]
     assert record["env"]["E2E_VIA_PYTHON_EXEC"] == "1"
@@ -244,16 +301,29 @@ def test_python_exec_chooses_the_interpreter(launcher):
 
 
 def test_local_rank_macro_in_script_args(launcher):
-    launcher.run_fsm("--nproc-per-node", "2", launcher.probe, "--local-rank=${local_rank}", "${local_rank}",
-                     "x${local_rank}y").check()
+    launcher.run_fsm(
+        "--nproc-per-node", "2", launcher.probe, "--local-rank=${local_rank}", "${local_rank}", "x${local_rank}y"
+    ).check()
     for record in launcher.records().values():
         lr = record["env"]["LOCAL_RANK"]
         assert record["argv"][1:] == [f"--local-rank={lr}", lr, f"x{lr}y"]
 
 
 def test_script_args_that_look_like_launcher_flags_reach_the_script_verbatim(launcher):
-    args = ["--nproc-per-node", "5", "--standalone", "-r", "3", "--max-restarts=9", "-m", "x", "--", "--help",
-            "--log-dir", "/nonexistent"]
+    args = [
+        "--nproc-per-node",
+        "5",
+        "--standalone",
+        "-r",
+        "3",
+        "--max-restarts=9",
+        "-m",
+        "x",
+        "--",
+        "--help",
+        "--log-dir",
+        "/nonexistent",
+    ]
     result = launcher.run_fsm(launcher.probe, *args).check()
     records = launcher.records()
     assert sorted(records) == [0]  # the launcher still ran one worker, not five
@@ -265,11 +335,22 @@ def test_script_args_that_look_like_launcher_flags_reach_the_script_verbatim(lau
 # Static rendezvous and addresses: --node-rank, --master-addr, --master-port, --local-addr
 # ---------------------------------------------------------------------------------------------
 
+
 def test_static_single_node(launcher):
     """--master-port turns off implicit standalone: static rendezvous served at MASTER_ADDR:PORT."""
     port = free_port()
-    launcher.run_fsm("--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port,
-                     "--nproc-per-node", "2", launcher.probe, env={"FSM_E2E_PROBE_PORT": str(port)}).check()
+    launcher.run_fsm(
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+        "--nproc-per-node",
+        "2",
+        launcher.probe,
+        env={"FSM_E2E_PROBE_PORT": str(port)},
+    ).check()
     records = launcher.records()
     for record in records.values():
         env = record["env"]
@@ -283,6 +364,7 @@ def test_static_single_node(launcher):
 # Logs: --log-dir, -r/--redirects, -t/--tee, --local-ranks-filter, --logs-specs,
 # --duplicate-std*-filters, TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE
 # ---------------------------------------------------------------------------------------------
+
 
 def _rank_dir(log_dir: Path, local_rank: int, attempt: int = 0) -> Path:
     (run_dir,) = [p for p in log_dir.iterdir() if p.is_dir()]
@@ -301,14 +383,16 @@ def test_redirects_both_streams_to_files(launcher):
 def test_redirects_per_rank_map(launcher):
     """-r 0:1,1:2: rank 0's stdout and rank 1's stderr go to files; the other streams stay on the console."""
     log_dir = launcher.dir / "logs"
-    result = launcher.run_fsm("--log-dir", log_dir, "--redirects", "0:1,1:2", "--nproc-per-node", "2", launcher.probe).check()
+    result = launcher.run_fsm(
+        "--log-dir", log_dir, "--redirects", "0:1,1:2", "--nproc-per-node", "2", launcher.probe
+    ).check()
     assert "probe-out rank=0" not in result.stdout and "probe-out rank=1 local_rank=1" in result.stdout
     assert "probe-err rank=0 local_rank=0" in result.stderr and "probe-err rank=1" not in result.stderr
     assert "probe-out rank=0" in _rank_dir(log_dir, 0).joinpath("stdout.log").read_text()
     assert "probe-err rank=1" in _rank_dir(log_dir, 1).joinpath("stderr.log").read_text()
 
 
-LINES = r'''
+LINES = r"""
 import os, sys
 r = os.environ["LOCAL_RANK"]
 for i in range(300):
@@ -319,7 +403,7 @@ for i in range(300):
 sys.stdout.write("last-%s-no-newline" % r)
 sys.stdout.flush()
 print("stderr-%s" % r, file=sys.stderr, flush=True)
-'''
+"""
 
 
 def test_tee_prefixes_whole_lines_and_keeps_files(launcher):
@@ -340,45 +424,65 @@ def test_tee_prefixes_whole_lines_and_keeps_files(launcher):
 
 def test_local_ranks_filter(launcher):
     log_dir = launcher.dir / "logs"
-    result = launcher.run_fsm("--log-dir", log_dir, "-t", "3", "--local-ranks-filter", "1", "--nproc-per-node", "2",
-                              launcher.probe).check()
+    result = launcher.run_fsm(
+        "--log-dir", log_dir, "-t", "3", "--local-ranks-filter", "1", "--nproc-per-node", "2", launcher.probe
+    ).check()
     assert "[default1]:probe-out rank=1 local_rank=1" in result.stdout
     assert "probe-out rank=0" not in result.stdout and "probe-err rank=0" not in result.stderr
     assert "probe-out rank=0" in _rank_dir(log_dir, 0).joinpath("stdout.log").read_text()
 
 
 def test_log_line_prefix_template(launcher):
-    result = launcher.run_fsm("-t", "1", "--nproc-per-node", "2", "--role", "w", launcher.probe,
-                              env={"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "<${role_name}|${rank}|${local_rank}> "}
-                              ).check()
+    result = launcher.run_fsm(
+        "-t",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--role",
+        "w",
+        launcher.probe,
+        env={"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "<${role_name}|${rank}|${local_rank}> "},
+    ).check()
     assert "<w|0|0> probe-out rank=0 local_rank=0" in result.stdout.splitlines()
     assert "<w|1|1> probe-out rank=1 local_rank=1" in result.stdout.splitlines()
 
 
-FILTERED = r'''
+FILTERED = r"""
 import os, sys
 r = os.environ["LOCAL_RANK"]
 print("KEEP, comma %s" % r, flush=True)
 print("drop %s" % r, flush=True)
 print("ERRKEEP %s" % r, file=sys.stderr, flush=True)
 print("errdrop %s" % r, file=sys.stderr, flush=True)
-'''
+"""
 
 
 def test_duplicate_stdout_and_stderr_filters(launcher):
     """The files hold what torchrun's hold: each matching line with the console's ``[role rank]:`` prefix."""
     script = write_script(launcher.dir, "filtered.py", FILTERED)
-    flags = ["-t", "3", "--nproc-per-node", "2", "--duplicate-stdout-filters", "KEEP,, comma,nomatch",
-             "--duplicate-stderr-filters", "ERRKEEP"]
+    flags = [
+        "-t",
+        "3",
+        "--nproc-per-node",
+        "2",
+        "--duplicate-stdout-filters",
+        "KEEP,, comma,nomatch",
+        "--duplicate-stderr-filters",
+        "ERRKEEP",
+    ]
     files = {}
     for name, start in (("fsm", launcher.fsm), ("torchrun", launcher.torchrun)):
         log_dir = launcher.dir / f"logs_{name}"
         start("--standalone", "--log-dir", str(log_dir), *flags, str(script)).wait().check()
         attempt = _rank_dir(log_dir, 0).parent
-        files[name] = [sorted(attempt.joinpath(f"filtered_{stream}.log").read_text().splitlines())
-                       for stream in ("stdout", "stderr")]
-    assert files["fsm"] == [["[default0]:KEEP, comma 0", "[default1]:KEEP, comma 1"],
-                            ["[default0]:ERRKEEP 0", "[default1]:ERRKEEP 1"]]
+        files[name] = [
+            sorted(attempt.joinpath(f"filtered_{stream}.log").read_text().splitlines())
+            for stream in ("stdout", "stderr")
+        ]
+    assert files["fsm"] == [
+        ["[default0]:KEEP, comma 0", "[default1]:KEEP, comma 1"],
+        ["[default0]:ERRKEEP 0", "[default1]:ERRKEEP 1"],
+    ]
     assert files["fsm"] == files["torchrun"]
 
 
@@ -397,13 +501,18 @@ def test_logs_specs_default_is_torchs_layout(launcher):
     (run_dir,) = [p for p in log_dir.iterdir() if p.is_dir()]
     assert run_dir.name.startswith(launcher.records()[0]["env"]["TORCHELASTIC_RUN_ID"] + "_")
     assert {str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.name != "events.jsonl"} == {
-        "attempt_0", "attempt_0/0", "attempt_0/0/stdout.log", "attempt_0/0/stderr.log"}
+        "attempt_0",
+        "attempt_0/0",
+        "attempt_0/0/stdout.log",
+        "attempt_0/0/stderr.log",
+    }
     assert run_dir.joinpath("attempt_0/0/stdout.log").read_text() == "probe-out rank=0 local_rank=0\n"
 
 
 # ---------------------------------------------------------------------------------------------
 # Shutdown and signals: --shutdown-timeout, --signals-to-handle
 # ---------------------------------------------------------------------------------------------
+
 
 def test_shutdown_timeout_bounds_the_grace_period(launcher):
     script = write_script(launcher.dir, "stubborn.py", STUBBORN)
@@ -445,6 +554,7 @@ def test_signals_to_handle(launcher, handled):
 # Accepted placement/telemetry flags: --event-log-handler, --numa-binding, --virtual-local-rank
 # ---------------------------------------------------------------------------------------------
 
+
 def test_event_log_handler_is_accepted(launcher):
     """--event-log-handler (torch's event sink): accepted; fsm-agent records its events itself."""
     launcher.run_fsm("--event-log-handler", "console", launcher.probe).check()
@@ -474,9 +584,12 @@ def test_virtual_local_rank(launcher, parent_devices):
 # PET_* environment fallbacks
 # ---------------------------------------------------------------------------------------------
 
+
 def test_pet_env_fallbacks(launcher):
-    launcher.run_fsm(launcher.probe, env={"PET_NPROC_PER_NODE": "2", "PET_ROLE": "fromenv",
-                                          "PET_MAX_RESTARTS": "2", "PET_STANDALONE": "1"}).check()
+    launcher.run_fsm(
+        launcher.probe,
+        env={"PET_NPROC_PER_NODE": "2", "PET_ROLE": "fromenv", "PET_MAX_RESTARTS": "2", "PET_STANDALONE": "1"},
+    ).check()
     records = launcher.records()
     assert sorted(records) == [0, 1]
     assert {r["env"]["ROLE_NAME"] for r in records.values()} == {"fromenv"}
@@ -484,8 +597,9 @@ def test_pet_env_fallbacks(launcher):
 
 
 def test_command_line_wins_over_pet_env(launcher):
-    launcher.run_fsm("--nproc-per-node", "1", "--role", "cli", launcher.probe,
-                     env={"PET_NPROC_PER_NODE": "2", "PET_ROLE": "fromenv"}).check()
+    launcher.run_fsm(
+        "--nproc-per-node", "1", "--role", "cli", launcher.probe, env={"PET_NPROC_PER_NODE": "2", "PET_ROLE": "fromenv"}
+    ).check()
     records = launcher.records()
     assert sorted(records) == [0] and records[0]["env"]["ROLE_NAME"] == "cli"
 
@@ -494,12 +608,12 @@ def test_command_line_wins_over_pet_env(launcher):
 # fsm-agent's own flags: --exit-barrier-timeout, --events-file, --disable-plugin, --launcher
 # ---------------------------------------------------------------------------------------------
 
-SLOW_ON_HOST = r'''
+SLOW_ON_HOST = r"""
 import os, time
 if os.environ.get("E2E_SLOW"):
     time.sleep(float(os.environ["E2E_SLOW"]))
 open(os.path.join(os.environ["FSM_E2E_OUT"], "done_" + os.environ["RANK"]), "w").close()
-'''
+"""
 
 
 @pytest.mark.parametrize("barrier", ["1", None], ids=["exit-barrier-timeout-1", "default-barrier"])
@@ -507,8 +621,18 @@ def test_exit_barrier_timeout(launcher, barrier):
     """The fast agent waits at the exit barrier for the slow one, unless --exit-barrier-timeout is shorter."""
     script = write_script(launcher.dir, "slow.py", SLOW_ON_HOST)  # the slow worker sleeps 10 s
     port = free_port()
-    common = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-              "--rdzv-id", "barrier", "--local-addr", "127.0.0.1"]
+    common = [
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "barrier",
+        "--local-addr",
+        "127.0.0.1",
+    ]
     slow = launcher.fsm(*common, "--rdzv-conf", "is_host=1", script, env={"E2E_SLOW": "10"})
     fast_flags = ["--exit-barrier-timeout", barrier] if barrier else []
     fast = launcher.fsm(*common, "--rdzv-conf", "is_host=0", *fast_flags, script)
@@ -572,13 +696,13 @@ def test_disable_plugin(launcher, how):
     assert launcher.records()
 
 
-HEARTBEAT_THEN_HANG = r'''
+HEARTBEAT_THEN_HANG = r"""
 import os, time
 import fsm_agent
 fsm_agent.heartbeat()
 open(os.path.join(os.environ["FSM_E2E_OUT"], "ready_" + os.environ["RANK"]), "w").close()
 time.sleep(120)
-'''
+"""
 
 
 def test_hang_timeout(launcher):
@@ -591,7 +715,7 @@ def test_hang_timeout(launcher):
     assert "hang" in result.stderr and "Traceback (most recent call last)" not in result.stderr.split("Root Cause")[0]
 
 
-FORWARDED = r'''
+FORWARDED = r"""
 import os, signal, sys, time
 out = os.environ["FSM_E2E_OUT"]
 def on_usr1(signum, frame):
@@ -601,7 +725,7 @@ signal.signal(signal.SIGUSR1, on_usr1)
 open(os.path.join(out, "ready_" + os.environ["RANK"]), "w").close()
 time.sleep(120)
 sys.exit(5)
-'''
+"""
 
 
 def test_forward_signals(launcher):

@@ -29,8 +29,11 @@ from tests.e2e.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
-AFTER_LOSS = [("HEALTHY", "STOPPED", "membership_changed"), ("STOPPED", "HEALTHY", "restart"),
-              ("HEALTHY", "SUCCEEDED", "workers_succeeded")]
+AFTER_LOSS = [
+    ("HEALTHY", "STOPPED", "membership_changed"),
+    ("STOPPED", "HEALTHY", "restart"),
+    ("HEALTHY", "SUCCEEDED", "workers_succeeded"),
+]
 #: A standby that takes a seat: one round, one attempt.
 PROMOTED = [("INIT", "HEALTHY", "start"), ("HEALTHY", "SUCCEEDED", "workers_succeeded")]
 #: A standby when the job ends without it.
@@ -39,9 +42,26 @@ MARGIN_S = 30.0
 
 
 def fsm_flags(port: int, *conf: str) -> list[str]:
-    return ["--nnodes", "2:2", "--nproc-per-node", "1", "--rdzv-backend", "fsm", "--rdzv-endpoint",
-            f"127.0.0.1:{port}", "--rdzv-id", "hot-spares", "--local-addr", "127.0.0.1", "--monitor-interval", "0.1",
-            "--max-restarts", "0", "--rdzv-conf", ",".join(["join_timeout=120", *conf])]
+    return [
+        "--nnodes",
+        "2:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "fsm",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "hot-spares",
+        "--local-addr",
+        "127.0.0.1",
+        "--monitor-interval",
+        "0.1",
+        "--max-restarts",
+        "0",
+        "--rdzv-conf",
+        ",".join(["join_timeout=120", *conf]),
+    ]
 
 
 def standby_events(job: NodeLossJob, name: str) -> list[dict]:
@@ -77,8 +97,9 @@ def test_three_agents_for_two_nodes_never_fail_the_job(job_factory):
     port = free_port()
     job = job_factory(fsm_flags(port))
     start_host_then(job, port, "b", "c", extra=("--max-restarts", "1"))
-    assert wait_until(lambda: len({r["name"] for r in job.records()}) == 2
-                      and any(standby_events(job, n) for n in "abc"), timeout=60), job.diagnostics()
+    assert wait_until(
+        lambda: len({r["name"] for r in job.records()}) == 2 and any(standby_events(job, n) for n in "abc"), timeout=60
+    ), job.diagnostics()
     first = {r["name"] for r in job.records()}
     (spare,) = set("abc") - first
     job.finish_next_world()
@@ -87,8 +108,9 @@ def test_three_agents_for_two_nodes_never_fail_the_job(job_factory):
     assert codes == {"a": 0, "b": 0, "c": 0}, job.diagnostics()
     ran = {r["name"] for r in job.records()}
     assert ran == first and {r["group_world"] for r in job.records()} == {2}, job.records()
-    assert sorted((r["name"], r["restart_count"]) for r in job.records() if r["ts"] >= crashed_at) == \
-        sorted((name, 1) for name in first)
+    assert sorted((r["name"], r["restart_count"]) for r in job.records() if r["ts"] >= crashed_at) == sorted(
+        (name, 1) for name in first
+    )
     event = standby_events(job, spare)[0]
     assert event["state"] == "INIT" and event["message"].startswith("standby: the job has 2 nodes")
     assert event["group_rank"] is None and all(w["pid"] is None for w in event["workers"])  # no workers
@@ -113,8 +135,9 @@ def test_standby_takes_the_seat_of_a_sigkilled_node_without_a_restart(job_factor
     doc = json.loads(urllib.request.urlopen(url + "/status", timeout=10).read())
     assert doc["state"] == "INIT" and doc["standby"].startswith("standby: the job has 2 nodes"), doc
     assert doc["workers"] == []
-    shown = subprocess.run([sys.executable, "-m", "fsm_agent", "status", url], capture_output=True, text=True,
-                           timeout=60)
+    shown = subprocess.run(
+        [sys.executable, "-m", "fsm_agent", "status", url], capture_output=True, text=True, timeout=60
+    )
     assert shown.returncode == 0 and "(standby)" in shown.stdout, shown.stdout + shown.stderr
 
     lost_at, took_s = job.kill_and_wait_for_the_standby("b", {"a", "c"})
@@ -139,9 +162,14 @@ def test_standby_waits_while_the_previous_rounds_node_is_still_coming(job_factor
     job.agent("b").send_signal(signal.SIGSTOP)  # a slow survivor: it does not re-join for pause_s
     try:
         crashed_at = job.crash("a")  # a's worker fails: a restart (counted), a new round opens
-        assert wait_until(lambda: any(e["kind"] == "transition" and e["trigger"] == "workers_failed"
-                                      for e in job.events("a") if e["ts"] >= crashed_at), timeout=60), \
-            job.diagnostics()
+        assert wait_until(
+            lambda: any(
+                e["kind"] == "transition" and e["trigger"] == "workers_failed"
+                for e in job.events("a")
+                if e["ts"] >= crashed_at
+            ),
+            timeout=60,
+        ), job.diagnostics()
         time.sleep(pause_s)
         assert not [r for r in job.records() if r["ts"] >= crashed_at], job.records()  # c was not seated
         job.finish_next_world()

@@ -22,7 +22,7 @@ from tests.e2e.conftest import write_script
 pytestmark = pytest.mark.slow
 
 #: torch's @record; local rank 1 raises on the first attempt, everything else succeeds.
-RECORD_FAIL_ONCE = r'''
+RECORD_FAIL_ONCE = r"""
 import os, time
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -40,10 +40,10 @@ def main():
         raise ValueError("boom-e2e from local rank 1")
 
 main()
-'''
+"""
 
 #: Local rank 1 raises under @record; local rank 0 would run for a minute (the agent stops it).
-RECORD_FAIL = r'''
+RECORD_FAIL = r"""
 import os, time
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -58,7 +58,7 @@ def main():
     time.sleep(60)
 
 main()
-'''
+"""
 
 
 def tree(run_dir: Path) -> set[str]:
@@ -83,7 +83,8 @@ def test_layout_matches_torchrun_with_a_restart(launcher):
     torch_run, fsm_run = only_run_dir(torch_logs), only_run_dir(fsm_logs)
 
     expected = {"attempt_0", "attempt_1", "attempt_0/1/error.json"} | {
-        f"attempt_{a}/{lr}{leaf}" for a in (0, 1) for lr in (0, 1) for leaf in ("", "/stdout.log", "/stderr.log")}
+        f"attempt_{a}/{lr}{leaf}" for a in (0, 1) for lr in (0, 1) for leaf in ("", "/stdout.log", "/stderr.log")
+    }
     assert tree(torch_run) == expected
     assert tree(fsm_run) == expected | {"events.jsonl"}
 
@@ -108,8 +109,9 @@ def test_record_error_json_and_summary(launcher):
     summary names it the root cause and shows its traceback; the worker the agent stopped is no failure."""
     script = write_script(launcher.dir, "record_fail.py", RECORD_FAIL)
     log_dir = launcher.dir / "logs"
-    result = launcher.run_fsm("--nproc-per-node", "2", "--log-dir", log_dir, "-r", "1",
-                              "--shutdown-timeout", "5", script)
+    result = launcher.run_fsm(
+        "--nproc-per-node", "2", "--log-dir", log_dir, "-r", "1", "--shutdown-timeout", "5", script
+    )
     assert result.returncode == 1  # the root cause's exit code: an uncaught Python exception
     run_dir = only_run_dir(log_dir)
     error_file = run_dir / "attempt_0/1/error.json"
@@ -142,8 +144,10 @@ def test_without_log_dir_the_summary_says_the_error_file_is_gone(launcher):
     assert "ValueError: boom-e2e from local rank 1" in root and "inner_function_e2e" in root
     path = re.search(r"error_file: (\S+)", root).group(1)
     assert path.endswith("/attempt_0/1/error.json") and not os.path.exists(path)
-    assert f"error_file: {path} (removed at exit with the temporary log directory; its message and traceback " \
-           f"are above; --log-dir DIR keeps it)" in root
+    assert (
+        f"error_file: {path} (removed at exit with the temporary log directory; its message and traceback "
+        f"are above; --log-dir DIR keeps it)" in root
+    )
 
 
 def test_a_worker_killed_by_sigkill_gets_no_record_hint(launcher):
@@ -153,8 +157,10 @@ def test_a_worker_killed_by_sigkill_gets_no_record_hint(launcher):
     assert result.returncode == 128 + signal.SIGKILL
     root = result.stderr.split("Root Cause")[1]
     assert "exitcode  : -9 (SIGKILL)" in root
-    assert ("traceback : none: killed by SIGKILL (the kernel's OOM killer sends it too: see dmesg), the worker could "
-            "not record one") in root
+    assert (
+        "traceback : none: killed by SIGKILL (the kernel's OOM killer sends it too: see dmesg), the worker could "
+        "not record one"
+    ) in root
     assert "@record" not in root
 
 
@@ -164,8 +170,16 @@ def test_layout_of_a_successful_run(launcher):
     result = launcher.run_fsm("--nproc-per-node", "2", "--log-dir", log_dir, "-r", "3", launcher.probe).check()
     assert "probe-out" not in result.stdout
     run_dir = only_run_dir(log_dir)
-    assert tree(run_dir) == {"events.jsonl", "attempt_0", "attempt_0/0", "attempt_0/1", "attempt_0/0/stdout.log",
-                             "attempt_0/0/stderr.log", "attempt_0/1/stdout.log", "attempt_0/1/stderr.log"}
+    assert tree(run_dir) == {
+        "events.jsonl",
+        "attempt_0",
+        "attempt_0/0",
+        "attempt_0/1",
+        "attempt_0/0/stdout.log",
+        "attempt_0/0/stderr.log",
+        "attempt_0/1/stdout.log",
+        "attempt_0/1/stderr.log",
+    }
     for rank, record in launcher.records().items():
         lr = record["env"]["LOCAL_RANK"]
         assert record["env"]["TORCHELASTIC_ERROR_FILE"] == str(run_dir / "attempt_0" / lr / "error.json")
@@ -182,20 +196,27 @@ def test_log_dir_devnull_writes_nothing(launcher):
 
 
 #: Writes $FSM_E2E_OUT/ready_<RANK>, then sleeps (until the agent stops it).
-SLEEPER = r'''
+SLEEPER = r"""
 import os, time
 open(os.path.join(os.environ["FSM_E2E_OUT"], "ready_" + os.environ["RANK"]), "w").close()
 time.sleep(120)
-'''
+"""
 
 #: Fails on the first attempt, succeeds on the restart.
 FAIL_ONCE = "import os, sys\nsys.exit(1 if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' else 0)\n"
 
 
-@pytest.mark.parametrize("case", [
-    # forkserver: multiprocessing's pymp-* directory goes at exit (atexit runs before os._exit)
-    "success", "failure", "restart", "sigterm", "forkserver",
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        # forkserver: multiprocessing's pymp-* directory goes at exit (atexit runs before os._exit)
+        "success",
+        "failure",
+        "restart",
+        "sigterm",
+        "forkserver",
+    ],
+)
 def test_an_agent_that_ends_leaves_nothing_in_its_temporary_directory(launcher, case):
     """Without --log-dir (and with --hang-timeout: a heartbeat directory too), an agent that succeeds,
     fails, restarts or is stopped by SIGTERM removes everything it made in TMPDIR on its way out.

@@ -15,7 +15,7 @@ from tests.e2e.conftest import free_port, write_script
 
 pytestmark = pytest.mark.slow
 
-ALL_REDUCE = r'''
+ALL_REDUCE = r"""
 import datetime, json, os, sys
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ dist.destroy_process_group()
 path = os.path.join(os.environ["FSM_E2E_OUT"], "allreduce_%s.json" % record["RANK"])
 with open(path, "w") as f:
     json.dump(record, f)
-'''
+"""
 
 
 def check_one_job(launcher, agents: dict[str, int], nproc: int = 2) -> list[dict]:
@@ -60,8 +60,20 @@ def check_one_job(launcher, agents: dict[str, int], nproc: int = 2) -> list[dict
 
 
 def rdzv_flags(port: int, run_id: str, backend: str = "c10d") -> list[str]:
-    return ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", backend, "--rdzv-endpoint",
-            f"127.0.0.1:{port}", "--rdzv-id", run_id, "--local-addr", "127.0.0.1"]
+    return [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        run_id,
+        "--local-addr",
+        "127.0.0.1",
+    ]
 
 
 @pytest.mark.parametrize("backend", ["c10d", "fsm"])
@@ -107,8 +119,18 @@ def test_two_fsm_agents_static(launcher):
     """Static rendezvous: --node-rank decides GROUP_RANK; the agents meet at --master-addr:--master-port."""
     script = write_script(launcher.dir, "all_reduce.py", ALL_REDUCE)
     port = free_port()
-    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-              "--local-addr", "127.0.0.1"]
+    common = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--local-addr",
+        "127.0.0.1",
+    ]
     # node 1 starts first, so the group ranks cannot come from the start order
     one = launcher.fsm(*common, "--node-rank", "1", script, "node1")
     zero = launcher.fsm(*common, "--node-rank", "0", script, "node0")

@@ -29,19 +29,41 @@ from tests.e2e.conftest import free_port, torchrun_cmd
 pytestmark = pytest.mark.slow
 
 #: What a survivor does after losing its peer: one re-rendezvous (not a restart), then success.
-AFTER_LOSS = [("HEALTHY", "STOPPED", "membership_changed"), ("STOPPED", "HEALTHY", "restart"),
-              ("HEALTHY", "SUCCEEDED", "workers_succeeded")]
+AFTER_LOSS = [
+    ("HEALTHY", "STOPPED", "membership_changed"),
+    ("STOPPED", "HEALTHY", "restart"),
+    ("HEALTHY", "SUCCEEDED", "workers_succeeded"),
+]
 #: Generous: a loaded 2-core machine; the bounds below say what each includes.
 MARGIN_S = 10.0
 #: keep_alive_interval x keep_alive_max_attempt of c10d_flags' default conf.
 KEEP_ALIVE_S = 5.0
 
 
-def c10d_flags(port: int, nnodes: str = "1:2", conf: str = "keep_alive_interval=1,keep_alive_max_attempt=5") -> list[str]:
+def c10d_flags(
+    port: int, nnodes: str = "1:2", conf: str = "keep_alive_interval=1,keep_alive_max_attempt=5"
+) -> list[str]:
     # last_call_timeout=3: both agents are in the first round; a lone survivor's round completes 3 s after it joins
-    return ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"127.0.0.1:{port}", "--rdzv-id", "node-loss", "--local-addr", "127.0.0.1", "--monitor-interval", "0.1",
-            "--max-restarts", "0", "--rdzv-conf", f"join_timeout=60,last_call_timeout=3,{conf}"]
+    return [
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "node-loss",
+        "--local-addr",
+        "127.0.0.1",
+        "--monitor-interval",
+        "0.1",
+        "--max-restarts",
+        "0",
+        "--rdzv-conf",
+        f"join_timeout=60,last_call_timeout=3,{conf}",
+    ]
 
 
 def rendezvous_state(port: int):
@@ -68,8 +90,9 @@ def start_store_host(job: NodeLossJob, port: int) -> None:
     assert wait_until(listening, timeout=60), job.diagnostics()
 
 
-def lose_peer_and_check(job: NodeLossJob, port: int, sig: int, detect_bound_s: float,
-                        peer_command: list[str] | None = None) -> dict:
+def lose_peer_and_check(
+    job: NodeLossJob, port: int, sig: int, detect_bound_s: float, peer_command: list[str] | None = None
+) -> dict:
     """a (the store host) and b (``peer_command``: e.g. torchrun) form a world of 2; b is lost by
     ``sig``; a goes on as a world of 1."""
     start_store_host(job, port)
@@ -89,7 +112,8 @@ def lose_peer_and_check(job: NodeLossJob, port: int, sig: int, detect_bound_s: f
     assert all(e["restart_count"] == 0 for e in job.events("a"))  # a membership change, not a restart
     after = [r for r in job.records() if r["ts"] >= lost_at]
     assert [(r["name"], r["world"], r["group_rank"], r["group_world"], r["restart_count"]) for r in after] == [
-        ("a", 1, 0, 1, 0)]
+        ("a", 1, 0, 1, 0)
+    ]
     return timings
 
 
@@ -130,8 +154,13 @@ def test_torchrun_peer_killed_fsm_agent_survivor_goes_on(job_factory):
     """A mixed job on one c10d endpoint: the fsm-agent node notices its torchrun peer's death (torch's
     state is shared, so torchrun's keep-alives are what expire) and goes on alone."""
     port = free_port()
-    lose_peer_and_check(job_factory(c10d_flags(port)), port, signal.SIGKILL, detect_bound_s=KEEP_ALIVE_S + 1 + MARGIN_S,
-                        peer_command=torchrun_cmd())
+    lose_peer_and_check(
+        job_factory(c10d_flags(port)),
+        port,
+        signal.SIGKILL,
+        detect_bound_s=KEEP_ALIVE_S + 1 + MARGIN_S,
+        peer_command=torchrun_cmd(),
+    )
 
 
 def test_a_rerendezvous_with_a_standby_settles_once(job_factory):
@@ -147,8 +176,9 @@ def test_a_rerendezvous_with_a_standby_settles_once(job_factory):
     job.start("c", "--max-restarts", "1")
     assert wait_until(lambda: len(rendezvous_state(port).redundancy_list) == 1, timeout=60), job.diagnostics()
     crashed_at = job.crash("b")
-    assert wait_until(lambda: len({r["name"] for r in job.records() if r["ts"] > crashed_at}) >= 2, timeout=60), \
+    assert wait_until(lambda: len({r["name"] for r in job.records() if r["ts"] > crashed_at}) >= 2, timeout=60), (
         job.diagnostics()
+    )
     time.sleep(15)  # a churning round restarts its workers every 1-3 s
     starts = [r for r in job.records() if r["ts"] > crashed_at]
     assert len(starts) == 2 and {r["group_world"] for r in starts} == {2}, (starts, job.diagnostics())

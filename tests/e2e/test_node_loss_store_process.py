@@ -25,8 +25,13 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def store_process():
     """``python -m fsm_agent.store`` on a free 127.0.0.1 port, its own session; SIGKILLed by pid at teardown."""
-    proc = subprocess.Popen([sys.executable, "-m", "fsm_agent.store", "--host", "127.0.0.1", "--port", "0"],
-                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsm_agent.store", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         line = proc.stdout.readline()  # "fsm store listening on 127.0.0.1:PORT (pid N)"
         assert line.startswith("fsm store listening on 127.0.0.1:"), line
@@ -42,9 +47,26 @@ def store_process():
 
 
 def store_flags(endpoint: str) -> list[str]:
-    return ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "fsm", "--rdzv-endpoint", endpoint,
-            "--rdzv-id", "light", "--local-addr", "127.0.0.1", "--monitor-interval", "0.1", "--max-restarts", "0",
-            "--rdzv-conf", "is_host=0,join_timeout=120,last_call_timeout=3"]
+    return [
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "fsm",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "light",
+        "--local-addr",
+        "127.0.0.1",
+        "--monitor-interval",
+        "0.1",
+        "--max-restarts",
+        "0",
+        "--rdzv-conf",
+        "is_host=0,join_timeout=120,last_call_timeout=3",
+    ]
 
 
 def test_first_node_lost_with_the_store_outside_the_agents(tmp_path, store_process):

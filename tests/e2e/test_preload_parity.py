@@ -33,7 +33,7 @@ _ERROR_FILE_TAIL = re.compile(r"/([^/]+)/(attempt_0/\d+/error\.json)$")  # <run_
 
 #: Local rank CRASH raises under @record before init_process_group (so before rank 0 listens, or
 #: reaches the store host); the other rank joins the process group and waits for it there.
-CRASH_EARLY = r'''
+CRASH_EARLY = r"""
 import os, sys
 from datetime import timedelta
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -50,7 +50,7 @@ def main():
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # waits for the crashed rank
 
 main()
-'''
+"""
 
 
 def run_dir_of(log_dir) -> "Path":  # noqa: F821
@@ -60,8 +60,11 @@ def run_dir_of(log_dir) -> "Path":  # noqa: F821
 
 def tree(run_dir) -> dict[str, str | None]:
     """``{relative path: content}`` of a run directory (None for directories), events.jsonl left out."""
-    return {str(p.relative_to(run_dir)): (p.read_text() if p.is_file() else None)
-            for p in sorted(run_dir.rglob("*")) if p.name != "events.jsonl"}
+    return {
+        str(p.relative_to(run_dir)): (p.read_text() if p.is_file() else None)
+        for p in sorted(run_dir.rglob("*"))
+        if p.name != "events.jsonl"
+    }
 
 
 def test_first_start_gives_the_same_environment_and_logs(launcher):
@@ -69,8 +72,9 @@ def test_first_start_gives_the_same_environment_and_logs(launcher):
     results, records, trees = {}, {}, {}
     for name, launcher_flags in LAUNCHERS.items():
         log_dir = launcher.dir / f"logs_{name}"
-        results[name] = launcher.run_fsm(*flags, *launcher_flags, "--log-dir", log_dir, launcher.probe,
-                                         env={"FSM_E2E_TAG": name}).check()
+        results[name] = launcher.run_fsm(
+            *flags, *launcher_flags, "--log-dir", log_dir, launcher.probe, env={"FSM_E2E_TAG": name}
+        ).check()
         records[name] = launcher.records(name)
         trees[name] = tree(run_dir_of(log_dir))
     sub, pre = records["subprocess"], records["preload"]
@@ -80,8 +84,9 @@ def test_first_start_gives_the_same_environment_and_logs(launcher):
         p_env = {k: v for k, v in pre[rank]["env"].items() if k != "FSM_E2E_TAG"}
         assert set(s_env) == set(p_env), f"only in one: {set(s_env) ^ set(p_env)}"
         differing = {k for k in s_env if s_env[k] != p_env[k]}
-        assert differing == DIFFER, "\n".join(f"{k}: subprocess={s_env[k]!r} preload={p_env[k]!r}"
-                                              for k in sorted(differing ^ DIFFER))
+        assert differing == DIFFER, "\n".join(
+            f"{k}: subprocess={s_env[k]!r} preload={p_env[k]!r}" for k in sorted(differing ^ DIFFER)
+        )
         assert (s_env["TORCHELASTIC_USE_AGENT_STORE"], p_env["TORCHELASTIC_USE_AGENT_STORE"]) == ("False", "True")
         for env in (s_env, p_env):
             match = _ERROR_FILE_TAIL.search(env["TORCHELASTIC_ERROR_FILE"])
@@ -93,8 +98,10 @@ def test_first_start_gives_the_same_environment_and_logs(launcher):
     assert trees["subprocess"] == trees["preload"]
     assert trees["preload"]["attempt_0/1/stdout.log"] == "probe-out rank=1 local_rank=1\n"
     for stream in ("stdout", "stderr"):
-        lines = {name: sorted(line for line in getattr(result, stream).splitlines() if "probe-" in line)
-                 for name, result in results.items()}
+        lines = {
+            name: sorted(line for line in getattr(result, stream).splitlines() if "probe-" in line)
+            for name, result in results.items()
+        }
         assert lines["subprocess"] == lines["preload"] and len(lines["preload"]) == 2, lines
 
 
@@ -107,8 +114,20 @@ def test_a_worker_crashing_before_rank_0_listens_is_the_root_cause(launcher, cra
     reports = {}
     for name, launcher_flags in LAUNCHERS.items():
         log_dir = launcher.dir / f"logs_{name}"
-        result = launcher.run_fsm("--standalone", "--nproc-per-node", "2", "-r", "3", "--shutdown-timeout", "5",
-                                  *launcher_flags, "--log-dir", log_dir, script, crash)
+        result = launcher.run_fsm(
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-r",
+            "3",
+            "--shutdown-timeout",
+            "5",
+            *launcher_flags,
+            "--log-dir",
+            log_dir,
+            script,
+            crash,
+        )
         assert result.returncode == 1, result.stderr  # the root cause's exit code: an uncaught exception
         run_dir = run_dir_of(log_dir)
         files = tree(run_dir)

@@ -31,9 +31,19 @@ from fsm_agent.errors import FsmAgentError
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MISSING_SCRIPT = "/nonexistent/fsm-agent-fuzz/train.py"
 
-FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None, print_blob=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much])
+FUZZ = settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.filter_too_much,
+    ],
+)
 
 _PARSER = cli.get_run_parser()
 #: Every option string of the run parser (dashed and underscored spellings), without --help.
@@ -41,24 +51,106 @@ FLAGS = sorted(s for a in _PARSER._actions for s in a.option_strings if s not in
 #: Flags that run something other than an existing script: never in subprocess argv.
 LAUNCHING = {"-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path"}
 SAFE_FLAGS = [f for f in FLAGS if f not in LAUNCHING]
-LAUNCHING_ENV = {"PET_MODULE", "PET_NO_PYTHON", "PET_RUN_PATH", "FSM_AGENT_MODULE", "FSM_AGENT_NO_PYTHON",
-                 "FSM_AGENT_RUN_PATH"}
+LAUNCHING_ENV = {
+    "PET_MODULE",
+    "PET_NO_PYTHON",
+    "PET_RUN_PATH",
+    "FSM_AGENT_MODULE",
+    "FSM_AGENT_NO_PYTHON",
+    "FSM_AGENT_RUN_PATH",
+}
 #: Every environment variable the run parser reads (FSM_AGENT_<DEST>, PET_<DEST>, FSM_AGENT_*).
-ENV_VARS = sorted({v for a in _PARSER._actions for v in cli.env_vars(a)} |
-                  {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "FSM_AGENT_DISABLE_PLUGINS"})
+ENV_VARS = sorted(
+    {v for a in _PARSER._actions for v in cli.env_vars(a)}
+    | {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "FSM_AGENT_DISABLE_PLUGINS"}
+)
 
 INTERESTING = [
-    "", " ", "0", "1", "-1", "2", "3", "00", "+1", "1.5", "1e3", "-0", "nan", "inf", "-inf", "1e309", "0x10",
-    "99999999999999999999", "1:2", "2:1", "0:1", "1:0", "1:", ":1", ":", "1:2:3", "a:b", " 1 : 2 ", "٣", "²", "１",
-    "auto", "cpu", "gpu", "xpu", "privateuseone", "c10d", "static", "fsm", "etcd-v3", "nope", "localhost:0",
-    "127.0.0.1:29400", "[::1]:0", "host:port", "a=b", "a=", "=b", ",", "a=b,,c=d", "join_timeout=x",
-    "SIGTERM", "SIGKILL", "SIGTERM,SIGFOO", "SIGUSR1,", "spawn", "fork", "forkserver", "0:3,1:2", "0:4", "10:1",
-    "0,1", "0,,1", "-1,2", "node", "socket", "subprocess", "true", "false", "yes", "maybe", "--", "-", "--x",
-    "\x7f", "é", "\u2028", "a\tb", "/nonexistent/config.toml", "/", "/dev/null",
+    "",
+    " ",
+    "0",
+    "1",
+    "-1",
+    "2",
+    "3",
+    "00",
+    "+1",
+    "1.5",
+    "1e3",
+    "-0",
+    "nan",
+    "inf",
+    "-inf",
+    "1e309",
+    "0x10",
+    "99999999999999999999",
+    "1:2",
+    "2:1",
+    "0:1",
+    "1:0",
+    "1:",
+    ":1",
+    ":",
+    "1:2:3",
+    "a:b",
+    " 1 : 2 ",
+    "٣",
+    "²",
+    "１",
+    "auto",
+    "cpu",
+    "gpu",
+    "xpu",
+    "privateuseone",
+    "c10d",
+    "static",
+    "fsm",
+    "etcd-v3",
+    "nope",
+    "localhost:0",
+    "127.0.0.1:29400",
+    "[::1]:0",
+    "host:port",
+    "a=b",
+    "a=",
+    "=b",
+    ",",
+    "a=b,,c=d",
+    "join_timeout=x",
+    "SIGTERM",
+    "SIGKILL",
+    "SIGTERM,SIGFOO",
+    "SIGUSR1,",
+    "spawn",
+    "fork",
+    "forkserver",
+    "0:3,1:2",
+    "0:4",
+    "10:1",
+    "0,1",
+    "0,,1",
+    "-1,2",
+    "node",
+    "socket",
+    "subprocess",
+    "true",
+    "false",
+    "yes",
+    "maybe",
+    "--",
+    "-",
+    "--x",
+    "\x7f",
+    "é",
+    "\u2028",
+    "a\tb",
+    "/nonexistent/config.toml",
+    "/",
+    "/dev/null",
 ]
 values = st.one_of(
     st.sampled_from(INTERESTING),
-    st.integers(-(2 ** 70), 2 ** 70).map(str),
+    st.integers(-(2**70), 2**70).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
     st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12),
 )
@@ -66,14 +158,27 @@ values = st.one_of(
 
 #: Plausible values per argparse dest, so that many argvs get past the parser into config_from_args.
 PLAUSIBLE = {
-    "nnodes": ["1", "2", "1:2", "2:4", "1:1"], "nproc_per_node": ["1", "2", "cpu", "auto", "4"],
-    "rdzv_backend": ["c10d", "static", "fsm", "etcd-v3"], "rdzv_endpoint": ["localhost:0", "10.0.0.1:29400", ""],
-    "rdzv_id": ["job", "none"], "rdzv_conf": ["join_timeout=5", "a=1,b=2", ""],
-    "max_restarts": ["0", "3"], "monitor_interval": ["0.1", "5"], "start_method": ["spawn", "fork"],
-    "redirects": ["3", "0:3,1:2"], "tee": ["1", "2"], "local_ranks_filter": ["0", "0,1", ""],
-    "node_rank": ["0", "1"], "master_port": ["29500", "1"], "signals_to_handle": ["SIGTERM", "SIGTERM,SIGUSR1"],
-    "shutdown_timeout": ["0", "2.5"], "exit_barrier_timeout": ["0", "10"], "hang_timeout": ["1", "0.5"],
-    "forward_signals": ["SIGUSR1", ""], "numa_binding": ["node", "socket"], "log_dir": ["logs"],
+    "nnodes": ["1", "2", "1:2", "2:4", "1:1"],
+    "nproc_per_node": ["1", "2", "cpu", "auto", "4"],
+    "rdzv_backend": ["c10d", "static", "fsm", "etcd-v3"],
+    "rdzv_endpoint": ["localhost:0", "10.0.0.1:29400", ""],
+    "rdzv_id": ["job", "none"],
+    "rdzv_conf": ["join_timeout=5", "a=1,b=2", ""],
+    "max_restarts": ["0", "3"],
+    "monitor_interval": ["0.1", "5"],
+    "start_method": ["spawn", "fork"],
+    "redirects": ["3", "0:3,1:2"],
+    "tee": ["1", "2"],
+    "local_ranks_filter": ["0", "0,1", ""],
+    "node_rank": ["0", "1"],
+    "master_port": ["29500", "1"],
+    "signals_to_handle": ["SIGTERM", "SIGTERM,SIGUSR1"],
+    "shutdown_timeout": ["0", "2.5"],
+    "exit_barrier_timeout": ["0", "10"],
+    "hang_timeout": ["1", "0.5"],
+    "forward_signals": ["SIGUSR1", ""],
+    "numa_binding": ["node", "socket"],
+    "log_dir": ["logs"],
     "disabled_plugins": ["status-http", "a,b"],
 }
 _ACTIONS = {s: a for a in _PARSER._actions for s in a.option_strings}
@@ -94,8 +199,13 @@ def flag_items(draw, flags=FLAGS, plausible_only: bool = False) -> list[str]:
             return [flag]
         value = draw(st.sampled_from(PLAUSIBLE[action.dest]))
         return [f"{flag}={value}"] if draw(st.booleans()) and flag.startswith("--") else [flag, value]
-    shape = draw(st.sampled_from(["bare", "value", "value", "equals", "two"] if action.nargs != 0 else
-                                 ["bare", "bare", "bare", "value", "equals"]))
+    shape = draw(
+        st.sampled_from(
+            ["bare", "value", "value", "equals", "two"]
+            if action.nargs != 0
+            else ["bare", "bare", "bare", "value", "equals"]
+        )
+    )
     if shape == "bare":
         return [flag]
     plausible = PLAUSIBLE.get(action.dest)
@@ -128,7 +238,10 @@ def environment(extra: dict[str, str]):
     try:
         for name in list(os.environ):
             if name.startswith(("PET_", "FSM_AGENT_")) or name in (
-                    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "PYTHON_EXEC"):
+                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+                "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
+                "PYTHON_EXEC",
+            ):
                 del os.environ[name]
         os.environ.update(extra)
         yield
@@ -169,8 +282,12 @@ def parse_and_build(argv: list[str]) -> str:
 
 
 @FUZZ
-@given(argv=st.one_of(argvs(script=st.sampled_from([MISSING_SCRIPT, "train.py", "some.module"])),
-                     argvs(script=st.sampled_from(["train.py", "some.module"]), plausible_only=True)))
+@given(
+    argv=st.one_of(
+        argvs(script=st.sampled_from([MISSING_SCRIPT, "train.py", "some.module"])),
+        argvs(script=st.sampled_from(["train.py", "some.module"]), plausible_only=True),
+    )
+)
 @example(argv=["--nnodes", "²", "train.py"])
 @example(argv=["--master-port", "99999", "train.py"])
 @example(argv=["--rdzv-conf", "a=b=c,d", "train.py"])
@@ -182,8 +299,10 @@ def test_run_parser_and_config_from_args_raise_only_fsm_agent_errors(argv):
 
 
 @settings(FUZZ, max_examples=100)
-@given(env=st.dictionaries(st.sampled_from(ENV_VARS), values.filter(lambda v: "\x00" not in v), max_size=4),
-       argv=argvs(flags=SAFE_FLAGS, script=st.sampled_from(["train.py", MISSING_SCRIPT])))
+@given(
+    env=st.dictionaries(st.sampled_from(ENV_VARS), values.filter(lambda v: "\x00" not in v), max_size=4),
+    argv=argvs(flags=SAFE_FLAGS, script=st.sampled_from(["train.py", MISSING_SCRIPT])),
+)
 def test_environment_fallbacks_raise_only_fsm_agent_errors(env, argv):
     """``resolve_run_args`` (env vars, pyproject lookup, plugin options) then ``config_from_args``."""
     with environment(env), contextlib.redirect_stderr(io.StringIO()):
@@ -195,8 +314,7 @@ def test_environment_fallbacks_raise_only_fsm_agent_errors(env, argv):
 
 
 @settings(FUZZ, max_examples=100)
-@given(argv=argvs(flags=SAFE_FLAGS, script=st.sampled_from(["train.py", MISSING_SCRIPT])),
-       as_json=st.booleans())
+@given(argv=argvs(flags=SAFE_FLAGS, script=st.sampled_from(["train.py", MISSING_SCRIPT])), as_json=st.booleans())
 def test_config_command_exits_with_one_error_line(argv, as_json):
     """``fsm-agent config`` (it never launches): exit 0, or one ``fsm-agent: error:`` line."""
     out, err = io.StringIO(), io.StringIO()
@@ -212,12 +330,30 @@ def test_config_command_exits_with_one_error_line(argv, as_json):
 # -- as a subprocess -----------------------------------------------------------------------------------
 
 BAD_ITEMS = [
-    ["--nnodes", "0"], ["--nnodes", "3:2"], ["--nnodes", "x"], ["--nproc-per-node", "0"], ["--nproc-per-node", ""],
-    ["--nproc-per-node", "gpu"], ["--max-restarts", "x"], ["--monitor-interval", "nan"], ["--start-method", "nope"],
-    ["--redirects", "7"], ["--tee", "0:9"], ["--local-ranks-filter", "a"], ["--signals-to-handle", "SIGKILL"],
-    ["--rdzv-conf", "=1"], ["--rdzv-conf", "a="], ["--shutdown-timeout", "-1"], ["--hang-timeout", "0"],
-    ["--numa-binding", "planet"], ["--config", "/nonexistent/fsm.toml"], ["--not-a-flag"], ["--nnodes"],
-    ["--max-restarts", "-3"], ["--exit-barrier-timeout", "-1"], [],  # [] : only the missing script is wrong
+    ["--nnodes", "0"],
+    ["--nnodes", "3:2"],
+    ["--nnodes", "x"],
+    ["--nproc-per-node", "0"],
+    ["--nproc-per-node", ""],
+    ["--nproc-per-node", "gpu"],
+    ["--max-restarts", "x"],
+    ["--monitor-interval", "nan"],
+    ["--start-method", "nope"],
+    ["--redirects", "7"],
+    ["--tee", "0:9"],
+    ["--local-ranks-filter", "a"],
+    ["--signals-to-handle", "SIGKILL"],
+    ["--rdzv-conf", "=1"],
+    ["--rdzv-conf", "a="],
+    ["--shutdown-timeout", "-1"],
+    ["--hang-timeout", "0"],
+    ["--numa-binding", "planet"],
+    ["--config", "/nonexistent/fsm.toml"],
+    ["--not-a-flag"],
+    ["--nnodes"],
+    ["--max-restarts", "-3"],
+    ["--exit-barrier-timeout", "-1"],
+    [],  # [] : only the missing script is wrong
 ]
 
 
@@ -225,9 +361,16 @@ def run_cli(argv: list[str], cwd: Path, env_extra: dict[str, str] | None = None)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "FSM_AGENT_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.update(env_extra or {})
-    proc = subprocess.Popen([sys.executable, "-m", "fsm_agent", "run", *argv], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsm_agent", "run", *argv],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -248,8 +391,12 @@ def assert_one_error_line(proc: subprocess.CompletedProcess, argv: list[str]) ->
 
 
 @settings(FUZZ, max_examples=15)
-@given(bad=st.sampled_from(BAD_ITEMS), noise=st.lists(flag_items(SAFE_FLAGS), max_size=3),
-       bad_first=st.booleans(), script_args=st.lists(values.filter(lambda v: "\x00" not in v), max_size=2))
+@given(
+    bad=st.sampled_from(BAD_ITEMS),
+    noise=st.lists(flag_items(SAFE_FLAGS), max_size=3),
+    bad_first=st.booleans(),
+    script_args=st.lists(values.filter(lambda v: "\x00" not in v), max_size=2),
+)
 def test_bad_argv_subprocess_prints_one_error_line(tmp_path, bad, noise, bad_first, script_args):
     words = [w for item in noise for w in item]
     words = [*bad, *words] if bad_first else [*words, *bad]
@@ -258,8 +405,14 @@ def test_bad_argv_subprocess_prints_one_error_line(tmp_path, bad, noise, bad_fir
 
 
 @settings(FUZZ, max_examples=8)
-@given(env=st.dictionaries(st.sampled_from([v for v in ENV_VARS if v.startswith("PET_") and v not in LAUNCHING_ENV]),
-                           st.sampled_from(INTERESTING).filter(bool), min_size=1, max_size=3))
+@given(
+    env=st.dictionaries(
+        st.sampled_from([v for v in ENV_VARS if v.startswith("PET_") and v not in LAUNCHING_ENV]),
+        st.sampled_from(INTERESTING).filter(bool),
+        min_size=1,
+        max_size=3,
+    )
+)
 def test_bad_environment_subprocess_prints_one_error_line(tmp_path, env):
     argv = [MISSING_SCRIPT]
     assert_one_error_line(run_cli(argv, tmp_path, env), [f"{k}={v!r}" for k, v in env.items()] + argv)
@@ -267,9 +420,21 @@ def test_bad_environment_subprocess_prints_one_error_line(tmp_path, env):
 
 # -- --rdzv-conf for the fsm backend -------------------------------------------------------------------
 
-FSM_CONF_KEYS = ["join_timeout", "last_call_timeout", "rejoin_timeout", "keep_alive_interval",
-                 "keep_alive_max_attempt", "read_timeout", "handshake_timeout", "linger_timeout", "is_host",
-                 "bind_addr", "node_rank", "rank", "other"]
+FSM_CONF_KEYS = [
+    "join_timeout",
+    "last_call_timeout",
+    "rejoin_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "read_timeout",
+    "handshake_timeout",
+    "linger_timeout",
+    "is_host",
+    "bind_addr",
+    "node_rank",
+    "rank",
+    "other",
+]
 
 
 def non_finite(value: str) -> bool:
@@ -280,8 +445,13 @@ def non_finite(value: str) -> bool:
     except (ValueError, OverflowError):
         return False
 
-conf_values = st.one_of(st.sampled_from(INTERESTING), st.integers(-5, 10 ** 6).map(str),
-                        st.floats(allow_nan=False, allow_infinity=False).map(repr), values)
+
+conf_values = st.one_of(
+    st.sampled_from(INTERESTING),
+    st.integers(-5, 10**6).map(str),
+    st.floats(allow_nan=False, allow_infinity=False).map(repr),
+    values,
+)
 
 
 def fsm_settings(conf: str):
@@ -290,8 +460,9 @@ def fsm_settings(conf: str):
         FsmRendezvousSettings,
     )
 
-    return FsmRendezvousSettings.from_params(FsmRendezvousParameters("fsm", "127.0.0.1:0", "run", 1, 2,
-                                                                     **cli.parse_rdzv_conf(conf)))
+    return FsmRendezvousSettings.from_params(
+        FsmRendezvousParameters("fsm", "127.0.0.1:0", "run", 1, 2, **cli.parse_rdzv_conf(conf))
+    )
 
 
 def check_fsm_settings(conf: str) -> None:
@@ -323,7 +494,16 @@ def test_fsm_rdzv_conf_is_a_config_error_or_sane(items):
     check_fsm_settings(conf)
 
 
-@pytest.mark.parametrize("conf", ["handshake_timeout=nan", "handshake_timeout=1e309", "keep_alive_interval=nan",
-                                  "keep_alive_interval=inf", "join_timeout=nan", "rejoin_timeout=nan"])
+@pytest.mark.parametrize(
+    "conf",
+    [
+        "handshake_timeout=nan",
+        "handshake_timeout=1e309",
+        "keep_alive_interval=nan",
+        "keep_alive_interval=inf",
+        "join_timeout=nan",
+        "rejoin_timeout=nan",
+    ],
+)
 def test_fsm_rdzv_conf_non_finite_is_a_config_error(conf):
     check_fsm_settings(conf)

@@ -43,9 +43,19 @@ from fsm_agent.plugins.manager import collect_options, get_plugin_manager
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MISSING_SCRIPT = "/nonexistent/fsm-agent-fuzz/train.py"
 
-FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None, print_blob=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much])
+FUZZ = settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.filter_too_much,
+    ],
+)
 
 OPTIONS = list(collect_options(get_plugin_manager()))
 TOP_KEYS = [k.name for k in cfg.KEYS if not k.section]
@@ -56,11 +66,21 @@ for _o in OPTIONS:
 
 #: Values that are valid for a kind, so that many documents get past the loader.
 VALID = {
-    schema.STRING: ["x", "c10d", "fsm", "default", ""], schema.BOOL: [True, False], schema.COUNT: [0, 1, 3],
-    schema.POSITIVE_INT: [1, 3], schema.SECONDS: [0, 0.5, 30], schema.POSITIVE_SECONDS: [0.1, 2, 600],
-    schema.PORT: [1, 29500, 65535], schema.NNODES: [1, 2, "1:2", "2:4"], schema.NPROC: [1, 2, "cpu", "auto"],
-    schema.STD: [0, 3, "0:3,1:2"], schema.SIGNALS: [["SIGTERM"], "SIGTERM,SIGINT", []], schema.RANKS: [[0], [0, 1], []],
-    schema.STRINGS: [["a"], []], schema.NAMES: [["status-http"], []], schema.CONF: [{"a": "b"}, {"rejoin_timeout": 5}, {}],
+    schema.STRING: ["x", "c10d", "fsm", "default", ""],
+    schema.BOOL: [True, False],
+    schema.COUNT: [0, 1, 3],
+    schema.POSITIVE_INT: [1, 3],
+    schema.SECONDS: [0, 0.5, 30],
+    schema.POSITIVE_SECONDS: [0.1, 2, 600],
+    schema.PORT: [1, 29500, 65535],
+    schema.NNODES: [1, 2, "1:2", "2:4"],
+    schema.NPROC: [1, 2, "cpu", "auto"],
+    schema.STD: [0, 3, "0:3,1:2"],
+    schema.SIGNALS: [["SIGTERM"], "SIGTERM,SIGINT", []],
+    schema.RANKS: [[0], [0, 1], []],
+    schema.STRINGS: [["a"], []],
+    schema.NAMES: [["status-http"], []],
+    schema.CONF: [{"a": "b"}, {"rejoin_timeout": 5}, {}],
 }
 KIND_OF = {k.key: k.kind for k in cfg.KEYS}
 
@@ -70,11 +90,36 @@ text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=10)
 bare_key = st.from_regex(r"[A-Za-z0-9_-]{1,10}", fullmatch=True)
 any_key = st.one_of(bare_key, text)
 scalars = st.one_of(
-    st.integers(-(2 ** 63), 2 ** 63 - 1), st.integers(-(10 ** 400), 10 ** 400),
-    st.floats(allow_nan=True, allow_infinity=True), st.booleans(), text,
-    st.sampled_from(["1:2", "3:2", "0", "²", "٣", "auto", "gpu", "SIGTERM", "SIGKILL", "SIGTERM,,SIGINT",
-                     "0:3,1:2", "0:9", " ", "spawn", "node", "-1", "1e3"]),
-    st.dates(), st.datetimes(), st.datetimes(timezones=st.just(dt.timezone.utc)), st.times(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(-(10**400), 10**400),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    text,
+    st.sampled_from(
+        [
+            "1:2",
+            "3:2",
+            "0",
+            "²",
+            "٣",
+            "auto",
+            "gpu",
+            "SIGTERM",
+            "SIGKILL",
+            "SIGTERM,,SIGINT",
+            "0:3,1:2",
+            "0:9",
+            " ",
+            "spawn",
+            "node",
+            "-1",
+            "1e3",
+        ]
+    ),
+    st.dates(),
+    st.datetimes(),
+    st.datetimes(timezones=st.just(dt.timezone.utc)),
+    st.times(),
 )
 toml_values = st.recursive(
     scalars,
@@ -85,8 +130,23 @@ toml_values = st.recursive(
 
 #: ``rendezvous.conf`` tables: backend option names (fsm's untyped ones too) with any scalar.
 conf_tables = st.dictionaries(
-    st.one_of(st.sampled_from(["rejoin_timeout", "linger_timeout", "handshake_timeout", "bind_addr", "node_rank",
-                               "join_timeout", "is_host"]), bare_key), scalars, max_size=3)
+    st.one_of(
+        st.sampled_from(
+            [
+                "rejoin_timeout",
+                "linger_timeout",
+                "handshake_timeout",
+                "bind_addr",
+                "node_rank",
+                "join_timeout",
+                "is_host",
+            ]
+        ),
+        bare_key,
+    ),
+    scalars,
+    max_size=3,
+)
 
 
 def value_for(key: str):
@@ -125,8 +185,9 @@ def plausible_documents(draw) -> dict:
 def section(draw, name: str, keys: list[str]) -> dict:
     table = {}
     known = st.sampled_from(keys) if keys else any_key
-    for key in draw(st.lists(st.one_of(known, known, known, any_key), max_size=4) if keys else
-                    st.lists(any_key, max_size=3)):
+    for key in draw(
+        st.lists(st.one_of(known, known, known, any_key), max_size=4) if keys else st.lists(any_key, max_size=3)
+    ):
         table[key] = draw(value_for(f"{name}.{key}" if name else key))
     return table
 
@@ -134,11 +195,13 @@ def section(draw, name: str, keys: list[str]) -> dict:
 @st.composite
 def documents(draw) -> dict:
     doc = draw(section("", TOP_KEYS))
-    for name in draw(st.lists(st.sampled_from([*cfg.SECTIONS, cfg.PLUGINS_SECTION, "tool", "misc"]), max_size=3,
-                              unique=True)):
+    for name in draw(
+        st.lists(st.sampled_from([*cfg.SECTIONS, cfg.PLUGINS_SECTION, "tool", "misc"]), max_size=3, unique=True)
+    ):
         if name in cfg.SECTIONS:
-            doc[name] = draw(st.one_of(section(name, SECTION_KEYS[name]), section(name, SECTION_KEYS[name]),
-                                       toml_values))
+            doc[name] = draw(
+                st.one_of(section(name, SECTION_KEYS[name]), section(name, SECTION_KEYS[name]), toml_values)
+            )
         elif name == cfg.PLUGINS_SECTION:
             plugins = {}
             for plugin in draw(st.lists(st.one_of(st.sampled_from(sorted(PLUGIN_KEYS)), bare_key), max_size=2)):
@@ -198,8 +261,7 @@ def to_toml(doc: dict, prefix: tuple[str, ...] = ()) -> str:
         if k not in tables:
             lines.append(f"{toml_key(k)} = {toml_value(v)}")
     for k, v in tables.items():
-        lines.append(to_toml(v, (*prefix, k)) if not prefix or len(prefix) < 3 else
-                     f"{toml_key(k)} = {toml_value(v)}")
+        lines.append(to_toml(v, (*prefix, k)) if not prefix or len(prefix) < 3 else f"{toml_key(k)} = {toml_value(v)}")
     return "\n".join(lines) + "\n"
 
 
@@ -226,8 +288,13 @@ def files(draw) -> tuple[str, str, dict | None]:
         return "fsm.toml", draw(st.text(st.characters(blacklist_categories=("Cs",)), max_size=60)), None
     if kind == "mutated" and body:
         i = draw(st.integers(0, len(body)))
-        return "fsm.toml", body[:i] + draw(st.sampled_from(["[", "]", "=", '"', "\n", "{", "\\", "x = 1\n", ""])) + \
-            body[i + draw(st.integers(0, 3)):], None
+        return (
+            "fsm.toml",
+            body[:i]
+            + draw(st.sampled_from(["[", "]", "=", '"', "\n", "{", "\\", "x = 1\n", ""]))
+            + body[i + draw(st.integers(0, 3)) :],
+            None,
+        )
     return "fsm.toml", body, doc
 
 
@@ -262,7 +329,10 @@ def clean_environment():
     try:
         for name in list(os.environ):
             if name.startswith(("PET_", "FSM_AGENT_")) or name in (
-                    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "PYTHON_EXEC"):
+                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+                "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
+                "PYTHON_EXEC",
+            ):
                 del os.environ[name]
         os.environ["OMP_NUM_THREADS"] = "1"
         yield
@@ -342,7 +412,7 @@ def ends_with_one_error(err: str) -> bool:
     errors = [i for i, line in enumerate(lines) if line.startswith("fsm-agent: error:")]
     if len(errors) != 1:
         return False
-    rest = lines[errors[0] + 1:]
+    rest = lines[errors[0] + 1 :]
     return not rest or (lines[errors[0]].endswith(" errors:") and all(line.startswith("  ") for line in rest))
 
 
@@ -377,9 +447,16 @@ def test_config_command_with_a_date_in_rendezvous_conf(workdir, flags):
 def run_cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "FSM_AGENT_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, "-m", "fsm_agent", "run", *argv], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsm_agent", "run", *argv],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:

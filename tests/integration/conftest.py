@@ -28,8 +28,12 @@ def assert_excluded_node_left(excluded: Path, survivor: Path) -> None:
     lost node (``membership_changed``, ``node_lost``) and it ends without spending a restart."""
     assert transitions(excluded)[-1] == ("UNHEALTHY", "FAILED", "workers_failed")
     events = read_events(survivor)
-    changed = [e for e in events if e["kind"] == "transition" and e["trigger"] in ("membership_changed", "workers_failed")]
-    assert changed and changed[0]["trigger"] == "membership_changed" and changed[0]["failure_class"] == "node_lost", changed
+    changed = [
+        e for e in events if e["kind"] == "transition" and e["trigger"] in ("membership_changed", "workers_failed")
+    ]
+    assert changed and changed[0]["trigger"] == "membership_changed" and changed[0]["failure_class"] == "node_lost", (
+        changed
+    )
     assert events[-1]["kind"] == "run_end" and events[-1]["restart_count"] == 0
 
 

@@ -21,11 +21,14 @@ def write(path, body: str):
     return str(path)
 
 
-@pytest.mark.parametrize("backend", [["--standalone"], ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]],
-                         ids=["fsm", "c10d"])
+@pytest.mark.parametrize(
+    "backend", [["--standalone"], ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]], ids=["fsm", "c10d"]
+)
 def test_each_attempt_meets_in_an_empty_store(tmp_path, agents, backend):
     """Attempt 0 leaves a key in its workers' store; attempt 1's store must not have it (torch#135712)."""
-    script = write(tmp_path / "w.py", """
+    script = write(
+        tmp_path / "w.py",
+        """
         import os, sys, json, time
         from datetime import timedelta
         from torch.distributed import TCPStore
@@ -48,7 +51,8 @@ def test_each_attempt_meets_in_an_empty_store(tmp_path, agents, backend):
                     time.sleep(0.01)
                 sys.exit(1)
             time.sleep(30)  # rank 0 (maybe the store's host) stays until the agent stops it
-    """)
+    """,
+    )
     proc = agents.start(*backend, "--nproc-per-node", "2", "--max-restarts", "1", script)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -60,7 +64,9 @@ def test_each_attempt_meets_in_an_empty_store(tmp_path, agents, backend):
 
 def test_exit_noticed_at_once_whatever_the_monitor_interval(tmp_path, agents):
     """With --monitor-interval 30, a worker's exit is still seen within a fraction of a second."""
-    script = write(tmp_path / "w.py", """
+    script = write(
+        tmp_path / "w.py",
+        """
         import os, sys, time
         if os.environ["RANK"] == "1":
             time.sleep(0.5)
@@ -68,10 +74,12 @@ def test_exit_noticed_at_once_whatever_the_monitor_interval(tmp_path, agents):
                 f.write(repr(time.time()))
             sys.exit(4)
         time.sleep(60)
-    """)
+    """,
+    )
     events = tmp_path / "events.jsonl"
-    proc = agents.start("--standalone", "--nproc-per-node", "2", "--monitor-interval", "30",
-                        "--events-file", str(events), script)
+    proc = agents.start(
+        "--standalone", "--nproc-per-node", "2", "--monitor-interval", "30", "--events-file", str(events), script
+    )
     started = time.monotonic()
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 4, err
@@ -83,17 +91,33 @@ def test_exit_noticed_at_once_whatever_the_monitor_interval(tmp_path, agents):
 
 def test_new_node_triggers_one_rerendezvous_not_counted(tmp_path, agents):
     """--nnodes 1:2: agent A runs alone; agent B joins; A re-rendezvouses (restart_count stays 0)."""
-    script = write(tmp_path / "w.py", """
+    script = write(
+        tmp_path / "w.py",
+        """
         import os, time, json
         ws = int(os.environ["WORLD_SIZE"])
         with open(f"world_{os.environ['GROUP_RANK']}_{os.environ['LOCAL_RANK']}_{ws}_{os.getpid()}", "w") as f:
             f.write(os.environ["TORCHELASTIC_RESTART_COUNT"])
         time.sleep(60 if ws == 1 else 2)
-    """)
+    """,
+    )
     port = free_port()
-    common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "grow", "--monitor-interval", "0.2",
-              "--rdzv-conf", "last_call_timeout=1,join_timeout=60"]
+    common = [
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "grow",
+        "--monitor-interval",
+        "0.2",
+        "--rdzv-conf",
+        "last_call_timeout=1,join_timeout=60",
+    ]
     events_a = tmp_path / "a.jsonl"
     a = agents.start(*common, "--local-addr", "127.0.0.1", "--events-file", str(events_a), script)
     deadline = time.monotonic() + 60
@@ -105,8 +129,12 @@ def test_new_node_triggers_one_rerendezvous_not_counted(tmp_path, agents):
     out_a, err_a = a.communicate(timeout=90)
     assert a.returncode == 0 and b.returncode == 0, err_a + err_b
     assert len(list(tmp_path.glob("world_*_2_*"))) == 2
-    assert transitions(events_a) == [("INIT", "HEALTHY", "start"), ("HEALTHY", "STOPPED", "membership_changed"),
-                                      ("STOPPED", "HEALTHY", "restart"), ("HEALTHY", "SUCCEEDED", "workers_succeeded")]
+    assert transitions(events_a) == [
+        ("INIT", "HEALTHY", "start"),
+        ("HEALTHY", "STOPPED", "membership_changed"),
+        ("STOPPED", "HEALTHY", "restart"),
+        ("HEALTHY", "SUCCEEDED", "workers_succeeded"),
+    ]
     assert all(e["restart_count"] == 0 for e in read_events(events_a))
 
 
@@ -125,15 +153,26 @@ def _fail_on_rank_one():
 
 
 def test_elastic_launch_returns_values_by_global_rank(tmp_path):
-    config = LaunchConfig(nproc_per_node=3, rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id="api",
-                          log_dir=str(tmp_path), start_method="spawn")
+    config = LaunchConfig(
+        nproc_per_node=3,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        run_id="api",
+        log_dir=str(tmp_path),
+        start_method="spawn",
+    )
     assert elastic_launch(config, _square_rank)(10) == {0: 10, 1: 11, 2: 14}
 
 
 def _root_cause_of(fn, tmp_path, nproc_per_node: int):
     """``elastic_launch(config, fn)()`` must fail: its root cause."""
-    config = LaunchConfig(nproc_per_node=nproc_per_node, rdzv_backend="c10d", rdzv_endpoint="localhost:0",
-                          run_id="api", log_dir=str(tmp_path))
+    config = LaunchConfig(
+        nproc_per_node=nproc_per_node,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        run_id="api",
+        log_dir=str(tmp_path),
+    )
     with pytest.raises(WorkerGroupFailedError) as info:
         elastic_launch(config, fn)()
     return info.value.result.root_cause
@@ -154,14 +193,17 @@ def _return_a_lock():
 def test_an_unpicklable_return_value_is_named_as_the_cause(tmp_path):
     """Not "exited with code 1": the worker ran to the end, its value could not come back."""
     cause = _root_cause_of(_return_a_lock, tmp_path, 1)
-    assert cause.message.startswith("TypeError: the return value of _return_a_lock (lock) cannot be pickled, so "
-                                    "the agent cannot hand it back: TypeError: cannot pickle '_thread.lock' object"), \
-        cause.message
+    assert cause.message.startswith(
+        "TypeError: the return value of _return_a_lock (lock) cannot be pickled, so "
+        "the agent cannot hand it back: TypeError: cannot pickle '_thread.lock' object"
+    ), cause.message
 
 
 def test_restart_count_identical_on_every_node(tmp_path, agents):
     """A failure on one node: both nodes' next attempt sees TORCHELASTIC_RESTART_COUNT=1 (torch: 0 and 1)."""
-    script = write(tmp_path / "w.py", """
+    script = write(
+        tmp_path / "w.py",
+        """
         import os, sys, time
         count = os.environ["TORCHELASTIC_RESTART_COUNT"]
         with open(f"seen_{os.environ['GROUP_RANK']}_{count}_{os.getpid()}", "w"):
@@ -171,11 +213,27 @@ def test_restart_count_identical_on_every_node(tmp_path, agents):
                 time.sleep(0.5)
                 sys.exit(2)
             time.sleep(60)  # the healthy node's worker would sit here; the re-rendezvous stops it
-    """)
+    """,
+    )
     port = free_port()
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--max-restarts", "1",
-              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "count", "--monitor-interval", "0.2",
-              "--local-addr", "127.0.0.1"]
+    common = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--max-restarts",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "count",
+        "--monitor-interval",
+        "0.2",
+        "--local-addr",
+        "127.0.0.1",
+    ]
     a = agents.start(*common, "--events-file", str(tmp_path / "a.jsonl"), script)
     b = agents.start(*common, "--events-file", str(tmp_path / "b.jsonl"), script)
     out_a, err_a = a.communicate(timeout=120)

@@ -22,7 +22,7 @@ from tests.integration.conftest import free_port, read_events, transitions
 
 #: argv: OUT_DIR. Records its start, then waits; SIGUSR1 (the checkpoint signal) writes
 #: ckpt_<rank>.json and exits 0.
-WORKER = r'''
+WORKER = r"""
 import json, os, signal, sys, time
 out, rank = sys.argv[1], os.environ["RANK"]
 
@@ -37,7 +37,7 @@ signal.signal(signal.SIGUSR1, checkpoint)
 open(os.path.join(out, "start_%s" % rank), "w").close()
 while True:
     time.sleep(1)
-'''
+"""
 NPROC = 2
 #: Generous bounds for a loaded 2-core machine (a drain here takes well under a second).
 START_TIMEOUT_S = 120
@@ -49,11 +49,23 @@ def _start(agent_processes, tmp_path: Path, *flags: str):
     out = tmp_path / "out"
     out.mkdir()
     events = tmp_path / "events.jsonl"
-    proc = agent_processes.start("--standalone", "--nproc-per-node", str(NPROC), "--max-restarts", "3",
-                                 "--events-file", str(events), "--drain-timeout", "60", *flags,
-                                 "worker.py", str(out))
-    started = wait_until(lambda: len(list(out.glob("start_*"))) == NPROC or proc.poll() is not None,
-                         timeout=START_TIMEOUT_S)
+    proc = agent_processes.start(
+        "--standalone",
+        "--nproc-per-node",
+        str(NPROC),
+        "--max-restarts",
+        "3",
+        "--events-file",
+        str(events),
+        "--drain-timeout",
+        "60",
+        *flags,
+        "worker.py",
+        str(out),
+    )
+    started = wait_until(
+        lambda: len(list(out.glob("start_*"))) == NPROC or proc.poll() is not None, timeout=START_TIMEOUT_S
+    )
     if not started or proc.poll() is not None:
         _, err = proc.communicate(timeout=END_TIMEOUT_S)
         pytest.fail(f"workers did not start: rc={proc.poll()}\n{err}")
@@ -124,12 +136,29 @@ def test_drain_while_waiting_for_the_other_nodes_leaves_at_once(agent_processes,
     (tmp_path / "worker.py").write_text(WORKER)
     events = tmp_path / "events.jsonl"
     port = free_port()
-    proc = agent_processes.start("--nnodes", "2", "--rdzv-backend", backend, "--rdzv-endpoint",
-                                 f"127.0.0.1:{free_port()}", "--rdzv-id", "drain-waiting", "--rdzv-conf",
-                                 "join_timeout=600", "--events-file", str(events), "--drain-signals", "SIGUSR2",
-                                 "--status-port", str(port), "worker.py", str(tmp_path))
-    assert wait_until(lambda: proc.poll() is not None or _answers(f"http://127.0.0.1:{port}/healthz"),
-                      timeout=START_TIMEOUT_S)
+    proc = agent_processes.start(
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        "drain-waiting",
+        "--rdzv-conf",
+        "join_timeout=600",
+        "--events-file",
+        str(events),
+        "--drain-signals",
+        "SIGUSR2",
+        "--status-port",
+        str(port),
+        "worker.py",
+        str(tmp_path),
+    )
+    assert wait_until(
+        lambda: proc.poll() is not None or _answers(f"http://127.0.0.1:{port}/healthz"), timeout=START_TIMEOUT_S
+    )
     time.sleep(2)  # the status server starts just before the run: let the agent reach its join
     assert proc.poll() is None, proc.communicate()[1]
     proc.send_signal(signal.SIGUSR2)
@@ -141,8 +170,9 @@ def test_drain_while_waiting_for_the_other_nodes_leaves_at_once(agent_processes,
 
 def test_a_drain_signal_that_is_also_a_stop_signal_is_a_one_line_error(agent_processes, tmp_path):
     (tmp_path / "worker.py").write_text(WORKER)
-    done = agent_processes.run("--standalone", "--drain-signals", "SIGTERM", "worker.py", str(tmp_path),
-                               timeout=END_TIMEOUT_S)
+    done = agent_processes.run(
+        "--standalone", "--drain-signals", "SIGTERM", "worker.py", str(tmp_path), timeout=END_TIMEOUT_S
+    )
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     assert "SIGTERM is both a drain signal and in --signals-to-handle" in done.stderr, done.stderr
 
@@ -153,9 +183,11 @@ def test_early_handlers_keep_a_drain_signal_for_the_agent(tmp_path):
     import subprocess
     import sys
 
-    code = ("import os, signal, sys; sys.argv = ['fsmrun', '--drain-signals', 'USR2', 'train.py']\n"
-            "from fsm_agent import _early_signals as early\n"
-            "early.install(); os.kill(os.getpid(), signal.SIGUSR2); print(early.take_early_drain())")
+    code = (
+        "import os, signal, sys; sys.argv = ['fsmrun', '--drain-signals', 'USR2', 'train.py']\n"
+        "from fsm_agent import _early_signals as early\n"
+        "early.install(); os.kill(os.getpid(), signal.SIGUSR2); print(early.take_early_drain())"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.strip() == str(int(signal.SIGUSR2)), done.stderr
 
@@ -172,13 +204,31 @@ def test_job_wide_drain_of_two_fsm_nodes_on_loopback(agent_processes, tmp_path):
         out.mkdir()
         outs.append(out)
         events.append(tmp_path / f"events{node}.jsonl")
-        procs.append(agent_processes.start(
-            "--nnodes", "2", "--nproc-per-node", str(NPROC), "--rdzv-backend", "fsm", "--rdzv-endpoint",
-            f"127.0.0.1:{port}", "--rdzv-id", "drain-job", "--local-addr", "127.0.0.1", "--events-file",
-            str(events[node]), *(["--drain-signals", "SIGUSR2", "--drain-scope", "job"] if node == 0 else []),
-            "worker.py", str(out)))
-    assert wait_until(lambda: all(len(list(o.glob("start_*"))) == NPROC for o in outs)
-                      or any(p.poll() is not None for p in procs), timeout=START_TIMEOUT_S)
+        procs.append(
+            agent_processes.start(
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                str(NPROC),
+                "--rdzv-backend",
+                "fsm",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "drain-job",
+                "--local-addr",
+                "127.0.0.1",
+                "--events-file",
+                str(events[node]),
+                *(["--drain-signals", "SIGUSR2", "--drain-scope", "job"] if node == 0 else []),
+                "worker.py",
+                str(out),
+            )
+        )
+    assert wait_until(
+        lambda: all(len(list(o.glob("start_*"))) == NPROC for o in outs) or any(p.poll() is not None for p in procs),
+        timeout=START_TIMEOUT_S,
+    )
     assert all(p.poll() is None for p in procs), [p.communicate()[1] for p in procs if p.poll() is not None]
     procs[0].send_signal(signal.SIGUSR2)
     errs = [p.communicate(timeout=END_TIMEOUT_S)[1] for p in procs]
@@ -186,5 +236,7 @@ def test_job_wide_drain_of_two_fsm_nodes_on_loopback(agent_processes, tmp_path):
     checkpointed = [sorted(json.loads(p.read_text())["rank"] for p in out.glob("ckpt_*.json")) for out in outs]
     assert sorted(checkpointed) == [[0, 1], [2, 3]], errs  # every worker of the job (global ranks)
     drains = [[e for e in read_events(path) if e["kind"] == "drain"][0] for path in events]
-    assert [(d["scope"], d["source"], d["checkpointed"]) for d in drains] == [("job", "signal", True),
-                                                                             ("job", "peer", True)], drains
+    assert [(d["scope"], d["source"], d["checkpointed"]) for d in drains] == [
+        ("job", "signal", True),
+        ("job", "peer", True),
+    ], drains

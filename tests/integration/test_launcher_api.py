@@ -39,8 +39,15 @@ def write(path, body: str) -> str:
 def torch_config(**changes):
     from torch.distributed.launcher.api import LaunchConfig as TorchLaunchConfig
 
-    fields = dict(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d", rdzv_endpoint="localhost:0",
-                  run_id="api", max_restarts=0)
+    fields = dict(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=2,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        run_id="api",
+        max_restarts=0,
+    )
     return TorchLaunchConfig(**{**fields, **changes})
 
 
@@ -93,8 +100,9 @@ def test_failure_is_torchs_child_failed_error_with_fsm_agents_details(tmp_path, 
 
 
 def test_run_agent_returns_the_run_result(tmp_path):
-    config = LaunchConfig(nproc_per_node=2, rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id="api",
-                          log_dir=str(tmp_path))
+    config = LaunchConfig(
+        nproc_per_node=2, rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id="api", log_dir=str(tmp_path)
+    )
     result = run_agent(config, _fail_on_rank_one)
     assert result.is_failed() and result.exit_code == 1 and sorted(result.failures) == [1]
 
@@ -125,8 +133,9 @@ def test_a_rendezvous_that_never_completes_raises_agent_failed_error():
     """No worker failed: fsm_agent.AgentFailedError with the RunResult (torch lets its error through)."""
     from fsm_agent import AgentFailedError, launch_agent
 
-    config = LaunchConfig(min_nodes=2, max_nodes=2, rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{free_port()}",
-                          rdzv_timeout=2)
+    config = LaunchConfig(
+        min_nodes=2, max_nodes=2, rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_timeout=2
+    )
     with pytest.raises(AgentFailedError, match=r"not all 2 nodes came within 2 s") as info:
         launch_agent(config, sys.executable, ["-c", "pass"])
     assert info.value.result.is_failed() and info.value.result.failures == {}
@@ -139,10 +148,15 @@ def test_torch_field_names_on_fsm_agents_launch_config(tmp_path):
 
     from fsm_agent import launch_agent
 
-    config = LaunchConfig(nproc_per_node=2, rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{free_port()}",
-                          rdzv_timeout=60, metrics_cfg={"handler": "null"},
-                          numa_options=NumaOptions(affinity_mode=AffinityMode.NODE),
-                          logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)))
+    config = LaunchConfig(
+        nproc_per_node=2,
+        rdzv_backend="static",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_timeout=60,
+        metrics_cfg={"handler": "null"},
+        numa_options=NumaOptions(affinity_mode=AffinityMode.NODE),
+        logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+    )
     assert config.rdzv_configs["timeout"] == 60 and config.numa_binding == "node"
     assert launch_agent(config, _square_rank, (3,)) == {0: 3, 1: 4}
     assert len(list(tmp_path.glob("none_*/attempt_0/*"))) == 2
@@ -163,7 +177,9 @@ def test_torch_defaults_backend_etcd_is_a_one_line_error_naming_etcd_v3():
 
 def test_an_agent_that_never_imports_torch_still_does_not(tmp_path):
     """The fsm backend runs a program without torch; the error class is made only when raised."""
-    script = write(tmp_path / "probe.py", """
+    script = write(
+        tmp_path / "probe.py",
+        """
         import sys
         import fsm_agent
         from fsm_agent import LaunchConfig, launch_agent, run_agent, AgentFailedError
@@ -176,7 +192,8 @@ def test_an_agent_that_never_imports_torch_still_does_not(tmp_path):
         except fsm_agent.WorkerGroupFailedError as error:
             from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
             print(isinstance(error, ChildFailedError), error.result.exit_code)
-    """)
+    """,
+    )
     done = subprocess.run([sys.executable, script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "True", "3"]
@@ -186,7 +203,9 @@ def test_a_preload_agent_never_imports_torch_and_hosts_the_store_before_the_work
     """--launcher preload with torch preloaded: the zygote imports torch and its store host listens at
     MASTER_ADDR:MASTER_PORT before any worker starts (agent-store mode); the agent process itself never
     imports torch."""
-    script = write(tmp_path / "probe.py", """
+    script = write(
+        tmp_path / "probe.py",
+        """
         import json, sys
         from fsm_agent import LaunchConfig, launch_agent
         check = ("import json, os, socket; a, p = os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']); "
@@ -196,7 +215,8 @@ def test_a_preload_agent_never_imports_torch_and_hosts_the_store_before_the_work
                               launcher="preload")
         assert launch_agent(config, sys.executable, ["-c", check]) == {0: None, 1: None}
         print("agent-torch", "torch" in sys.modules)
-    """)
+    """,
+    )
     done = subprocess.run([sys.executable, script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.split("\n")
@@ -213,7 +233,7 @@ def test_in_process_launch_is_a_subreaper_only_while_workers_run(tmp_path):
 
     before = is_subreaper()
     config = torch_config(nproc_per_node=1, run_id="reaper")
-    (orphan_pid, adopted_by), = elastic_launch(config, _orphan_and_report_its_parent)(str(tmp_path)).values()
+    ((orphan_pid, adopted_by),) = elastic_launch(config, _orphan_and_report_its_parent)(str(tmp_path)).values()
     assert adopted_by == os.getpid(), "while workers run, their orphans are the agent's"
     assert not psutil.pid_exists(orphan_pid), "the adopted orphan was left a zombie"
     assert is_subreaper() == before
@@ -271,7 +291,9 @@ def test_static_workers_see_master_port_and_restarts_never_see_old_keys(tmp_path
     """Two static nodes, two counted restarts: every attempt's workers get --master-addr and
     --master-port / PET_MASTER_PORT (the agents' store, TORCHELASTIC_USE_AGENT_STORE=True), and none
     sees a key an earlier attempt wrote."""
-    script = write(tmp_path / "w.py", """
+    script = write(
+        tmp_path / "w.py",
+        """
         import json, os, sys, time
         from datetime import timedelta
         from torch.distributed import TCPStore
@@ -288,13 +310,26 @@ def test_static_workers_see_master_port_and_restarts_never_see_old_keys(tmp_path
             # Both ranks fail (as a collective would fail them), each once the other has written its key.
             store.wait([f"attempt_{attempt}/rank_{1 - int(rank)}"], timedelta(seconds=60))
             sys.exit(1)
-    """)
+    """,
+    )
     port = free_port()
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--max-restarts", "2",
-              "--monitor-interval", "0.2"]
+    common = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--max-restarts",
+        "2",
+        "--monitor-interval",
+        "0.2",
+    ]
     # Node 0 names the port with the flag, node 1 with torchrun's environment variable.
-    nodes = [agents.start(*common, "--node-rank", "0", "--master-port", str(port), script),
-             agents.start(*common, "--node-rank", "1", script, env={"PET_MASTER_PORT": str(port)})]
+    nodes = [
+        agents.start(*common, "--node-rank", "0", "--master-port", str(port), script),
+        agents.start(*common, "--node-rank", "1", script, env={"PET_MASTER_PORT": str(port)}),
+    ]
     outputs = [node.communicate(timeout=180) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(err for _, err in outputs)
     seen = {(a, r): json.loads((tmp_path / f"seen_{a}_{r}.json").read_text()) for a in range(3) for r in (0, 1)}
@@ -307,10 +342,26 @@ def test_training_restarts_under_static_master_port(tmp_path, agents, trial):
     """examples/train_digits.py, rank 1 crashing once, under --master-port: gloo's restarted group
     meets (under torchrun some tries fail: gloo connects to the previous attempt's addresses)."""
     example = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
-    result = agents.run("--master-port", str(free_port()), "--nproc-per-node", "2", "--max-restarts", "1",
-                        str(example), "--epochs", "4", "--crash-rank", "1", "--crash-epoch", "2",
-                        "--checkpoint", str(tmp_path / "ck.pt"), "--result-file", str(tmp_path / "res.json"),
-                        timeout=240)
+    result = agents.run(
+        "--master-port",
+        str(free_port()),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        str(example),
+        "--epochs",
+        "4",
+        "--crash-rank",
+        "1",
+        "--crash-epoch",
+        "2",
+        "--checkpoint",
+        str(tmp_path / "ck.pt"),
+        "--result-file",
+        str(tmp_path / "res.json"),
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "res.json").read_text())
     assert summary["restart_count"] == 1 and summary["resumed_from"] == 1

@@ -40,15 +40,40 @@ TRAIN = """
 """
 
 
-def start(tmp_path: Path, agents, *flags: str, every: int, crash_at: int = -1, crash_after: int = -1,
-          done: int = 10**6, crash_ranks: str = "0"):
+def start(
+    tmp_path: Path,
+    agents,
+    *flags: str,
+    every: int,
+    crash_at: int = -1,
+    crash_after: int = -1,
+    done: int = 10**6,
+    crash_ranks: str = "0",
+):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(TRAIN))
-    env = {"CKPT": str(tmp_path / "ckpt.txt"), "EVERY": str(every), "CRASH_AT": str(crash_at),
-           "CRASH_AFTER": str(crash_after), "DONE": str(done), "CRASH_RANKS": crash_ranks}
-    return agents.start("--standalone", "--nproc-per-node", "2", "--events-file", str(tmp_path / "events.jsonl"),
-                        "--progress-file", str(tmp_path / "ckpt.txt"), "--finished-file", str(tmp_path / "FINISHED"),
-                        *flags, str(script), env=env)
+    env = {
+        "CKPT": str(tmp_path / "ckpt.txt"),
+        "EVERY": str(every),
+        "CRASH_AT": str(crash_at),
+        "CRASH_AFTER": str(crash_after),
+        "DONE": str(done),
+        "CRASH_RANKS": crash_ranks,
+    }
+    return agents.start(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--events-file",
+        str(tmp_path / "events.jsonl"),
+        "--progress-file",
+        str(tmp_path / "ckpt.txt"),
+        "--finished-file",
+        str(tmp_path / "FINISHED"),
+        *flags,
+        str(script),
+        env=env,
+    )
 
 
 def cycles(path: Path) -> list[dict]:
@@ -63,7 +88,10 @@ def test_no_progress_cycles_end_in_the_do_not_requeue_code(tmp_path, agents):
     events = tmp_path / "events.jsonl"
     recorded = cycles(events)
     assert [(c["attempt"], c["checkpoint_step"], c["progress"], c["no_progress_cycles"]) for c in recorded] == [
-        (0, 10, True, 0), (1, 10, False, 1), (2, 10, False, 2)]
+        (0, 10, True, 0),
+        (1, 10, False, 1),
+        (2, 10, False, 2),
+    ]
     assert all(c["failure_class"] == "exit_code" and c["max_no_progress_restarts"] == 2 for c in recorded)
     assert all(c["start"] <= c["end"] and c["last_step"] >= 15 for c in recorded)  # rank 1 may be further
     assert transitions(events)[-1] == ("HEALTHY", "FAILED", "workers_failed")
@@ -73,22 +101,31 @@ def test_no_progress_cycles_end_in_the_do_not_requeue_code(tmp_path, agents):
     replay(str(events)).assert_identical()
     # The replay really decides on the recorded progress: without the limit the group restarts.
     tampered = tmp_path / "tampered.jsonl"
-    tampered.write_text("".join(json.dumps({k: v for k, v in e.items() if k != "max_no_progress_restarts"}) + "\n"
-                                for e in read_events(events)))
+    tampered.write_text(
+        "".join(
+            json.dumps({k: v for k, v in e.items() if k != "max_no_progress_restarts"}) + "\n"
+            for e in read_events(events)
+        )
+    )
     divergence = replay(str(tampered)).divergence
     assert (divergence.what, divergence.expected, divergence.actual) == ("state", "FAILED", "STOPPED")
 
 
 def test_a_job_that_progresses_between_crashes_keeps_restarting_and_finishes_once(tmp_path, agents):
     """Each attempt gets one checkpoint further before it crashes, then the job completes."""
-    proc = start(tmp_path, agents, "--max-restarts", "5", "--max-no-progress-restarts", "1",
-                 every=10, crash_after=15, done=40)
+    proc = start(
+        tmp_path, agents, "--max-restarts", "5", "--max-no-progress-restarts", "1", every=10, crash_after=15, done=40
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     events = tmp_path / "events.jsonl"
     recorded = cycles(events)
     assert [(c["checkpoint_step"], c["failure_class"], c["progress"]) for c in recorded] == [
-        (10, "exit_code", True), (20, "exit_code", True), (30, "exit_code", True), (40, None, True)]
+        (10, "exit_code", True),
+        (20, "exit_code", True),
+        (30, "exit_code", True),
+        (40, None, True),
+    ]
     assert recorded[-1]["last_step"] == 40 and all(c["last_step"] >= c["checkpoint_step"] + 5 for c in recorded[:-1])
     finished = (tmp_path / "FINISHED").read_text()
     assert finished.startswith("finished run_id=") and finished.count("\n") == 1
@@ -100,18 +137,32 @@ def test_a_job_that_progresses_between_crashes_keeps_restarting_and_finishes_onc
     assert (tmp_path / "FINISHED").read_text() == finished
 
 
-@pytest.mark.parametrize("launcher", [["--launcher", "subprocess"], ["--launcher", "preload", "--preload-modules", "json"]])
+@pytest.mark.parametrize(
+    "launcher", [["--launcher", "subprocess"], ["--launcher", "preload", "--preload-modules", "json"]]
+)
 def test_heartbeat_steps_alone_measure_progress(tmp_path, agents, launcher):
     """Without a checkpoint reported, the last step reached is the progress: the same crash each
     attempt (no progress file is written: EVERY is beyond the crash) is no progress. Workers
     forked from the preload launcher's zygote report their steps too."""
-    proc = start(tmp_path, agents, *launcher, "--max-restarts", "10", "--max-no-progress-restarts", "1", every=1000,
-                 crash_at=7, crash_ranks="0,1")
+    proc = start(
+        tmp_path,
+        agents,
+        *launcher,
+        "--max-restarts",
+        "10",
+        "--max-no-progress-restarts",
+        "1",
+        every=1000,
+        crash_at=7,
+        crash_ranks="0,1",
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == DO_NOT_REQUEUE_EXIT_CODE, err
     recorded = cycles(tmp_path / "events.jsonl")
-    assert [(c["last_step"], c["checkpoint_step"], c["progress"]) for c in recorded] == [(7, None, True),
-                                                                                        (7, None, False)]
+    assert [(c["last_step"], c["checkpoint_step"], c["progress"]) for c in recorded] == [
+        (7, None, True),
+        (7, None, False),
+    ]
 
 
 def test_a_worker_exiting_with_the_do_not_requeue_code_is_reported_as_1(tmp_path, agents):

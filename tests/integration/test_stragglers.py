@@ -25,8 +25,21 @@ def _common(backend: str, port: int, run_id: str, *extra: str, host: bool) -> li
     """With ``fsm``, agent A (``host``) hosts the store, so it is group rank 0; with ``c10d`` the
     first to bind the endpoint is, either agent."""
     conf = f"last_call_timeout=1,is_host={int(host)}" if backend == "fsm" else "last_call_timeout=1"
-    return ["--nnodes", "1:2", "--rdzv-backend", backend, "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-            "--local-addr", "127.0.0.1", "--rdzv-conf", conf, *straggler_flags(*extra)]
+    return [
+        "--nnodes",
+        "1:2",
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        run_id,
+        "--local-addr",
+        "127.0.0.1",
+        "--rdzv-conf",
+        conf,
+        *straggler_flags(*extra),
+    ]
 
 
 def _status(port: int) -> dict:
@@ -42,11 +55,28 @@ def test_a_slow_worker_is_found_with_its_rank_and_factor(tmp_path, agents, backe
     script, port = write_worker(tmp_path), free_port()
     paths = {n: tmp_path / f"{n}.jsonl" for n in "ab"}
     ports, metrics = {n: free_port() for n in "ab"}, {n: free_port() for n in "ab"}
-    procs = {n: agents.start(*_common(backend, port, "slow", "--events-file", str(paths[n]), "--status-port",
-                                      str(ports[n]), "--prometheus-port", str(metrics[n]), host=n == "a"),
-                             script, env={"SLOW_RANK": "3"}) for n in "ab"}
-    assert wait_until(lambda: any(events(p, "straggler") for p in paths.values()), timeout=120), (
-        [events(p, "step_times")[-2:] for p in paths.values()])
+    procs = {
+        n: agents.start(
+            *_common(
+                backend,
+                port,
+                "slow",
+                "--events-file",
+                str(paths[n]),
+                "--status-port",
+                str(ports[n]),
+                "--prometheus-port",
+                str(metrics[n]),
+                host=n == "a",
+            ),
+            script,
+            env={"SLOW_RANK": "3"},
+        )
+        for n in "ab"
+    }
+    assert wait_until(lambda: any(events(p, "straggler") for p in paths.values()), timeout=120), [
+        events(p, "step_times")[-2:] for p in paths.values()
+    ]
     judge = next(n for n in "ab" if events(paths[n], "straggler"))
     other = "b" if judge == "a" else "a"
     status = _status(ports[judge])
@@ -67,8 +97,11 @@ def test_a_slow_worker_is_found_with_its_rank_and_factor(tmp_path, agents, backe
     assert times["median_s"] > 0 and {r["global_rank"] for r in times["ranks"]} == {0, 1, 2, 3}, times
     slowest = max(times["ranks"], key=lambda r: r["ratio"])
     assert slowest["global_rank"] == 3 and slowest["ratio"] > FACTOR and slowest["straggler"], times
-    ratios = {line.split('global_rank="')[1].split('"')[0]: float(line.split()[-1])
-              for line in scraped.splitlines() if line.startswith("fsm_agent_step_time_ratio{")}
+    ratios = {
+        line.split('global_rank="')[1].split('"')[0]: float(line.split()[-1])
+        for line in scraped.splitlines()
+        if line.startswith("fsm_agent_step_time_ratio{")
+    }
     assert set(ratios) == {"0", "1", "2", "3"} and ratios["3"] > FACTOR, scraped  # the Prometheus plugin's gauges
     assert "fsm_agent_step_time_median_seconds{" in scraped and 'fsm_agent_stragglers{role="default"} 1.0' in scraped
     mine = [e for e in events(paths[other], "step_times") if e["group_rank"] == 1]
@@ -80,8 +113,12 @@ def test_an_even_job_has_no_straggler(tmp_path, agents):
     """Four even workers for 600 steps (about 40 windows): no straggler record on either agent,
     nearly every window judged every rank, the ratios around 1."""
     script, port = write_worker(tmp_path), free_port()
-    procs = [agents.start(*_common("fsm", port, "even", "--events-file", str(tmp_path / f"{n}.jsonl"), host=n == "a"),
-                          script, "600") for n in "ab"]
+    procs = [
+        agents.start(
+            *_common("fsm", port, "even", "--events-file", str(tmp_path / f"{n}.jsonl"), host=n == "a"), script, "600"
+        )
+        for n in "ab"
+    ]
     for proc in procs:
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err
@@ -106,8 +143,15 @@ def test_a_lockstep_job_is_judged_by_compute_time(tmp_path, agents, slow):
     script, port = write_worker(tmp_path, lockstep=True), free_port()
     paths = {n: tmp_path / f"{n}.jsonl" for n in "ab"}
     env = {"SLOW_RANK": "3"} if slow else {}
-    procs = [agents.start(*_common("fsm", port, "lockstep", "--events-file", str(paths[n]), host=n == "a"),
-                          script, "100" if slow else "500", env=env) for n in "ab"]
+    procs = [
+        agents.start(
+            *_common("fsm", port, "lockstep", "--events-file", str(paths[n]), host=n == "a"),
+            script,
+            "100" if slow else "500",
+            env=env,
+        )
+        for n in "ab"
+    ]
     for proc in procs:
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err
@@ -128,9 +172,24 @@ def test_with_exclusion_the_slow_node_leaves_and_the_job_continues(tmp_path, age
     check with class straggler and leaves (exit 69, the verdict names the straggler); node rank 0
     re-rendezvouses alone (a lost node, no restart spent) and its workers finish."""
     script, port = write_worker(tmp_path), free_port()
-    a, b = (agents.start(*_common("fsm", port, "ex", "--events-file", str(tmp_path / f"{n}.jsonl"),
-                                  "--exclude-node-on", "straggler", host=n == "a"), script, "400",
-                         env={"SLOW_RANK": "3"}) for n in "ab")
+    a, b = (
+        agents.start(
+            *_common(
+                "fsm",
+                port,
+                "ex",
+                "--events-file",
+                str(tmp_path / f"{n}.jsonl"),
+                "--exclude-node-on",
+                "straggler",
+                host=n == "a",
+            ),
+            script,
+            "400",
+            env={"SLOW_RANK": "3"},
+        )
+        for n in "ab"
+    )
     out_b, err_b = b.communicate(timeout=180)
     out_a, err_a = a.communicate(timeout=180)
     assert b.returncode == 69, err_b
@@ -149,11 +208,24 @@ def test_an_excluded_straggler_node_is_replaced_by_a_standby(tmp_path, agents):
     script, port = write_worker(tmp_path), free_port()
 
     def start(name: str, host: bool, **env: str):
-        return agents.start("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                            "--rdzv-id", "standby", "--local-addr", "127.0.0.1", "--rdzv-conf",
-                            f"last_call_timeout=1,is_host={str(host).lower()}",
-                            *straggler_flags("--events-file", str(tmp_path / f"{name}.jsonl"), "--exclude-node-on",
-                                             "straggler"), script, "400", env=env)
+        return agents.start(
+            "--nnodes",
+            "1:2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "standby",
+            "--local-addr",
+            "127.0.0.1",
+            "--rdzv-conf",
+            f"last_call_timeout=1,is_host={str(host).lower()}",
+            *straggler_flags("--events-file", str(tmp_path / f"{name}.jsonl"), "--exclude-node-on", "straggler"),
+            script,
+            "400",
+            env=env,
+        )
 
     a = start("a", True)
     b = start("b", False, SLOW_LOCAL_RANK="1")

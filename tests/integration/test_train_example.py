@@ -20,9 +20,17 @@ def transitions(events_file: Path) -> list[tuple[str, str, str, int]]:
 
 def test_trains_to_stated_accuracy(agents, tmp_path):
     """The README's first command (with a result file): test accuracy >= 0.95."""
-    result = agents.run("--standalone", "--nproc-per-node", "2", str(EXAMPLE),
-                        "--checkpoint", str(tmp_path / "ck.pt"), "--result-file", str(tmp_path / "res.json"),
-                        timeout=TIMEOUT)
+    result = agents.run(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(EXAMPLE),
+        "--checkpoint",
+        str(tmp_path / "ck.pt"),
+        "--result-file",
+        str(tmp_path / "res.json"),
+        timeout=TIMEOUT,
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "res.json").read_text())
     assert summary["world_size"] == 2
@@ -34,11 +42,29 @@ def test_trains_to_stated_accuracy(agents, tmp_path):
 def test_crash_and_restart_resumes_from_checkpoint(agents, tmp_path, trial):
     """Rank 1 crashes in the first attempt; the group restarts, resumes, and the job exits 0 (10 of 10)."""
     events = tmp_path / "events.jsonl"
-    result = agents.run("--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                        "--events-file", str(events), "--log-dir", str(tmp_path / "logs"), str(EXAMPLE),
-                        "--epochs", "4", "--crash-rank", "1", "--crash-epoch", "2",
-                        "--checkpoint", str(tmp_path / "ck.pt"), "--result-file", str(tmp_path / "res.json"),
-                        timeout=TIMEOUT)
+    result = agents.run(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--events-file",
+        str(events),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        str(EXAMPLE),
+        "--epochs",
+        "4",
+        "--crash-rank",
+        "1",
+        "--crash-epoch",
+        "2",
+        "--checkpoint",
+        str(tmp_path / "ck.pt"),
+        "--result-file",
+        str(tmp_path / "res.json"),
+        timeout=TIMEOUT,
+    )
     assert result.returncode == 0, result.stderr
     assert "resumed from epoch 1" in result.stdout + result.stderr
     summary = json.loads((tmp_path / "res.json").read_text())
@@ -53,11 +79,26 @@ def test_crash_and_restart_resumes_from_checkpoint(agents, tmp_path, trial):
 
 def test_no_restarts_left_reports_root_cause_first(agents, tmp_path):
     """--max-restarts 0 with a failing rank: non-zero exit; the summary's first lines name rank, code, traceback."""
-    result = agents.run("--standalone", "--nproc-per-node", "2", "--max-restarts", "0", str(EXAMPLE),
-                        "--epochs", "3", "--crash-rank", "1", "--crash-epoch", "1", "--crash-always",
-                        "--checkpoint", str(tmp_path / "ck.pt"), timeout=TIMEOUT)
+    result = agents.run(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        str(EXAMPLE),
+        "--epochs",
+        "3",
+        "--crash-rank",
+        "1",
+        "--crash-epoch",
+        "1",
+        "--crash-always",
+        "--checkpoint",
+        str(tmp_path / "ck.pt"),
+        timeout=TIMEOUT,
+    )
     assert result.returncode == 1  # the root-cause worker's exit code (RuntimeError -> 1)
-    report = result.stderr[result.stderr.index("=" * 20):].splitlines()
+    report = result.stderr[result.stderr.index("=" * 20) :].splitlines()
     head = "\n".join(report[:12])
     assert "FAILED" in report[1]
     assert "Root Cause (first observed failure):" in head
@@ -67,8 +108,23 @@ def test_no_restarts_left_reports_root_cause_first(agents, tmp_path):
 
 
 def test_worker_exit_code_becomes_agent_exit_code(agents, tmp_path):
-    result = agents.run("--standalone", "--nproc-per-node", "2", str(EXAMPLE), "--epochs", "2",
-                        "--crash-rank", "0", "--crash-epoch", "1", "--crash-always", "--crash-exit-code", "7",
-                        "--checkpoint", str(tmp_path / "ck.pt"), timeout=TIMEOUT)
+    result = agents.run(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(EXAMPLE),
+        "--epochs",
+        "2",
+        "--crash-rank",
+        "0",
+        "--crash-epoch",
+        "1",
+        "--crash-always",
+        "--crash-exit-code",
+        "7",
+        "--checkpoint",
+        str(tmp_path / "ck.pt"),
+        timeout=TIMEOUT,
+    )
     assert result.returncode == 7, result.stderr
     assert "exitcode  : 7" in result.stderr

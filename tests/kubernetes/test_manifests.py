@@ -77,7 +77,11 @@ def test_jobset_fails_at_once_on_the_do_not_restart_codes_and_restarts_otherwise
     env = {e["name"]: e for e in container["env"]}
     for name, annotation in JOBSET_VARIABLES.items():
         assert env[name]["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.annotations['{annotation}']"
-    assert int(env["PET_NNODES"]["value"]) == rjob["replicas"] * job["parallelism"] == rjob["replicas"] * job["completions"]
+    assert (
+        int(env["PET_NNODES"]["value"])
+        == rjob["replicas"] * job["parallelism"]
+        == rjob["replicas"] * job["completions"]
+    )
     coordinator = jobset["spec"]["coordinator"]
     assert coordinator["replicatedJob"] == rjob["name"] and coordinator["jobIndex"] == coordinator["podIndex"] == 0
     assert container["command"][:2] == ["fsm-agent", "run"]

@@ -18,16 +18,19 @@ import pytest
 MODEL = Path(__file__).with_name("rendezvous.pml")
 SPIN, GCC = shutil.which("spin"), shutil.which("gcc")
 
-pytestmark = [pytest.mark.timeout(900),
-              pytest.mark.skipif(not (SPIN and GCC), reason="needs spin and gcc: bash .ci/install-spin.sh")]
+pytestmark = [
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not (SPIN and GCC), reason="needs spin and gcc: bash .ci/install-spin.sh"),
+]
 
 
 def check(tmp_path: Path, *defines: str) -> tuple[int, str]:
     """Generate, compile and run SPIN's verifier for the model with ``-D`` defines: (errors, output)."""
     model = tmp_path / MODEL.name
     shutil.copy(MODEL, model)
-    subprocess.run([SPIN, *(f"-D{d}" for d in defines), "-a", model.name], cwd=tmp_path, check=True,
-                   capture_output=True, text=True)
+    subprocess.run(
+        [SPIN, *(f"-D{d}" for d in defines), "-a", model.name], cwd=tmp_path, check=True, capture_output=True, text=True
+    )
     subprocess.run([GCC, "-O2", "-w", "-DSAFETY", "-o", "pan", "pan.c"], cwd=tmp_path, check=True)
     # -m: search depth; -n: no unreached-code listing. Invalid end states (deadlocks) are checked by default.
     out = subprocess.run(["./pan", "-m2000000", "-n"], cwd=tmp_path, capture_output=True, text=True).stdout

@@ -49,7 +49,7 @@ RDZV_PORT = 29400
 #: argv: OUT_DIR HOST FINAL_WORLD. A worker whose WORLD_SIZE is not FINAL_WORLD reduces, then
 #: waits to be stopped by its agent (a re-rendezvous); one in the final world reduces and exits 0.
 #: With ``FSM_TEST_WORKER_EXIT=N`` in its environment it exits N right after it started.
-WORKER = r'''
+WORKER = r"""
 import json, os, sys, time
 started = time.time()
 out, host, final = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -84,7 +84,7 @@ if world != final:
 dist.barrier()
 dist.destroy_process_group()
 dump("done", ts=time.time())
-'''
+"""
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -248,8 +248,14 @@ class NetnsHosts:
     def start_process(self, host: int, argv: list[str], name: str) -> subprocess.Popen:
         """Any program in host ``host`` (an etcd server, ...), output in ``<name>.log``; killed at teardown."""
         with open(self.workdir / f"{name}.log", "w") as log:
-            proc = subprocess.Popen(self._wrap(host, argv, None), cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                self._wrap(host, argv, None),
+                cwd=self.workdir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self._processes.append(proc)
         return proc
 
@@ -257,9 +263,17 @@ class NetnsHosts:
         """Run a short command in host ``host`` and return its result."""
         return subprocess.run(self._wrap(host, argv, None), capture_output=True, text=True, timeout=timeout)
 
-    def start_agent(self, host: int, *flags: str, final_world: int, name: str | None = None,
-                    local_addr: bool = True, hostname: str | None = None, env: dict[str, str] | None = None,
-                    gloo_ifname: bool = True) -> Agent:
+    def start_agent(
+        self,
+        host: int,
+        *flags: str,
+        final_world: int,
+        name: str | None = None,
+        local_addr: bool = True,
+        hostname: str | None = None,
+        env: dict[str, str] | None = None,
+        gloo_ifname: bool = True,
+    ) -> Agent:
         """``ip netns exec <host ns> python -m fsm_agent run --local-addr <host IP> FLAGS worker.py``.
 
         ``local_addr=False`` leaves ``--local-addr`` out; ``hostname`` runs the agent in its own UTS
@@ -276,12 +290,36 @@ class NetnsHosts:
         agent_env.update(tmpdir_env(self.workdir / "tmp"))  # a killed node's heartbeat directory stays in the workdir
         agent_env.update(env or {})
         addr = ["--local-addr", self.addrs[host]] if local_addr else []
-        argv = self._wrap(host, [sys.executable, "-m", "fsm_agent", "run", *addr, "--events-file", str(events),
-                                 "--log-dir", str(self.workdir / f"logs_{name}"), *flags,
-                                 str(self.script), str(self.out), name, str(final_world)], hostname)
+        argv = self._wrap(
+            host,
+            [
+                sys.executable,
+                "-m",
+                "fsm_agent",
+                "run",
+                *addr,
+                "--events-file",
+                str(events),
+                "--log-dir",
+                str(self.workdir / f"logs_{name}"),
+                *flags,
+                str(self.script),
+                str(self.out),
+                name,
+                str(final_world),
+            ],
+            hostname,
+        )
         with open(stdout, "w") as out, open(stderr, "w") as err:
-            proc = subprocess.Popen(argv, cwd=self.workdir, env=agent_env, stdout=out, stderr=err,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                cwd=self.workdir,
+                env=agent_env,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         agent = Agent(host, name, proc, events, stdout, stderr)
         self.agents.append(agent)
         return agent
@@ -312,16 +350,18 @@ class NetnsHosts:
     def diagnostics(self) -> str:
         return "".join(a.output() for a in self.agents)
 
-    def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str,
-                 expect_running: list[Agent] | None = None) -> None:
+    def wait_for(
+        self, predicate: Callable[[], bool], timeout: float, what: str, expect_running: list[Agent] | None = None
+    ) -> None:
         """Poll ``predicate`` every 50 ms; fail with every agent's output on timeout, or at once when
         one of ``expect_running`` exits."""
         deadline = time.monotonic() + timeout
         while not predicate():
             for agent in expect_running or ():
                 if agent.poll() is not None:
-                    raise AssertionError(f"waiting for {what}: agent {agent.name} exited with {agent.poll()}\n"
-                                         f"{self.diagnostics()}")
+                    raise AssertionError(
+                        f"waiting for {what}: agent {agent.name} exited with {agent.poll()}\n{self.diagnostics()}"
+                    )
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{self.diagnostics()}")
             time.sleep(0.05)
@@ -349,7 +389,9 @@ def netns_hosts(tmp_path):
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
         detail = (getattr(exc, "stderr", None) or str(exc)).strip()
         hosts.destroy()
-        pytest.skip(f"cannot create network namespaces/veths on this machine: {' '.join(exc.cmd) if hasattr(exc, 'cmd') else ''}: {detail}")
+        pytest.skip(
+            f"cannot create network namespaces/veths on this machine: {' '.join(exc.cmd) if hasattr(exc, 'cmd') else ''}: {detail}"
+        )
     try:
         yield hosts
     finally:

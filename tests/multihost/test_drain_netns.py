@@ -17,7 +17,7 @@ from fsm_agent.worker import DRAIN_EXIT_CODE
 from tests.multihost.conftest import NetnsHosts
 
 #: argv: OUT_DIR HOST FINAL_WORLD (as the conftest's WORKER).
-WORKER = r'''
+WORKER = r"""
 import glob, json, os, signal, sys, time
 out, host, final = sys.argv[1], sys.argv[2], int(sys.argv[3])
 world = int(os.environ["WORLD_SIZE"])
@@ -50,14 +50,14 @@ while True:
         dump("peer_gone")
         sys.exit(1)
     time.sleep(0.05)
-'''
+"""
 #: Generous bounds for a loaded 2-core machine.
 JOB_TIMEOUT_S = 240
 STATUS_PORT = 8080  # a fresh namespace: nothing else can hold it
-C10D_CONF = ("join_timeout=120,read_timeout=120,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5")
+C10D_CONF = "join_timeout=120,read_timeout=120,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5"
 
 #: Run inside a namespace: POST (or GET) URL with an optional bearer token; prints the HTTP code.
-CLIENT = r'''
+CLIENT = r"""
 import sys, urllib.error, urllib.request
 url, method, token = sys.argv[1], sys.argv[2], sys.argv[3]
 request = urllib.request.Request(url, data=b"" if method == "POST" else None, method=method)
@@ -68,7 +68,7 @@ try:
         print(reply.status)
 except urllib.error.HTTPError as exc:
     print(exc.code)
-'''
+"""
 
 
 def _use_worker(hosts: NetnsHosts) -> None:
@@ -77,8 +77,12 @@ def _use_worker(hosts: NetnsHosts) -> None:
 
 def _request(hosts: NetnsHosts, host: int, url: str, method: str = "POST", token: str = "") -> int:
     """The HTTP code of ``method url`` sent from inside host ``host``'s namespace."""
-    done = subprocess.run(["ip", "netns", "exec", hosts.names[host], sys.executable, "-c", CLIENT, url, method, token],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["ip", "netns", "exec", hosts.names[host], sys.executable, "-c", CLIENT, url, method, token],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return int(done.stdout.strip())
 
@@ -88,9 +92,24 @@ def _hosts_with(hosts: NetnsHosts, kind: str, world: int) -> set[str]:
 
 
 def _c10d_flags(hosts: NetnsHosts, i: int, nnodes: str, run_id: str) -> list[str]:
-    return ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", hosts.endpoint(),
-            "--rdzv-id", run_id, "--monitor-interval", "0.1", "--max-restarts", "0",
-            "--rdzv-conf", f"is_host={1 if i == 0 else 0},{C10D_CONF}"]
+    return [
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        hosts.endpoint(),
+        "--rdzv-id",
+        run_id,
+        "--monitor-interval",
+        "0.1",
+        "--max-restarts",
+        "0",
+        "--rdzv-conf",
+        f"is_host={1 if i == 0 else 0},{C10D_CONF}",
+    ]
 
 
 def _drain_record(agent) -> dict:
@@ -106,11 +125,21 @@ def test_one_node_drain_the_others_survive_without_a_counted_restart(netns_hosts
     hosts = netns_hosts
     _use_worker(hosts)
     (hosts.out / "fail_on_peer_checkpoint").write_text("")
-    agents = [hosts.start_agent(i, *_c10d_flags(hosts, i, "2:3", "netns-drain-node"),
-                                *(["--drain-signals", "SIGUSR2"] if i == 2 else []), final_world=2)
-              for i in range(3)]
-    hosts.wait_for(lambda: _hosts_with(hosts, "start", 3) == {"h0", "h1", "h2"}, JOB_TIMEOUT_S,
-                   "three hosts' workers in a world of 3", expect_running=agents)
+    agents = [
+        hosts.start_agent(
+            i,
+            *_c10d_flags(hosts, i, "2:3", "netns-drain-node"),
+            *(["--drain-signals", "SIGUSR2"] if i == 2 else []),
+            final_world=2,
+        )
+        for i in range(3)
+    ]
+    hosts.wait_for(
+        lambda: _hosts_with(hosts, "start", 3) == {"h0", "h1", "h2"},
+        JOB_TIMEOUT_S,
+        "three hosts' workers in a world of 3",
+        expect_running=agents,
+    )
     victim, survivors = agents[2], agents[:2]
     victim.proc.send_signal(signal.SIGUSR2)
     assert victim.wait(JOB_TIMEOUT_S) == DRAIN_EXIT_CODE, hosts.diagnostics()
@@ -121,8 +150,12 @@ def test_one_node_drain_the_others_survive_without_a_counted_restart(netns_hosts
         assert agent.wait(JOB_TIMEOUT_S) == 0, hosts.diagnostics()
     assert _hosts_with(hosts, "start", 2) == {"h0", "h1"}
     assert _hosts_with(hosts, "peer_gone", 3) <= {"h0", "h1"}  # (a worker may be stopped before it sees it)
-    seen = {a.name: "failed workers after the announced drain" if "after a peer left the job by a drain"
-            in a.stderr.read_text() else "membership check" for a in survivors}
+    seen = {
+        a.name: "failed workers after the announced drain"
+        if "after a peer left the job by a drain" in a.stderr.read_text()
+        else "membership check"
+        for a in survivors
+    }
     print(f"\nhow the survivors saw host 2 leave: {seen}")
     for agent in survivors:
         # (a first round may have formed before host 2 joined: one more membership change, not counted either)
@@ -140,11 +173,21 @@ def test_job_wide_drain_stops_every_node_in_order(netns_hosts):
     checkpoint, both agents exit 75; host 1 learnt it from the rendezvous store (source ``peer``)."""
     hosts = netns_hosts
     _use_worker(hosts)
-    agents = [hosts.start_agent(i, *_c10d_flags(hosts, i, "2", "netns-drain-job"),
-                                *(["--status-port", str(STATUS_PORT)] if i == 0 else []), final_world=99)
-              for i in range(2)]
-    hosts.wait_for(lambda: _hosts_with(hosts, "start", 2) == {"h0", "h1"}, JOB_TIMEOUT_S,
-                   "two hosts' workers in a world of 2", expect_running=agents)
+    agents = [
+        hosts.start_agent(
+            i,
+            *_c10d_flags(hosts, i, "2", "netns-drain-job"),
+            *(["--status-port", str(STATUS_PORT)] if i == 0 else []),
+            final_world=99,
+        )
+        for i in range(2)
+    ]
+    hosts.wait_for(
+        lambda: _hosts_with(hosts, "start", 2) == {"h0", "h1"},
+        JOB_TIMEOUT_S,
+        "two hosts' workers in a world of 2",
+        expect_running=agents,
+    )
     assert _request(hosts, 0, f"http://127.0.0.1:{STATUS_PORT}/drain?scope=job") == 202
     for agent in agents:
         assert agent.wait(JOB_TIMEOUT_S) == DRAIN_EXIT_CODE, hosts.diagnostics()
@@ -164,13 +207,36 @@ def test_http_drain_on_a_non_loopback_address_needs_the_token(netns_hosts, tmp_p
     _use_worker(hosts)
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token\n")
-    guarded = hosts.start_agent(0, "--standalone", "--nproc-per-node", "1", "--status-port", str(STATUS_PORT),
-                                "--status-host", hosts.addrs[0], "--status-token-file", str(token_file),
-                                final_world=99)
-    tokenless = hosts.start_agent(1, "--standalone", "--nproc-per-node", "1", "--status-port", str(STATUS_PORT),
-                                  "--status-host", hosts.addrs[1], final_world=99)
-    hosts.wait_for(lambda: {r["host"] for r in hosts.records("start")} == {"h0", "h1"}, JOB_TIMEOUT_S,
-                   "both agents' workers", expect_running=[guarded, tokenless])
+    guarded = hosts.start_agent(
+        0,
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "--status-port",
+        str(STATUS_PORT),
+        "--status-host",
+        hosts.addrs[0],
+        "--status-token-file",
+        str(token_file),
+        final_world=99,
+    )
+    tokenless = hosts.start_agent(
+        1,
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "--status-port",
+        str(STATUS_PORT),
+        "--status-host",
+        hosts.addrs[1],
+        final_world=99,
+    )
+    hosts.wait_for(
+        lambda: {r["host"] for r in hosts.records("start")} == {"h0", "h1"},
+        JOB_TIMEOUT_S,
+        "both agents' workers",
+        expect_running=[guarded, tokenless],
+    )
     url0, url1 = (f"http://{hosts.addrs[i]}:{STATUS_PORT}" for i in (0, 1))
     assert _request(hosts, 0, f"{url0}/drain") == 401
     assert _request(hosts, 0, f"{url0}/drain", token="wrong") == 401

@@ -36,11 +36,40 @@ def backend_flags(hosts: NetnsHosts, backend: str, host: int) -> list[str]:
     if backend == "fsm":
         return fsm_flags(hosts, "2")
     if backend == "static":
-        return ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", hosts.addrs[0], "--master-port",
-                str(RDZV_PORT), "--node-rank", str(host), "--rdzv-conf", "timeout=120", "--max-restarts", "0"]
-    return ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", backend, "--rdzv-endpoint", hosts.endpoint(),
-            "--rdzv-id", f"hostnames-{backend}", "--rdzv-conf", "join_timeout=120,read_timeout=120",
-            "--monitor-interval", "0.1", "--max-restarts", "0"]
+        return [
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            hosts.addrs[0],
+            "--master-port",
+            str(RDZV_PORT),
+            "--node-rank",
+            str(host),
+            "--rdzv-conf",
+            "timeout=120",
+            "--max-restarts",
+            "0",
+        ]
+    return [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        hosts.endpoint(),
+        "--rdzv-id",
+        f"hostnames-{backend}",
+        "--rdzv-conf",
+        "join_timeout=120,read_timeout=120",
+        "--monitor-interval",
+        "0.1",
+        "--max-restarts",
+        "0",
+    ]
 
 
 def check_cluster_world(hosts: NetnsHosts, names: list[str]) -> list[dict]:
@@ -59,8 +88,10 @@ def test_a_job_forms_whatever_the_hostnames_resolve_to(netns_hosts, backend, mod
     for i, hostname in enumerate(hostnames):  # the namespaces really say what the test claims
         probe = hosts.run_in(i, ["unshare", "--uts", "sh", "-c", f'hostname {hostname} && getent hosts "$(hostname)"'])
         assert (probe.returncode == 0) == (mode == "wrong-address"), probe
-    agents = [hosts.start_agent(i, *backend_flags(hosts, backend, i), final_world=2, local_addr=False,
-                                hostname=hostnames[i]) for i in range(2)]
+    agents = [
+        hosts.start_agent(i, *backend_flags(hosts, backend, i), final_world=2, local_addr=False, hostname=hostnames[i])
+        for i in range(2)
+    ]
     for agent in agents:
         assert agent.wait(JOB_TIMEOUT_S) == 0, hosts.diagnostics()
     records = check_cluster_world(hosts, ["h0", "h1"])

@@ -36,12 +36,27 @@ def pods(hosts: NetnsHosts, hostnames: list[str], subdomain: str, dns: dict[str,
         hosts.set_etc(i, "\n".join(lines) + "\n")
 
 
-def run_pods(hosts: NetnsHosts, hostnames: list[str], envs: list[dict[str, str]], final_world: int,
-             exit_code: int = 0, last_first: bool = False) -> list:
+def run_pods(
+    hosts: NetnsHosts,
+    hostnames: list[str],
+    envs: list[dict[str, str]],
+    final_world: int,
+    exit_code: int = 0,
+    last_first: bool = False,
+) -> list:
     """Start one agent per pod (the last pod first with ``last_first``); each must exit ``exit_code``."""
     order = list(range(len(envs)))[::-1] if last_first else list(range(len(envs)))
-    agents = {i: hosts.start_agent(i, final_world=final_world, local_addr=False, hostname=hostnames[i],
-                                   env={**POD_ENV, **envs[i]}, gloo_ifname=False) for i in order}
+    agents = {
+        i: hosts.start_agent(
+            i,
+            final_world=final_world,
+            local_addr=False,
+            hostname=hostnames[i],
+            env={**POD_ENV, **envs[i]},
+            gloo_ifname=False,
+        )
+        for i in order
+    }
     for i in sorted(agents):
         assert agents[i].wait(JOB_TIMEOUT_S) == exit_code, hosts.diagnostics()
     return [agents[i] for i in sorted(agents)]
@@ -56,8 +71,17 @@ def test_trainer_v2_trainjob_pods_form_the_static_job_of_their_pet_variables(net
     hosts = netns_hosts
     hostnames = [f"digits-node-0-{i}" for i in range(2)]
     pods(hosts, hostnames, "digits", dns={"digits-node-0-0.digits": 0})
-    envs = [{"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(i), "JOB_COMPLETION_INDEX": str(i),
-             "PET_MASTER_ADDR": "digits-node-0-0.digits", "PET_MASTER_PORT": "29500"} for i in range(2)]
+    envs = [
+        {
+            "PET_NNODES": "2",
+            "PET_NPROC_PER_NODE": "1",
+            "PET_NODE_RANK": str(i),
+            "JOB_COMPLETION_INDEX": str(i),
+            "PET_MASTER_ADDR": "digits-node-0-0.digits",
+            "PET_MASTER_PORT": "29500",
+        }
+        for i in range(2)
+    ]
     agents = run_pods(hosts, hostnames, envs, final_world=2)
     records = check_world(hosts, 2, ["h0", "h1"], master_addr="digits-node-0-0.digits")
     assert group_rank_of(records) == {"h0": 0, "h1": 1}  # PET_NODE_RANK, on torch's static rendezvous
@@ -72,9 +96,14 @@ def test_elastic_pytorchjob_pods_form_a_c10d_job_hosted_by_worker_0(netns_hosts)
     hosts = netns_hosts
     hostnames = [f"digits-elastic-worker-{i}" for i in range(2)]
     pods(hosts, hostnames, "digits-elastic", dns={"digits-elastic-worker-0": 0})
-    env = {"PET_RDZV_ENDPOINT": "digits-elastic-worker-0:23456", "PET_RDZV_BACKEND": "c10d", "PET_NNODES": "1:2",
-           "PET_MAX_RESTARTS": "3", "PET_NPROC_PER_NODE": "1",
-           "PET_RDZV_CONF": "join_timeout=120,last_call_timeout=60"}
+    env = {
+        "PET_RDZV_ENDPOINT": "digits-elastic-worker-0:23456",
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_NNODES": "1:2",
+        "PET_MAX_RESTARTS": "3",
+        "PET_NPROC_PER_NODE": "1",
+        "PET_RDZV_CONF": "join_timeout=120,last_call_timeout=60",
+    }
     agents = run_pods(hosts, hostnames, [env, env], final_world=2)
     reduced = hosts.records("reduced")
     master = {r["env"]["MASTER_ADDR"] for r in reduced}
@@ -92,9 +121,20 @@ def jobset_pods(hosts: NetnsHosts, **extra: str) -> tuple[list[str], list[dict[s
     hostnames = [f"digits-workers-{j}-0" for j in range(2)]
     coordinator = "digits-workers-0-0.digits"
     pods(hosts, hostnames, "digits", dns={coordinator: 0})
-    envs = [{"JOB_COMPLETION_INDEX": "0", "PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "JOBSET_NAME": "digits",
-             "JOBSET_JOB_GLOBAL_INDEX": str(j), "JOBSET_GLOBAL_REPLICAS": "2", "JOBSET_COORDINATOR": coordinator,
-             "JOBSET_RESTART_ATTEMPT": "1", **extra} for j in range(2)]
+    envs = [
+        {
+            "JOB_COMPLETION_INDEX": "0",
+            "PET_NNODES": "2",
+            "PET_NPROC_PER_NODE": "1",
+            "JOBSET_NAME": "digits",
+            "JOBSET_JOB_GLOBAL_INDEX": str(j),
+            "JOBSET_GLOBAL_REPLICAS": "2",
+            "JOBSET_COORDINATOR": coordinator,
+            "JOBSET_RESTART_ATTEMPT": "1",
+            **extra,
+        }
+        for j in range(2)
+    ]
     return hostnames, envs
 
 
@@ -119,8 +159,9 @@ def test_a_jobset_pod_whose_worker_must_not_be_restarted_exits_with_the_manifest
     from tests.kubernetes.test_manifests import documents, fail_job_codes
 
     hosts = netns_hosts
-    hostnames, envs = jobset_pods(hosts, FSM_TEST_WORKER_EXIT="78", PET_MAX_RESTARTS="3", PET_NNODES="1",
-                                  JOBSET_GLOBAL_REPLICAS="1")
+    hostnames, envs = jobset_pods(
+        hosts, FSM_TEST_WORKER_EXIT="78", PET_MAX_RESTARTS="3", PET_NNODES="1", JOBSET_GLOBAL_REPLICAS="1"
+    )
     run_pods(hosts, hostnames[:1], envs[:1], final_world=1, exit_code=78)
     job = documents("jobset.yaml")["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert 78 in fail_job_codes(job, "trainer")

@@ -30,9 +30,24 @@ def fsm_flags(hosts: NetnsHosts, nnodes: str, *extra_conf: str, last_call: float
     """``last_call``: a first round with fewer than MAX nodes completes this long after its last join;
     a node waiting to join a running round is reported after waiting this long."""
     conf = ",".join(["join_timeout=120", f"last_call_timeout={last_call:g}", *extra_conf])
-    return ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "fsm", "--rdzv-endpoint",
-            hosts.endpoint(), "--rdzv-id", "netns-job", "--rdzv-conf", conf, "--monitor-interval", "0.1",
-            "--max-restarts", "0"]
+    return [
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "fsm",
+        "--rdzv-endpoint",
+        hosts.endpoint(),
+        "--rdzv-id",
+        "netns-job",
+        "--rdzv-conf",
+        conf,
+        "--monitor-interval",
+        "0.1",
+        "--max-restarts",
+        "0",
+    ]
 
 
 def records_of_world(hosts: NetnsHosts, kind: str, world: int) -> list[dict]:
@@ -62,20 +77,29 @@ def membership_changes(agent) -> int:
 
 
 def transitions_since(agent, since: float) -> list[tuple[str, str, str]]:
-    return [(e["source"], e["dest"], e["trigger"]) for e in agent.events_list()
-            if e["kind"] == "transition" and e["ts"] >= since]
+    return [
+        (e["source"], e["dest"], e["trigger"])
+        for e in agent.events_list()
+        if e["kind"] == "transition" and e["ts"] >= since
+    ]
 
 
 def first_ts(agent, trigger: str, since: float) -> float:
-    times = [e["ts"] for e in agent.events_list()
-             if e["kind"] == "transition" and e["trigger"] == trigger and e["ts"] >= since]
+    times = [
+        e["ts"]
+        for e in agent.events_list()
+        if e["kind"] == "transition" and e["trigger"] == trigger and e["ts"] >= since
+    ]
     assert times, f"agent {agent.name} recorded no {trigger} transition\n{agent.output()}"
     return times[0]
 
 
 #: What a survivor does after losing a peer: one re-rendezvous (not a restart), then success.
-AFTER_LOSS = [("HEALTHY", "STOPPED", "membership_changed"), ("STOPPED", "HEALTHY", "restart"),
-              ("HEALTHY", "SUCCEEDED", "workers_succeeded")]
+AFTER_LOSS = [
+    ("HEALTHY", "STOPPED", "membership_changed"),
+    ("STOPPED", "HEALTHY", "restart"),
+    ("HEALTHY", "SUCCEEDED", "workers_succeeded"),
+]
 
 
 # -- (a) a normal 3-node job ---------------------------------------------------------------------------
@@ -101,9 +125,22 @@ def test_three_hosts_c10d_backend(netns_hosts):
     hosts = netns_hosts
     agents = []
     for i in range(3):
-        flags = ["--nnodes", "3", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                 hosts.endpoint(), "--rdzv-id", "netns-c10d", "--rdzv-conf",
-                 f"is_host={1 if i == 0 else 0},join_timeout=120,read_timeout=120", "--monitor-interval", "0.1"]
+        flags = [
+            "--nnodes",
+            "3",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            hosts.endpoint(),
+            "--rdzv-id",
+            "netns-c10d",
+            "--rdzv-conf",
+            f"is_host={1 if i == 0 else 0},join_timeout=120,read_timeout=120",
+            "--monitor-interval",
+            "0.1",
+        ]
         agents.append(hosts.start_agent(i, *flags, final_world=3))
     for agent in agents:
         assert agent.wait(JOB_TIMEOUT_S) == 0, hosts.diagnostics()
@@ -126,15 +163,23 @@ def test_killed_node_survivors_rerendezvous_and_finish(netns_hosts, record_prope
     hosts = netns_hosts
     # last_call=30: the first round waits for all three (it completes at once when the third joins)
     agents = [hosts.start_agent(i, *fsm_flags(hosts, "2:3", last_call=30), final_world=2) for i in range(3)]
-    hosts.wait_for(lambda: hosts_with(hosts, "reduced", 3) == {"h0", "h1", "h2"}, JOB_TIMEOUT_S,
-                   "three hosts' workers to reduce in a world of 3", expect_running=agents)
+    hosts.wait_for(
+        lambda: hosts_with(hosts, "reduced", 3) == {"h0", "h1", "h2"},
+        JOB_TIMEOUT_S,
+        "three hosts' workers to reduce in a world of 3",
+        expect_running=agents,
+    )
     master = check_world(hosts, 3, ["h0", "h1", "h2"], hosts.addrs[0])[0]["env"]["MASTER_ADDR"]
     assert master == hosts.addrs[0]
     victim, survivors = agents[2], agents[:2]  # h0 hosts the rendezvous store; h2 does not
 
     killed_at = hosts.kill_node(victim)
-    hosts.wait_for(lambda: hosts_with(hosts, "start", 2) == {"h0", "h1"}, RECOVERY_BOUND_S * 2,
-                   "the survivors' workers to start in a world of 2", expect_running=survivors)
+    hosts.wait_for(
+        lambda: hosts_with(hosts, "start", 2) == {"h0", "h1"},
+        RECOVERY_BOUND_S * 2,
+        "the survivors' workers to start in a world of 2",
+        expect_running=survivors,
+    )
     for agent in survivors:
         assert agent.wait(JOB_TIMEOUT_S) == 0, hosts.diagnostics()
 
@@ -142,8 +187,11 @@ def test_killed_node_survivors_rerendezvous_and_finish(netns_hosts, record_prope
     detected = max(first_ts(a, "membership_changed", killed_at) for a in survivors)
     restarted = max(r["ts"] for r in records_of_world(hosts, "start", 2))
     reduced = max(r["ts"] for r in records_of_world(hosts, "reduced", 2))
-    timings = {"detect_s": detected - killed_at, "workers_restarted_s": restarted - killed_at,
-               "first_allreduce_s": reduced - killed_at}
+    timings = {
+        "detect_s": detected - killed_at,
+        "workers_restarted_s": restarted - killed_at,
+        "first_allreduce_s": reduced - killed_at,
+    }
     for name, value in timings.items():
         record_property(name, round(value, 3))
     print("\nkill -> survivors: " + ", ".join(f"{k}={v:.3f}" for k, v in timings.items()))
@@ -163,8 +211,12 @@ def test_killed_node_survivors_rerendezvous_and_finish(netns_hosts, record_prope
 def test_late_node_causes_exactly_one_rerendezvous(netns_hosts):
     hosts = netns_hosts
     early = [hosts.start_agent(i, *fsm_flags(hosts, "2:3"), final_world=3) for i in range(2)]
-    hosts.wait_for(lambda: hosts_with(hosts, "reduced", 2) == {"h0", "h1"}, JOB_TIMEOUT_S,
-                   "two hosts' workers to reduce in a world of 2", expect_running=early)
+    hosts.wait_for(
+        lambda: hosts_with(hosts, "reduced", 2) == {"h0", "h1"},
+        JOB_TIMEOUT_S,
+        "two hosts' workers to reduce in a world of 2",
+        expect_running=early,
+    )
     late = hosts.start_agent(2, *fsm_flags(hosts, "2:3"), final_world=3)
     for agent in [*early, late]:
         assert agent.wait(JOB_TIMEOUT_S) == 0, hosts.diagnostics()
@@ -180,7 +232,12 @@ def test_late_node_causes_exactly_one_rerendezvous(netns_hosts):
     assert {r["env"]["TORCHELASTIC_RESTART_COUNT"] for r in hosts.records("start")} == {"0"}
     # One worker per host per world: no extra attempt anywhere.
     assert sorted((r["host"], r["env"]["WORLD_SIZE"]) for r in hosts.records("start")) == [
-        ("h0", "2"), ("h0", "3"), ("h1", "2"), ("h1", "3"), ("h2", "3")]
+        ("h0", "2"),
+        ("h0", "3"),
+        ("h1", "2"),
+        ("h1", "3"),
+        ("h2", "3"),
+    ]
 
 
 # -- (d) a node is cut off -----------------------------------------------------------------------------
@@ -193,13 +250,21 @@ def test_partitioned_node_is_lost_by_keep_alive(netns_hosts, record_property):
     hosts = netns_hosts
     flags = fsm_flags(hosts, "2:3", "keep_alive_interval=0.5", "keep_alive_max_attempt=3", last_call=30)
     agents = [hosts.start_agent(i, *flags, final_world=2) for i in range(3)]
-    hosts.wait_for(lambda: hosts_with(hosts, "reduced", 3) == {"h0", "h1", "h2"}, JOB_TIMEOUT_S,
-                   "three hosts' workers to reduce in a world of 3", expect_running=agents)
+    hosts.wait_for(
+        lambda: hosts_with(hosts, "reduced", 3) == {"h0", "h1", "h2"},
+        JOB_TIMEOUT_S,
+        "three hosts' workers to reduce in a world of 3",
+        expect_running=agents,
+    )
     survivors = agents[:2]
     cut_at = time.time()
     hosts.set_link(2, up=False)
-    hosts.wait_for(lambda: hosts_with(hosts, "start", 2) == {"h0", "h1"}, RECOVERY_BOUND_S * 2,
-                   "the survivors' workers to start in a world of 2", expect_running=survivors)
+    hosts.wait_for(
+        lambda: hosts_with(hosts, "start", 2) == {"h0", "h1"},
+        RECOVERY_BOUND_S * 2,
+        "the survivors' workers to start in a world of 2",
+        expect_running=survivors,
+    )
     for agent in survivors:
         assert agent.wait(JOB_TIMEOUT_S) == 0, hosts.diagnostics()
     check_world(hosts, 2, ["h0", "h1"], hosts.addrs[0])
@@ -228,13 +293,32 @@ def test_c10d_survivors_notice_a_lost_or_departed_node(netns_hosts, record_prope
     hosts = netns_hosts
     agents = []
     for i in range(3):
-        flags = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                 hosts.endpoint(), "--rdzv-id", "netns-c10d-loss", "--monitor-interval", "0.1", "--max-restarts", "0",
-                 "--rdzv-conf", f"is_host={1 if i == 0 else 0},join_timeout=120,read_timeout=120,last_call_timeout=5,"
-                                "keep_alive_interval=1,keep_alive_max_attempt=5"]
+        flags = [
+            "--nnodes",
+            "2:3",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            hosts.endpoint(),
+            "--rdzv-id",
+            "netns-c10d-loss",
+            "--monitor-interval",
+            "0.1",
+            "--max-restarts",
+            "0",
+            "--rdzv-conf",
+            f"is_host={1 if i == 0 else 0},join_timeout=120,read_timeout=120,last_call_timeout=5,"
+            "keep_alive_interval=1,keep_alive_max_attempt=5",
+        ]
         agents.append(hosts.start_agent(i, *flags, final_world=2))
-    hosts.wait_for(lambda: hosts_with(hosts, "reduced", 3) == {"h0", "h1", "h2"}, JOB_TIMEOUT_S,
-                   "three hosts' workers to reduce in a world of 3", expect_running=agents)
+    hosts.wait_for(
+        lambda: hosts_with(hosts, "reduced", 3) == {"h0", "h1", "h2"},
+        JOB_TIMEOUT_S,
+        "three hosts' workers to reduce in a world of 3",
+        expect_running=agents,
+    )
     victim, survivors = agents[2], agents[:2]
     if sig == signal.SIGKILL:
         lost_at = hosts.kill_node(victim)
@@ -242,8 +326,12 @@ def test_c10d_survivors_notice_a_lost_or_departed_node(netns_hosts, record_prope
         lost_at = time.time()
         victim.proc.send_signal(sig)
         assert victim.wait(60) == 128 + signal.SIGTERM, hosts.diagnostics()
-    hosts.wait_for(lambda: hosts_with(hosts, "start", 2) == {"h0", "h1"}, RECOVERY_BOUND_S * 2,
-                   "the survivors' workers to start in a world of 2", expect_running=survivors)
+    hosts.wait_for(
+        lambda: hosts_with(hosts, "start", 2) == {"h0", "h1"},
+        RECOVERY_BOUND_S * 2,
+        "the survivors' workers to start in a world of 2",
+        expect_running=survivors,
+    )
     for agent in survivors:
         assert agent.wait(JOB_TIMEOUT_S) == 0, hosts.diagnostics()
     records = [r for r in records_of_world(hosts, "reduced", 2) if r["host"] in ("h0", "h1")]
@@ -258,8 +346,11 @@ def test_c10d_survivors_notice_a_lost_or_departed_node(netns_hosts, record_prope
     assert timings["workers_restarted_s"] < RECOVERY_BOUND_S, timings
     for agent in survivors:
         assert transitions_since(agent, lost_at) == AFTER_LOSS, agent.output()
-        changes = [e for e in agent.events_list() if e["kind"] == "transition" and e["ts"] >= lost_at
-                   and e["trigger"] == "membership_changed"]
+        changes = [
+            e
+            for e in agent.events_list()
+            if e["kind"] == "transition" and e["ts"] >= lost_at and e["trigger"] == "membership_changed"
+        ]
         assert {e.get("failure_class") for e in changes} == {"node_lost"}, changes
         assert all(e["restart_count"] == 0 for e in agent.events_list())
 
@@ -273,11 +364,19 @@ def test_fsm_hot_spare_takes_the_seat_of_a_killed_node(netns_hosts, record_prope
     hosts = netns_hosts
     flags = fsm_flags(hosts, "2:2")
     active = [hosts.start_agent(i, *flags, final_world=3) for i in range(2)]
-    hosts.wait_for(lambda: hosts_with(hosts, "reduced", 2) == {"h0", "h1"}, JOB_TIMEOUT_S,
-                   "h0 and h1's workers to reduce in a world of 2", expect_running=active)
+    hosts.wait_for(
+        lambda: hosts_with(hosts, "reduced", 2) == {"h0", "h1"},
+        JOB_TIMEOUT_S,
+        "h0 and h1's workers to reduce in a world of 2",
+        expect_running=active,
+    )
     spare = hosts.start_agent(2, *flags, "--nproc-per-node", "2", final_world=3)
-    hosts.wait_for(lambda: any(e["kind"] == "standby" for e in spare.events_list()), JOB_TIMEOUT_S,
-                   "h2 to wait as a standby", expect_running=[*active, spare])
+    hosts.wait_for(
+        lambda: any(e["kind"] == "standby" for e in spare.events_list()),
+        JOB_TIMEOUT_S,
+        "h2 to wait as a standby",
+        expect_running=[*active, spare],
+    )
     assert spare.transitions() == []  # in INIT
     assert all(r["host"] != "h2" for r in hosts.records("start"))  # a standby runs no workers
 

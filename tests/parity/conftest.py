@@ -46,7 +46,7 @@ TOOLS = (TORCHRUN, FSM_AGENT)
 #: quietly by that signal's default action (SIGINT: exit 130), as a program that cleans up would.
 #: ``SIGNAL_PROBE_IGNORE=1``: it records each signal and keeps running (a worker that ignores
 #: them: only SIGKILL ends it). ``SIGNAL_PROBE_EXIT_AFTER=S``: exit 0 after S seconds (default 120).
-SIGNAL_PROBE = r'''
+SIGNAL_PROBE = r"""
 import json, os, signal, sys, time
 out, tag, rank = os.environ["FSM_E2E_OUT"], os.environ.get("FSM_E2E_TAG", ""), os.environ["RANK"]
 ignore = os.environ.get("SIGNAL_PROBE_IGNORE") == "1"
@@ -76,7 +76,7 @@ try:
         time.sleep(0.05)
 except KeyboardInterrupt:
     got("KeyboardInterrupt", signal.SIGINT)
-'''
+"""
 
 
 def exit_class(returncode: int) -> int:
@@ -139,7 +139,7 @@ def probe_records(out_dir: Path, kind: str, tag: str = "") -> dict[int, dict]:
     found = {}
     prefix = f"{tag}{kind}_rank"
     for path in Path(out_dir).glob(f"{prefix}*.json"):
-        rank = path.name[len(prefix):-len(".json")]
+        rank = path.name[len(prefix) : -len(".json")]
         if rank.isdigit():
             found[int(rank)] = json.loads(path.read_text())
     return found
@@ -178,8 +178,9 @@ def parity(tmp_path):
     return Parity(tmp_path)
 
 
-def assert_at_least_as_good(outcomes: dict[str, Outcome], *, expected_exit: int | None = None,
-                            same_worker_signals: bool = True) -> None:
+def assert_at_least_as_good(
+    outcomes: dict[str, Outcome], *, expected_exit: int | None = None, same_worker_signals: bool = True
+) -> None:
     """fsm-agent did at least as well as torchrun on each count:
 
     - the exit class is ``expected_exit`` when given (torchrun's may be worse: it exits 1 on a
@@ -191,7 +192,9 @@ def assert_at_least_as_good(outcomes: dict[str, Outcome], *, expected_exit: int 
     fsm, ref = outcomes[FSM_AGENT], outcomes.get(TORCHRUN)
     report = "\n\n".join(o.describe() for o in outcomes.values())
     if expected_exit is not None:
-        assert fsm.exit_class == expected_exit, f"fsm-agent: exit class {fsm.exit_class}, want {expected_exit}\n{report}"
+        assert fsm.exit_class == expected_exit, (
+            f"fsm-agent: exit class {fsm.exit_class}, want {expected_exit}\n{report}"
+        )
     elif ref is not None:
         assert fsm.exit_class == ref.exit_class, report
     if ref is not None and same_worker_signals:
@@ -201,22 +204,31 @@ def assert_at_least_as_good(outcomes: dict[str, Outcome], *, expected_exit: int 
     assert not fsm.leftovers, f"fsm-agent left processes behind\n{report}"
 
 
-def wait_for_probes(launcher: Launcher, count: int, kind: str = "started", timeout: float = 90.0,
-                    proc: Proc | None = None, tag: str = "") -> dict[int, dict]:
+def wait_for_probes(
+    launcher: Launcher,
+    count: int,
+    kind: str = "started",
+    timeout: float = 90.0,
+    proc: Proc | None = None,
+    tag: str = "",
+) -> dict[int, dict]:
     """Wait until ``count`` signal probes (``$FSM_E2E_TAG`` = ``tag``) wrote their ``kind`` record;
     fail with the agents' output on timeout or once ``proc`` ended."""
+
     def ready():
         return len(probe_records(launcher.out, kind, tag)) >= count or (proc is not None and not proc.alive())
 
     if not wait_until(ready, timeout) or len(probe_records(launcher.out, kind, tag)) < count:
-        outputs = "\n".join(f"{p.args} rc={p.popen.poll()}\n{p.output()[0][-3000:]}\n{p.output()[1][-3000:]}"
-                            for p in launcher.procs)
+        outputs = "\n".join(
+            f"{p.args} rc={p.popen.poll()}\n{p.output()[0][-3000:]}\n{p.output()[1][-3000:]}" for p in launcher.procs
+        )
         pytest.fail(f"{count} probe(s) did not write {kind!r} within {timeout}s\n{outputs}")
     return probe_records(launcher.out, kind, tag)
 
 
 def wait_listening(port: int, proc: Proc, timeout: float = 90.0, host: str = "127.0.0.1") -> None:
     """Wait until something accepts connections on ``host:port`` (the agent is in its rendezvous)."""
+
     def listening():
         if not proc.alive():
             return True
@@ -275,8 +287,9 @@ def catches(pid: int, sig: int) -> bool:
 def wait_catching(proc: Proc, sig: int, timeout: float = 60.0) -> None:
     """Wait until the agent handles ``sig`` (its Python code runs; before that, any program dies of
     the default action); fail with its output if it ends or does not within ``timeout``."""
-    assert wait_until(lambda: catches(proc.pid, sig) or not proc.alive(), timeout, interval=0.005), \
+    assert wait_until(lambda: catches(proc.pid, sig) or not proc.alive(), timeout, interval=0.005), (
         f"{proc.args} does not handle {sig!r} after {timeout}s"
+    )
     assert proc.alive(), "\n".join(proc.output())
 
 

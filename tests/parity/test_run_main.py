@@ -19,7 +19,7 @@ from tests.parity.conftest import FSM_AGENT, TORCHRUN
 pytestmark = pytest.mark.slow
 
 #: Calls MAIN(sys.argv[1:]) and prints one JSON line: what it returned or raised.
-CALLER = r'''
+CALLER = r"""
 import json, sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from MODULE import FUNC as main
@@ -32,7 +32,7 @@ except ChildFailedError as exc:
 except BaseException as exc:
     outcome = {"other": type(exc).__name__}
 print("OUTCOME " + json.dumps(outcome), flush=True)
-'''
+"""
 
 #: A worker that exits 3 on global rank 1 and 0 elsewhere.
 WORKER = "import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n"
@@ -57,8 +57,10 @@ def test_run_main_returns_and_raises_as_torchs_run_main(parity, case):
     def scenario(tool, launcher):
         module, func = ("fsm_agent.cli", "run_main") if tool.is_fsm else ("torch.distributed.run", "main")
         caller = write_script(launcher.dir, "caller.py", CALLER.replace("MODULE", module).replace("FUNC", func))
-        scripts = {"{ok}": str(write_script(launcher.dir, "ok.py", "pass\n")),
-                   "{worker}": str(write_script(launcher.dir, "worker.py", WORKER))}
+        scripts = {
+            "{ok}": str(write_script(launcher.dir, "ok.py", "pass\n")),
+            "{worker}": str(write_script(launcher.dir, "worker.py", WORKER)),
+        }
         return launcher.run([sys.executable, str(caller), *(scripts.get(a, a) for a in args)], timeout=120)
 
     out = parity.both(scenario)

@@ -81,9 +81,20 @@ def test_workers_get_the_signal_the_agent_got(parity, sig):
     """torchrun stops its workers with the signal it received (SIGINT: KeyboardInterrupt in the
     workers; SIGUSR1 listed in --signals-to-handle reaches their handler); so does fsm-agent, and it
     exits 128+N where torchrun exits 1."""
+
     def scenario(tool, launcher):
-        proc = tool.start(launcher, "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1",
-                          "--signals-to-handle", ALL_STOP, launcher.signal_probe, env=ENV)
+        proc = tool.start(
+            launcher,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--monitor-interval",
+            "0.1",
+            "--signals-to-handle",
+            ALL_STOP,
+            launcher.signal_probe,
+            env=ENV,
+        )
         wait_for_probes(launcher, 2, proc=proc)
         result, took = stop(proc, sig, patience(tool))
         if tool.is_fsm:
@@ -99,9 +110,18 @@ def test_workers_get_the_signal_the_agent_got(parity, sig):
 def test_second_ctrl_c_kills_the_workers_at_once(parity):
     """Workers that ignore SIGINT: the first Ctrl-C reaches them, the second SIGKILLs them at once
     (torchrun sends SIGTERM and waits out the grace again)."""
+
     def scenario(tool, launcher):
-        proc = tool.start(launcher, "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1",
-                          launcher.signal_probe, env={**ENV, "SIGNAL_PROBE_IGNORE": "1"})
+        proc = tool.start(
+            launcher,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--monitor-interval",
+            "0.1",
+            launcher.signal_probe,
+            env={**ENV, "SIGNAL_PROBE_IGNORE": "1"},
+        )
         wait_for_probes(launcher, 2, proc=proc)
         proc.send_signal(signal.SIGINT)
         wait_for_probes(launcher, 2, kind="signal", proc=proc)
@@ -120,6 +140,7 @@ def test_second_ctrl_c_kills_the_workers_at_once(parity):
 def test_stop_signal_right_after_start(parity, sig):
     """As soon as fsm-agent's code runs (its package import; it still imports the CLI, reads its
     options, makes its rendezvous): 128+N, no traceback. torchrun gets it 0.1 s after start."""
+
     def scenario(tool, launcher):
         proc = tool.start(launcher, "--standalone", "--nproc-per-node", "1", launcher.signal_probe, env=ENV)
         if tool.is_fsm:
@@ -138,19 +159,59 @@ def test_stop_signal_right_after_start(parity, sig):
 WAITING = {
     # id: (flags with {port}; how to know it waits: "listens" on the port, tries to "connect" to it, or
     # "sleep" (a torch-free agent, up in well under the SETTLE_S); whether torchrun has the backend)
-    "static-store-host": (["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "{port}"],
-                          "listens", True),
-    "static-other-node": (["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", "{port}"],
-                          "connect", True),
-    "c10d-host": (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:{port}",
-                   "--rdzv-id", "wait"], "listens", True),
-    "c10d-other-node": (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:{port}",
-                         "--rdzv-id", "wait", "--rdzv-conf", "is_host=0"], "connect", True),
-    "fsm-host": (["--nnodes", "2", "--rdzv-backend", "fsm", "--rdzv-endpoint", "127.0.0.1:{port}",
-                  "--rdzv-id", "wait"], "listens", False),
+    "static-store-host": (
+        ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "{port}"],
+        "listens",
+        True,
+    ),
+    "static-other-node": (
+        ["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", "{port}"],
+        "connect",
+        True,
+    ),
+    "c10d-host": (
+        ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:{port}", "--rdzv-id", "wait"],
+        "listens",
+        True,
+    ),
+    "c10d-other-node": (
+        [
+            "--nnodes",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "127.0.0.1:{port}",
+            "--rdzv-id",
+            "wait",
+            "--rdzv-conf",
+            "is_host=0",
+        ],
+        "connect",
+        True,
+    ),
+    "fsm-host": (
+        ["--nnodes", "2", "--rdzv-backend", "fsm", "--rdzv-endpoint", "127.0.0.1:{port}", "--rdzv-id", "wait"],
+        "listens",
+        False,
+    ),
     # The fsm client gives up on a peer that closes the handshake: no ConnectWatch; nothing listens.
-    "fsm-other-node": (["--nnodes", "2", "--rdzv-backend", "fsm", "--rdzv-endpoint", "127.0.0.1:{port}",
-                        "--rdzv-id", "wait", "--rdzv-conf", "is_host=0"], "sleep", False),
+    "fsm-other-node": (
+        [
+            "--nnodes",
+            "2",
+            "--rdzv-backend",
+            "fsm",
+            "--rdzv-endpoint",
+            "127.0.0.1:{port}",
+            "--rdzv-id",
+            "wait",
+            "--rdzv-conf",
+            "is_host=0",
+        ],
+        "sleep",
+        False,
+    ),
 }
 SETTLE_S = 4.0
 
@@ -166,8 +227,9 @@ def test_stop_while_waiting_for_the_other_nodes(parity, case, sig):
     def scenario(tool, launcher):
         watch = ConnectWatch() if mode == "connect" else None
         port = watch.port if watch else free_port()
-        proc = tool.start(launcher, *(f.format(port=port) for f in flags), "--nproc-per-node", "1",
-                          launcher.signal_probe, env=ENV)
+        proc = tool.start(
+            launcher, *(f.format(port=port) for f in flags), "--nproc-per-node", "1", launcher.signal_probe, env=ENV
+        )
         if mode == "listens":
             wait_listening(port, proc)
         elif mode == "connect":
@@ -199,17 +261,35 @@ def test_stop_in_the_exit_barrier(parity, backend):
     """The other node's worker is done, the store host's still runs: the other node waits in the
     exit barrier (a C++ ``store.wait`` for torch's stores) and ends at once on SIGTERM; then the
     store host on SIGINT (its worker gets KeyboardInterrupt)."""
+
     def scenario(tool, launcher):
         port = free_port()
-        common = [*(f.format(port=port) for f in BARRIER[backend]), "--nproc-per-node", "1",
-                  "--monitor-interval", "0.1", "--exit-barrier-timeout", "200"]
+        common = [
+            *(f.format(port=port) for f in BARRIER[backend]),
+            "--nproc-per-node",
+            "1",
+            "--monitor-interval",
+            "0.1",
+            "--exit-barrier-timeout",
+            "200",
+        ]
         static = backend == "static"
-        host = tool.start(launcher, *common, *(["--node-rank", "0"] if static else []), launcher.signal_probe,
-                          env={**ENV, "FSM_E2E_TAG": "host_"})
+        host = tool.start(
+            launcher,
+            *common,
+            *(["--node-rank", "0"] if static else []),
+            launcher.signal_probe,
+            env={**ENV, "FSM_E2E_TAG": "host_"},
+        )
         if not static:
             wait_listening(port, host)  # the first agent up hosts the store
-        other = tool.start(launcher, *common, *(["--node-rank", "1"] if static else []), launcher.signal_probe,
-                           env={**ENV, "SIGNAL_PROBE_EXIT_AFTER": "0", "FSM_E2E_TAG": "other_"})
+        other = tool.start(
+            launcher,
+            *common,
+            *(["--node-rank", "1"] if static else []),
+            launcher.signal_probe,
+            env={**ENV, "SIGNAL_PROBE_EXIT_AFTER": "0", "FSM_E2E_TAG": "other_"},
+        )
         wait_for_probes(launcher, 1, proc=host, tag="host_")
         done = next(iter(wait_for_probes(launcher, 1, proc=other, tag="other_").values()))["pid"]
         assert wait_until(lambda: not _alive(done), 30)
@@ -245,11 +325,24 @@ def test_forwarded_signal_before_workers_is_dropped(parity):
     """SIGUSR1 as soon as the agent's code runs (the issue's "0.1 s after start"), and again while
     the rendezvous waits, is dropped (it used to kill the agent: exit 138); once the workers run it
     is relayed, and nothing is stopped."""
+
     def scenario(tool, launcher):
         port = free_port()
         env = {**ENV, "SIGNAL_PROBE_IGNORE": "1", "SIGNAL_PROBE_EXIT_AFTER": "8"}
-        common = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                  "--nproc-per-node", "1", "--monitor-interval", "0.1", "--forward-signals", "SIGUSR1"]
+        common = [
+            "--nnodes",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--nproc-per-node",
+            "1",
+            "--monitor-interval",
+            "0.1",
+            "--forward-signals",
+            "SIGUSR1",
+        ]
         first = tool.start(launcher, *common, launcher.signal_probe, env=env)
         wait_catching(first, signal.SIGTERM)  # its first handlers: main's came with launch_agent
         first.send_signal(signal.SIGUSR1)
@@ -274,8 +367,22 @@ def test_forwarded_signal_before_workers_is_dropped(parity):
 
 # -- (1) multi-host: static rendezvous across network namespaces --------------------------------------------
 def _static_flags(hosts: NetnsHosts, node_rank: int) -> list[str]:
-    return ["--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1", "--master-addr",
-            hosts.addrs[0], "--master-port", "29500", "--monitor-interval", "0.1", "--shutdown-timeout", str(GRACE_S)]
+    return [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(node_rank),
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        hosts.addrs[0],
+        "--master-port",
+        "29500",
+        "--monitor-interval",
+        "0.1",
+        "--shutdown-timeout",
+        str(GRACE_S),
+    ]
 
 
 @pytest.mark.parametrize("node_rank,sig", [(0, signal.SIGINT), (1, signal.SIGTERM)], ids=["store-host", "other-node"])
@@ -296,8 +403,9 @@ def test_netns_static_node_alone_stops_at_once(netns_hosts, node_rank, sig):
 def test_netns_static_job_stops_with_the_signal(netns_hosts):
     """Both static nodes run their workers; SIGINT to one and SIGHUP to the other end each with 128+N."""
     agents = [netns_hosts.start_agent(r, *_static_flags(netns_hosts, r), final_world=99) for r in (0, 1)]
-    netns_hosts.wait_for(lambda: len(netns_hosts.records("reduced")) == 2, 120, "both workers reduced",
-                         expect_running=agents)
+    netns_hosts.wait_for(
+        lambda: len(netns_hosts.records("reduced")) == 2, 120, "both workers reduced", expect_running=agents
+    )
     for agent, sig in zip(agents, (signal.SIGINT, signal.SIGHUP)):
         sent = time.monotonic()
         agent.proc.send_signal(sig)
@@ -309,10 +417,12 @@ def test_netns_static_job_stops_with_the_signal(netns_hosts):
 
 
 # -- the early handlers are the agent command's only ------------------------------------------------------
-CHECK_DISPOSITIONS = ("import signal, sys, fsm_agent; "
-                      "ok = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and "
-                      "signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL and "
-                      "signal.getsignal(signal.SIGINT) is signal.default_int_handler; sys.exit(0 if ok else 3)")
+CHECK_DISPOSITIONS = (
+    "import signal, sys, fsm_agent; "
+    "ok = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and "
+    "signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL and "
+    "signal.getsignal(signal.SIGINT) is signal.default_int_handler; sys.exit(0 if ok else 3)"
+)
 
 
 def test_importing_fsm_agent_elsewhere_keeps_the_default_signal_actions(launcher):
@@ -330,17 +440,21 @@ DOUBLE_AT = (0.8, 1.2, 1.6, 2.0, 3.0, 6.0)
 OPTIONS_READ_BY_S = 6.0
 
 
-@pytest.mark.parametrize("flags", [["--rdzv-backend", "fsm", "--rdzv-endpoint", "127.0.0.1:{port}", "--nnodes", "2"],
-                                   ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "{port}"]],
-                         ids=["fsm", "static"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--rdzv-backend", "fsm", "--rdzv-endpoint", "127.0.0.1:{port}", "--nnodes", "2"],
+        ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "{port}"],
+    ],
+    ids=["fsm", "static"],
+)
 def test_two_stop_signals_at_once_before_the_workers(launcher, flags):
     """Two SIGTERMs microseconds apart while the agent starts or waits for the other node: each
     try ends as a single one does (128+N, the FAILED summary, no traceback, the temporary log
     directory removed); the second never cuts the agent's way out short."""
     for at in DOUBLE_AT:
         port = free_port()
-        proc = launcher.fsm(*(f.format(port=port) for f in flags), "--nproc-per-node", "1",
-                            launcher.probe, env=ENV)
+        proc = launcher.fsm(*(f.format(port=port) for f in flags), "--nproc-per-node", "1", launcher.probe, env=ENV)
         time.sleep(at)
         proc.send_signal(signal.SIGTERM)
         proc.send_signal(signal.SIGTERM)
@@ -359,14 +473,39 @@ def test_store_host_stopped_before_the_exit_barrier(parity):
     """Static, two nodes: the store host's worker is done and it gets SIGTERM while the other
     node's worker still runs. That node then finds the store gone at its exit barrier and says so
     truthfully (no claim that the barrier's timeout passed); its own result stands."""
+
     def scenario(tool, launcher):
         port = free_port()
-        common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port, "--nproc-per-node", "1",
-                  "--monitor-interval", "0.1", "--exit-barrier-timeout", "200"]
-        host = tool.start(launcher, *common, "--node-rank", "0", launcher.signal_probe,
-                          env={**ENV, "SIGNAL_PROBE_EXIT_AFTER": "0", "FSM_E2E_TAG": "host_"})
-        other = tool.start(launcher, *common, "--node-rank", "1", launcher.signal_probe,
-                           env={**ENV, "SIGNAL_PROBE_EXIT_AFTER": "15", "FSM_E2E_TAG": "other_"})
+        common = [
+            "--nnodes",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+            "--nproc-per-node",
+            "1",
+            "--monitor-interval",
+            "0.1",
+            "--exit-barrier-timeout",
+            "200",
+        ]
+        host = tool.start(
+            launcher,
+            *common,
+            "--node-rank",
+            "0",
+            launcher.signal_probe,
+            env={**ENV, "SIGNAL_PROBE_EXIT_AFTER": "0", "FSM_E2E_TAG": "host_"},
+        )
+        other = tool.start(
+            launcher,
+            *common,
+            "--node-rank",
+            "1",
+            launcher.signal_probe,
+            env={**ENV, "SIGNAL_PROBE_EXIT_AFTER": "15", "FSM_E2E_TAG": "other_"},
+        )
         done = next(iter(wait_for_probes(launcher, 1, proc=host, tag="host_").values()))["pid"]
         wait_for_probes(launcher, 1, proc=other, tag="other_")
         assert wait_until(lambda: not _alive(done), 30)

@@ -14,6 +14,7 @@ from fsm_agent.plugins import hookspec
 from fsm_agent.plugins import hookspecs as hookspecs_module
 from fsm_agent.plugins.hookspec_info import docstring_problems, hookspecs
 
+
 def test_there_are_hookspecs():
     names = list(hookspecs())
     assert len(names) >= 10
@@ -27,8 +28,11 @@ def test_hookspec_is_documented(name):
 
 def test_every_module_level_hook_function_is_a_hookspec():
     """A ``fsm_agent_*`` function without ``@hookspec`` would be silently ignored by pluggy."""
-    unmarked = [name for name, obj in vars(hookspecs_module).items()
-                if name.startswith("fsm_agent_") and inspect.isfunction(obj) and name not in hookspecs()]
+    unmarked = [
+        name
+        for name, obj in vars(hookspecs_module).items()
+        if name.startswith("fsm_agent_") and inspect.isfunction(obj) and name not in hookspecs()
+    ]
     assert unmarked == []
 
 

@@ -35,8 +35,12 @@ from fsm_agent.plugins.manager import (
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TIMEOUT_S = 240
-BROKEN = ("broken-fixture", "fsm-agent-broken-fixture", "ModuleNotFoundError",
-          "No module named 'fsm_agent_fixture_missing_dependency'")
+BROKEN = (
+    "broken-fixture",
+    "fsm-agent-broken-fixture",
+    "ModuleNotFoundError",
+    "No module named 'fsm_agent_fixture_missing_dependency'",
+)
 ROW_KEYS = {"name", "kinds", "backends", "hooks", "builtin", "distribution", "version"}
 
 
@@ -85,8 +89,12 @@ class Declared:
 @pytest.fixture
 def rows_by_name():
     pm = get_plugin_manager(load_entry_points=False)
-    for name, plugin in (("t-backends", Backends()), ("t-listener", Listener()), ("t-lifecycle", Lifecycle()),
-                         ("t-declared", Declared())):
+    for name, plugin in (
+        ("t-backends", Backends()),
+        ("t-listener", Listener()),
+        ("t-lifecycle", Lifecycle()),
+        ("t-declared", Declared()),
+    ):
         pm.register(plugin, name)
     return {row["name"]: row for row in plugin_rows(pm)}
 
@@ -147,8 +155,9 @@ def test_json_lists_every_loaded_plugin(capsys, monkeypatch):
     monkeypatch.delenv("FSM_AGENT_DISABLE_PLUGINS", raising=False)
     rows = listed(capsys)
     pm = get_plugin_manager()
-    assert list(rows) == [name for name, plugin in pm.list_name_plugin()
-                          if plugin is not None and name not in TEST_TOOLING_PLUGINS]
+    assert list(rows) == [
+        name for name, plugin in pm.list_name_plugin() if plugin is not None and name not in TEST_TOOLING_PLUGINS
+    ]
     assert "statechart-coverage" not in rows  # test tooling, registered while pytest records coverage
     assert all(set(row) == ROW_KEYS for row in rows.values())
     for row in rows.values():
@@ -189,8 +198,11 @@ def test_an_essential_plugin_cannot_be_disabled():
 def test_a_name_no_plugin_has_cannot_be_disabled(monkeypatch):
     """A typo is refused, naming where it was given and the known names (the built-ins among them)."""
     monkeypatch.delenv("FSM_AGENT_DISABLE_PLUGINS", raising=False)
-    with pytest.raises(ConfigError, match=r"unknown plugin 'nope' in --disable-plugin: known plugins are .*"
-                                          r"events-jsonl, .*; fix --disable-plugin$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown plugin 'nope' in --disable-plugin: known plugins are .*"
+        r"events-jsonl, .*; fix --disable-plugin$",
+    ):
         cli_main(["--disable-plugin", "metrics-logging,nope"])
     monkeypatch.setenv("FSM_AGENT_DISABLE_PLUGINS", "nope")
     with pytest.raises(ConfigError, match="unknown plugin 'nope' in FSM_AGENT_DISABLE_PLUGINS: known plugins are "):
@@ -208,9 +220,26 @@ def broken_env():
     target = tempfile.mkdtemp(prefix="fsm_agent_fixture_dists_")
     source = os.path.join(target, "src")
     shutil.copytree(FIXTURES / "broken-plugin", source)  # the build writes build/ and *.egg-info there
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index",
-                    "--no-deps", "--no-build-isolation", "--target", os.path.join(target, "site"), source],
-                   check=True, capture_output=True, text=True, timeout=TIMEOUT_S)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-index",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            os.path.join(target, "site"),
+            source,
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(target, "site"), env.get("PYTHONPATH")) if p)
     env.pop("FSM_AGENT_DISABLE_PLUGINS", None)
@@ -220,8 +249,15 @@ def broken_env():
 
 def fsm_agent(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
     """Run ``python -m fsm_agent ARGV`` in its own process group; kill the group on timeout."""
-    proc = subprocess.Popen([sys.executable, "-m", "fsm_agent", *argv], env=env, cwd=cwd, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsm_agent", *argv],
+        env=env,
+        cwd=cwd,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -31,11 +31,20 @@ def doc_drift(actual: bytes, expected: str) -> str | None:
     """None when the doc's bytes are ``expected``; otherwise the failure message, with a diff."""
     if actual == expected.encode("utf-8"):
         return None
-    diff = "".join(list(difflib.unified_diff(
-        actual.decode("utf-8", errors="replace").splitlines(keepends=True),
-        expected.splitlines(keepends=True), "docs/plugins.md", "fsm_agent.plugins.docs.render()"))[:40])
-    return (f"docs/plugins.md is out of date with fsm_agent/plugins/hookspecs.py and the built-in plugins; "
-            f"regenerate it with:\n    {docs.REGENERATE_COMMAND}\n{diff}")
+    diff = "".join(
+        list(
+            difflib.unified_diff(
+                actual.decode("utf-8", errors="replace").splitlines(keepends=True),
+                expected.splitlines(keepends=True),
+                "docs/plugins.md",
+                "fsm_agent.plugins.docs.render()",
+            )
+        )[:40]
+    )
+    return (
+        f"docs/plugins.md is out of date with fsm_agent/plugins/hookspecs.py and the built-in plugins; "
+        f"regenerate it with:\n    {docs.REGENERATE_COMMAND}\n{diff}"
+    )
 
 
 def test_doc_matches_the_renderer_byte_for_byte():
@@ -46,8 +55,11 @@ def test_doc_matches_the_renderer_byte_for_byte():
 
 def test_a_changed_hookspec_makes_the_doc_stale_naming_the_regenerate_command(monkeypatch):
     before = docs.render()
-    monkeypatch.setattr(hookspecs.fsm_agent_put_metric, "__doc__",
-                        hookspecs.fsm_agent_put_metric.__doc__.replace("Receive one metric", "Receive a metric"))
+    monkeypatch.setattr(
+        hookspecs.fsm_agent_put_metric,
+        "__doc__",
+        hookspecs.fsm_agent_put_metric.__doc__.replace("Receive one metric", "Receive a metric"),
+    )
     problem = doc_drift(before.encode("utf-8"), docs.render())
     assert problem is not None and docs.REGENERATE_COMMAND in problem
     assert "+Receive a metric" in problem
@@ -59,8 +71,14 @@ def test_regenerate_command_is_in_the_doc():
 
 
 def test_python_dash_m_prints_the_doc():
-    out = subprocess.run([sys.executable, "-m", "fsm_agent.plugins.docs"], capture_output=True, text=True,
-                         timeout=TIMEOUT_S, check=True, cwd=ROOT).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "fsm_agent.plugins.docs"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=True,
+        cwd=ROOT,
+    ).stdout
     assert out == docs.render()
 
 
@@ -70,7 +88,7 @@ def test_every_hook_has_its_section_with_every_argument(title_and_spec):
     doc = docs.render()
     start = doc.index(f"#### `{func.__name__}`")
     end = doc.find("\n#### ", start + 1)
-    section = doc[start:end if end != -1 else None]
+    section = doc[start : end if end != -1 else None]
     assert f"[`{func.__name__}`](#{func.__name__})" in doc  # the summary table links to it
     for name in inspect.signature(func).parameters:
         assert f"| `{name}` |" in section, f"{func.__name__}: argument {name} is not documented"
@@ -85,7 +103,7 @@ def test_every_hookspec_is_rendered():
 
 def test_every_builtin_plugin_is_in_the_table():
     doc = docs.render()
-    table = doc[doc.index("## Built-in plugins"):doc.index("## Every hook")]
+    table = doc[doc.index("## Built-in plugins") : doc.index("## Every hook")]
     for name in BUILTIN_PLUGINS:
         assert f"| `{name}`" in table, name
 
@@ -104,8 +122,15 @@ def test_the_doc_links_the_configuration_reference_and_the_torchrun_groups():
 
 def run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
     """Run ``python ARGV`` in its own process group; kill the group on timeout."""
-    proc = subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, *argv],
+        env=env,
+        cwd=cwd,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -138,17 +163,38 @@ def test_the_example_tests_pass_on_the_test_kit(example_project):
 @pytest.mark.slow
 def test_the_example_distribution_installs_lists_and_runs(example_project, tmp_path):
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index",
-                    "--no-deps", "--no-build-isolation", "--target", str(site), str(example_project)],
-                   check=True, capture_output=True, text=True, timeout=TIMEOUT_S)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-index",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(example_project),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     shutil.rmtree(example_project)  # the distribution alone, not the source tree
     env = clean_env(PYTHONPATH=os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
 
     listed = run(["-m", "fsm_agent", "plugins", "--json"], env, tmp_path)
     assert listed.returncode == 0, listed.stderr
     row = next(r for r in json.loads(listed.stdout) if r["name"] == "printmetrics")
-    assert (row["distribution"], row["version"], row["builtin"], row["kinds"]) == \
-        ("fsm-agent-printmetrics", "0.1.0", False, ["metrics"])
+    assert (row["distribution"], row["version"], row["builtin"], row["kinds"]) == (
+        "fsm-agent-printmetrics",
+        "0.1.0",
+        False,
+        ["metrics"],
+    )
     assert row["hooks"] == ["fsm_agent_addoption", "fsm_agent_configure"]
 
     helped = run(["-m", "fsm_agent", "run", "--help"], env, tmp_path)
@@ -156,12 +202,30 @@ def test_the_example_distribution_installs_lists_and_runs(example_project, tmp_p
 
     script = tmp_path / "train.py"
     script.write_text("print('trained')\n")
-    ran = run(["-m", "fsm_agent", "run", "--standalone", "--nproc-per-node", "1", "--printmetrics-prefix", "XYZ",
-               str(script)], env, tmp_path)
+    ran = run(
+        [
+            "-m",
+            "fsm_agent",
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "--printmetrics-prefix",
+            "XYZ",
+            str(script),
+        ],
+        env,
+        tmp_path,
+    )
     assert ran.returncode == 0, ran.stderr
     assert "XYZ torchelastic.workers.default.run_success_no_retries=1" in ran.stderr, ran.stderr
-    ran = run(["-m", "fsm_agent", "run", "--standalone", str(script)],
-              {**env, "FSM_AGENT_PRINTMETRICS_PREFIX": "FROMENV"}, tmp_path)
+    ran = run(
+        ["-m", "fsm_agent", "run", "--standalone", str(script)],
+        {**env, "FSM_AGENT_PRINTMETRICS_PREFIX": "FROMENV"},
+        tmp_path,
+    )
     assert "FROMENV torchelastic." in ran.stderr
-    ran = run(["-m", "fsm_agent", "run", "--standalone", "--disable-plugin", "printmetrics", str(script)], env, tmp_path)
+    ran = run(
+        ["-m", "fsm_agent", "run", "--standalone", "--disable-plugin", "printmetrics", str(script)], env, tmp_path
+    )
     assert ran.returncode == 0 and "torchelastic." not in ran.stderr

@@ -37,9 +37,26 @@ def pip_install_target(*projects: str) -> str:
     for project in projects:
         sources.append(os.path.join(target, "src", project))
         shutil.copytree(FIXTURES / project, sources[-1])
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index",
-                    "--no-deps", "--no-build-isolation", "--target", os.path.join(target, "site"), *sources],
-                   check=True, capture_output=True, text=True, timeout=TIMEOUT_S)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-index",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            os.path.join(target, "site"),
+            *sources,
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     shutil.rmtree(os.path.join(target, "src"))
     return target
 
@@ -58,8 +75,15 @@ def compat_env():
 
 def fsm_agent(argv: list[str], env: dict[str, str], cwd: str) -> subprocess.CompletedProcess:
     """Run ``python -m fsm_agent ARGV`` in its own process group; kill the group on timeout."""
-    proc = subprocess.Popen([sys.executable, "-m", "fsm_agent", *argv], env=env, cwd=cwd, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsm_agent", *argv],
+        env=env,
+        cwd=cwd,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -86,17 +110,43 @@ def test_rdzv_backend_from_a_torchrun_handlers_entry_point(compat_env, tmp_path)
     """``--rdzv-backend mini`` runs the group through the entry point's handler, also on a restart."""
     marker, out_dir = tmp_path / "rounds.jsonl", tmp_path / "out"
     out_dir.mkdir()
-    result = fsm_agent(["run", "--rdzv-backend", "mini", "--rdzv-id", "mini-job", "--rdzv-conf", f"marker={marker}",
-                        "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1",
-                        "--log-dir", str(tmp_path / "logs"), str(WORKER), str(out_dir), "--crash-first-attempt", "1"],
-                       compat_env, str(tmp_path))
+    result = fsm_agent(
+        [
+            "run",
+            "--rdzv-backend",
+            "mini",
+            "--rdzv-id",
+            "mini-job",
+            "--rdzv-conf",
+            f"marker={marker}",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--monitor-interval",
+            "0.1",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            str(WORKER),
+            str(out_dir),
+            "--crash-first-attempt",
+            "1",
+        ],
+        compat_env,
+        str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr
     # The handler module imports torch's rendezvous package at its top, as most do: loading it must
     # not reach torch's own entry-point loop half-imported (a logged circular-import traceback).
     assert "out of tree plugin" not in result.stderr and "circular import" not in result.stderr
     rounds = [json.loads(line) for line in marker.read_text().splitlines()]
     # One round per attempt, both from the mini handler, in the agent process (not the workers).
-    assert [(r["backend"], r["run_id"], r["round"]) for r in rounds] == [("mini", "mini-job", 0), ("mini", "mini-job", 1)]
+    assert [(r["backend"], r["run_id"], r["round"]) for r in rounds] == [
+        ("mini", "mini-job", 0),
+        ("mini", "mini-job", 1),
+    ]
     assert {r["pid"] for r in rounds} == {result.pid}
     got = reports(out_dir)
     assert sorted(got) == ["try1.rank0", "try1.rank1"], got  # the first attempt failed before reporting
@@ -113,8 +163,22 @@ def test_logs_specs_from_a_torchrun_logs_specs_entry_point(compat_env, tmp_path)
     """``--logs-specs mini`` lays the worker logs out as the entry point's LogsSpecs says."""
     log_dir, out_dir = tmp_path / "logs", tmp_path / "out"
     out_dir.mkdir()
-    result = fsm_agent(["run", "--standalone", "--nproc-per-node", "2", "--logs-specs", "mini",
-                        "--log-dir", str(log_dir), str(WORKER), str(out_dir)], compat_env, str(tmp_path))
+    result = fsm_agent(
+        [
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--logs-specs",
+            "mini",
+            "--log-dir",
+            str(log_dir),
+            str(WORKER),
+            str(out_dir),
+        ],
+        compat_env,
+        str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr
     run_id = reports(out_dir)["try0.rank0"]["env"]["TORCHELASTIC_RUN_ID"]
     root = log_dir / "mini-logs"
@@ -133,11 +197,34 @@ def test_torchrun_itself_runs_the_same_fixture(compat_env, tmp_path):
     marker, log_dir, out_dir = tmp_path / "rounds.jsonl", tmp_path / "logs", tmp_path / "out"
     out_dir.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "mini", "--rdzv-id", "torchrun-job",
-         "--rdzv-conf", f"marker={marker}", "--nnodes", "1", "--nproc-per-node", "2", "--logs-specs", "mini",
-         "--log-dir", str(log_dir), str(WORKER), str(out_dir)],
-        env=compat_env, cwd=str(tmp_path), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--rdzv-backend",
+            "mini",
+            "--rdzv-id",
+            "torchrun-job",
+            "--rdzv-conf",
+            f"marker={marker}",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--logs-specs",
+            "mini",
+            "--log-dir",
+            str(log_dir),
+            str(WORKER),
+            str(out_dir),
+        ],
+        env=compat_env,
+        cwd=str(tmp_path),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         _, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -150,8 +237,9 @@ def test_torchrun_itself_runs_the_same_fixture(compat_env, tmp_path):
 
 
 def test_unknown_logs_specs_name_is_one_line_naming_the_installed_ones(compat_env, tmp_path):
-    result = fsm_agent(["run", "--standalone", "--logs-specs", "nope", str(WORKER), str(tmp_path)],
-                       compat_env, str(tmp_path))
+    result = fsm_agent(
+        ["run", "--standalone", "--logs-specs", "nope", str(WORKER), str(tmp_path)], compat_env, str(tmp_path)
+    )
     assert result.returncode != 0
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
     assert "--logs-specs 'nope'" in result.stderr and "mini" in result.stderr
@@ -180,8 +268,9 @@ def test_a_failing_torchrun_handlers_entry_point_is_one_line(tmp_path):
         assert "Traceback" not in result.stderr
     assert not (tmp_path / "ran").exists()
 
-    result = fsm_agent(["run", "--standalone", "--disable-plugin", "rendezvous-torchrun-handlers", str(script)],
-                       env, str(tmp_path))
+    result = fsm_agent(
+        ["run", "--standalone", "--disable-plugin", "rendezvous-torchrun-handlers", str(script)], env, str(tmp_path)
+    )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "ran").exists()
 

@@ -31,9 +31,11 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(
         f"hypothesis profile {name}: {seeded}, max_examples={profile.max_examples}, "
         f"stateful_step_count={profile.stateful_step_count}, derandomize={profile.derandomize}, "
-        f"database={'none' if profile.database is None else 'on'}")
+        f"database={'none' if profile.database is None else 'on'}"
+    )
     if LAST_RESORT["examples"]:
         terminalreporter.write_line(
             f"known gap hit in {LAST_RESORT['examples']} example(s): the agent's last-resort UNKNOWN "
             f"(ElasticAgent._fire_error) recorded {', '.join(sorted(LAST_RESORT['edges outside the table'])) or 'no'} "
-            f"edge(s) outside the table and left live workers {LAST_RESORT['ended with live workers']} time(s)")
+            f"edge(s) outside the table and left live workers {LAST_RESORT['ended with live workers']} time(s)"
+        )

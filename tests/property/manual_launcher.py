@@ -36,7 +36,7 @@ class _Worker:
 class ManualLauncher:
     def __init__(self) -> None:
         self.attempts: list[dict[int, dict[str, str]]] = []  # the envs of every start
-        self.stops: list[tuple[int, ...]] = []               # ranks each successful stop ended
+        self.stops: list[tuple[int, ...]] = []  # ranks each successful stop ended
         self.signals: list[tuple[int, int]] = []
         self.start_error: BaseException | None = None
         self.stop_errors = 0

@@ -42,8 +42,14 @@ import tempfile
 
 from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
-    run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from transitions.core import MachineError
 
@@ -61,10 +67,12 @@ CI_PROFILE = "fsm-agent-ci"
 EXPLORE_PROFILE = "fsm-agent-explore"
 PROFILE_ENV = "FSM_AGENT_HYPOTHESIS_PROFILE"
 
-_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-               print_blob=True)
-settings.register_profile(CI_PROFILE, max_examples=MAX_EXAMPLES, stateful_step_count=STEPS, derandomize=True,
-                          database=None, **_COMMON)
+_COMMON = dict(
+    deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much], print_blob=True
+)
+settings.register_profile(
+    CI_PROFILE, max_examples=MAX_EXAMPLES, stateful_step_count=STEPS, derandomize=True, database=None, **_COMMON
+)
 settings.register_profile(EXPLORE_PROFILE, max_examples=500, stateful_step_count=50, **_COMMON)
 
 TERMINAL = (S.SUCCEEDED, S.FAILED, S.UNKNOWN)
@@ -136,18 +144,29 @@ class AgentRuns(RuleBasedStateMachine):
         self.terminal_at: int | None = None
 
     # -- setup and teardown ----------------------------------------------------------------------
-    @initialize(max_restarts=st.sampled_from([0, 1, 2, 3, 3]), local_world_size=st.integers(1, 3),
-                hang_detection=st.booleans(),
-                first_round=ROUND_KINDS)
+    @initialize(
+        max_restarts=st.sampled_from([0, 1, 2, 3, 3]),
+        local_world_size=st.integers(1, 3),
+        hang_detection=st.booleans(),
+        first_round=ROUND_KINDS,
+    )
     def build(self, max_restarts, local_world_size, hang_detection, first_round):
         self.tmp = tempfile.mkdtemp(prefix="fsm_agent_property_")
         self.max_restarts, self.hang_detection = max_restarts, hang_detection
         self.rdzv, self.launcher, self.seen = ScriptedRendezvous(), ManualLauncher(), Observations()
         self.rdzv.queue.append(first_round)
         self.events_path = os.path.join(self.tmp, "events.jsonl")
-        self.agent = build_agent(self.rdzv, self.launcher, plugins=[self.seen], max_restarts=max_restarts,
-                                 local_world_size=local_world_size, hang_timeout=1.0 if hang_detection else None,
-                                 log_dir=self.tmp, events_path=self.events_path, exit_barrier_timeout=10.0)
+        self.agent = build_agent(
+            self.rdzv,
+            self.launcher,
+            plugins=[self.seen],
+            max_restarts=max_restarts,
+            local_world_size=local_world_size,
+            hang_timeout=1.0 if hang_detection else None,
+            log_dir=self.tmp,
+            events_path=self.events_path,
+            exit_barrier_timeout=10.0,
+        )
         self.previous_handlers = self.agent._install_signal_handlers()
         self.settle()
 
@@ -248,8 +267,18 @@ class AgentRuns(RuleBasedStateMachine):
         self.advance(f"{count} node(s) waiting to join")
 
     @precondition(live)
-    @rule(kind=st.sampled_from(["SIGTERM", "SIGINT", "rendezvous store lost", "launcher loses track",
-                                "next stop fails once", "next start fails"]))
+    @rule(
+        kind=st.sampled_from(
+            [
+                "SIGTERM",
+                "SIGINT",
+                "rendezvous store lost",
+                "launcher loses track",
+                "next stop fails once",
+                "next start fails",
+            ]
+        )
+    )
     def fault(self, kind):
         """Something goes wrong that is not the workers' doing (one rule, so that faults stay rare)."""
         if kind in ("SIGTERM", "SIGINT"):
@@ -291,8 +320,11 @@ class AgentRuns(RuleBasedStateMachine):
     def last_resort(self):
         """The transition made by ElasticAgent._fire_error's last resort (the error path failed), if any."""
         records = self.agent.transitions
-        if records and records[-1].dest == S.UNKNOWN.value and f"; then {records[-1].trigger} failed:" in (
-                records[-1].error or ""):
+        if (
+            records
+            and records[-1].dest == S.UNKNOWN.value
+            and f"; then {records[-1].trigger} failed:" in (records[-1].error or "")
+        ):
             return records[-1]
         return None
 
@@ -359,8 +391,11 @@ class AgentRuns(RuleBasedStateMachine):
             else:  # the known gap: the launcher was closed, not stopped
                 assert self.launcher.close_calls >= 1
         # the events file and the state trace agree
-        recorded = [(r["source"], r["dest"], r["trigger"], r["restart_count"])
-                    for r in self.records() if r["kind"] == "transition"]
+        recorded = [
+            (r["source"], r["dest"], r["trigger"], r["restart_count"])
+            for r in self.records()
+            if r["kind"] == "transition"
+        ]
         assert recorded == [(r.source, r.dest, r.trigger, r.restart_count) for r in records]
         assert agent.get_worker_group().state == self.state
 

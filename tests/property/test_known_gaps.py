@@ -13,8 +13,11 @@ from fsm_agent.testing.coverage import Edge, table_edges
 
 def store_lost_and_stop_fails_once():
     """The rendezvous store goes away while the workers run, and the first stop fails."""
-    return (Scenario().rendezvous(waiting_raises="connection")
-            .attempt("never", stop_raises=RuntimeError("scripted stop failure"), stop_raises_times=1))
+    return (
+        Scenario()
+        .rendezvous(waiting_raises="connection")
+        .attempt("never", stop_raises=RuntimeError("scripted stop failure"), stop_raises_times=1)
+    )
 
 
 def test_the_last_resort_lands_in_unknown_through_a_table_edge(make_agent):

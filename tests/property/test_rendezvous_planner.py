@@ -19,9 +19,17 @@ def scenarios(draw):
     max_nodes = draw(st.integers(1, MAX_NODES))
     min_nodes = draw(st.one_of(st.integers(1, min(max_nodes, 3)), st.integers(1, max_nodes)))
     n_ids = min(MAX_NODES, max_nodes + draw(st.integers(0, 3)))  # a few nodes more than fit
-    steps = draw(st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, n_ids - 1),
-                                    st.sampled_from([0.0, 0.0, 0.0, 0.1, 0.3, 0.6, 2.0, 61.0])),
-                          min_size=1, max_size=400))
+    steps = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(OPS),
+                st.integers(0, n_ids - 1),
+                st.sampled_from([0.0, 0.0, 0.0, 0.1, 0.3, 0.6, 2.0, 61.0]),
+            ),
+            min_size=1,
+            max_size=400,
+        )
+    )
     hints = draw(st.dictionaries(st.integers(0, n_ids - 1), st.integers(0, 3), max_size=4))
     return min_nodes, max_nodes, steps, hints
 

@@ -41,9 +41,18 @@ def run():
     made = []
 
     def make(max_nodes: int = 2) -> FreshStoreHandler:
-        params = RendezvousParameters("c10d", f"127.0.0.1:{store.port}", run_id, 1, max_nodes, local_addr="127.0.0.1",
-                                      join_timeout=30, last_call_timeout=1, keep_alive_interval=1,
-                                      keep_alive_max_attempt=3)
+        params = RendezvousParameters(
+            "c10d",
+            f"127.0.0.1:{store.port}",
+            run_id,
+            1,
+            max_nodes,
+            local_addr="127.0.0.1",
+            join_timeout=30,
+            last_call_timeout=1,
+            keep_alive_interval=1,
+            keep_alive_max_attempt=3,
+        )
         client = TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))  # one per node
         backend = C10dRendezvousBackend(client, run_id)
         made.append(FreshStoreHandler(create_handler(client, backend, params), backend))
@@ -57,8 +66,10 @@ def run():
 def join_all(*handlers: FreshStoreHandler) -> list:
     """``next_rendezvous`` of every handler at once (it blocks until the round completes)."""
     infos: dict[int, object] = {}
-    threads = [threading.Thread(target=lambda i=i, h=h: infos.__setitem__(i, h.next_rendezvous()))
-               for i, h in enumerate(handlers)]
+    threads = [
+        threading.Thread(target=lambda i=i, h=h: infos.__setitem__(i, h.next_rendezvous()))
+        for i, h in enumerate(handlers)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

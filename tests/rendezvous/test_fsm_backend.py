@@ -20,14 +20,27 @@ import pytest
 from fsm_agent.errors import ConfigError, RendezvousFailed
 from fsm_agent.plugins import rendezvous_fsm
 from fsm_agent.plugins.registry import BackendRegistry
-from fsm_agent.plugins.rendezvous_fsm import (FsmRendezvousHandler, FsmRendezvousSettings, Joined, Node, Rendezvous,
-                                              create_fsm_handler, parse_endpoint)
+from fsm_agent.plugins.rendezvous_fsm import (
+    FsmRendezvousHandler,
+    FsmRendezvousSettings,
+    Joined,
+    Node,
+    Rendezvous,
+    create_fsm_handler,
+    parse_endpoint,
+)
 from fsm_agent.ranks import assign_ranks
 
 pytestmark = pytest.mark.timeout(90)
 
-FAST = dict(last_call_timeout=0.3, keep_alive_interval=0.2, keep_alive_max_attempt=3, join_timeout=20,
-            handshake_timeout=1.0, linger_timeout=1.0)
+FAST = dict(
+    last_call_timeout=0.3,
+    keep_alive_interval=0.2,
+    keep_alive_max_attempt=3,
+    join_timeout=20,
+    handshake_timeout=1.0,
+    linger_timeout=1.0,
+)
 #: Lost-node bound of FAST: keep_alive_interval * keep_alive_max_attempt, plus scheduling slack.
 FAST_LOST_BOUND = 0.2 * 3 + 0.4
 
@@ -254,7 +267,8 @@ def test_scale_up_one_by_one_causes_one_restart(nodes):
         assert box["info"].world_size == 5
     assert {r.world_size for r in second} == {5}
     assert {r.store.prefix for r in second} | {box["info"].store.prefix for _, _, box in joiners} == {
-        second[0].store.prefix}
+        second[0].store.prefix
+    }
     assert second[0].store.prefix.endswith("/round/1")  # round 0, then exactly one more
 
 
@@ -301,9 +315,19 @@ sys.stdin.read()
 def test_killed_node_process_is_detected_at_once(nodes):
     # a long settle window: the round waits for the subprocess (python start-up) and completes at max
     a, b = nodes.add(2, 3, last_call_timeout=30), nodes.add(2, 3, last_call_timeout=30)
-    proc = subprocess.Popen([sys.executable, "-c", NODE_SCRIPT, f"127.0.0.1:{nodes.port}",
-                             json.dumps({**FAST, "last_call_timeout": 30, "is_host": False}), nodes.run_id],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            NODE_SCRIPT,
+            f"127.0.0.1:{nodes.port}",
+            json.dumps({**FAST, "last_call_timeout": 30, "is_host": False}),
+            nodes.run_id,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         results, _ = rendezvous_all([a, b])
         line = json.loads(proc.stdout.readline())
@@ -367,8 +391,7 @@ def test_endpoint_port_held_by_another_program_fails_fast(listening):
         if listening:
             holder.listen()  # accepts, never answers
         port = holder.getsockname()[1]
-        h = FsmRendezvousHandler("x", f"127.0.0.1:{port}", 1, 1,
-                                 settings=FsmRendezvousSettings(handshake_timeout=0.5))
+        h = FsmRendezvousHandler("x", f"127.0.0.1:{port}", 1, 1, settings=FsmRendezvousSettings(handshake_timeout=0.5))
         try:
             started = time.monotonic()
             with pytest.raises(RendezvousFailed) as info:
@@ -396,9 +419,11 @@ def test_a_store_host_that_exits_while_this_node_joins_is_not_called_another_pro
         h.shutdown()
     text = str(info.value)
     assert "another program" not in text, text
-    assert (f"fsm store at 127.0.0.1:{port}: nothing listens there any more: what held the port when this node "
-            f"tried to host the store (an agent hosting it, shutting down?) has exited; start this node again and "
-            f"it hosts the store") in text
+    assert (
+        f"fsm store at 127.0.0.1:{port}: nothing listens there any more: what held the port when this node "
+        f"tried to host the store (an agent hosting it, shutting down?) has exited; start this node again and "
+        f"it hosts the store"
+    ) in text
 
 
 def test_store_host_shutdown_waits_for_the_others_to_leave(nodes):
@@ -417,10 +442,15 @@ def test_store_host_shutdown_waits_for_the_others_to_leave(nodes):
 
 
 def test_create_handler_from_plain_params_and_registry():
-    params = SimpleNamespace(backend="fsm", endpoint="127.0.0.1:0", run_id="p", min_nodes=1, max_nodes=2,
-                             local_addr="10.1.2.3",
-                             config={"last_call_timeout": "0.1", "keep_alive_interval": "0.25", "is_host": "yes",
-                                     "node_rank": 3})
+    params = SimpleNamespace(
+        backend="fsm",
+        endpoint="127.0.0.1:0",
+        run_id="p",
+        min_nodes=1,
+        max_nodes=2,
+        local_addr="10.1.2.3",
+        config={"last_call_timeout": "0.1", "keep_alive_interval": "0.25", "is_host": "yes", "node_rank": 3},
+    )
     params.get = lambda key, default=None: params.config.get(key, default)
     registry = BackendRegistry()
     rendezvous_fsm.fsm_agent_register_backends(registry)
@@ -435,12 +465,15 @@ def test_create_handler_from_plain_params_and_registry():
         h.shutdown()
 
 
-@pytest.mark.parametrize("conf, match", [
-    ({"join_timeout": "soon"}, "join_timeout='soon'"),
-    ({"is_host": "maybe"}, "is_host"),
-    ({"keep_alive_interval": "0"}, "keep_alive_interval"),
-    ({"keep_alive_max_attempt": "0"}, "keep_alive_max_attempt"),
-])
+@pytest.mark.parametrize(
+    "conf, match",
+    [
+        ({"join_timeout": "soon"}, "join_timeout='soon'"),
+        ({"is_host": "maybe"}, "is_host"),
+        ({"keep_alive_interval": "0"}, "keep_alive_interval"),
+        ({"keep_alive_max_attempt": "0"}, "keep_alive_max_attempt"),
+    ],
+)
 def test_bad_settings_are_config_errors(conf, match):
     with pytest.raises(ConfigError, match=match):
         FsmRendezvousSettings.from_params(SimpleNamespace(config=conf))
@@ -456,8 +489,10 @@ def test_parse_endpoint():
 
 
 def test_backend_imports_no_torch():
-    code = ("import sys, fsm_agent.plugins.rendezvous_fsm, fsm_agent.plugins.rendezvous_fsm.store; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, fsm_agent.plugins.rendezvous_fsm, fsm_agent.plugins.rendezvous_fsm.store; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -465,12 +500,25 @@ def test_torch_free_parameters_from_launch_config():
     from fsm_agent.config import LaunchConfig
     from fsm_agent.plugins.rendezvous_fsm import FsmRendezvousParameters
 
-    config = LaunchConfig(min_nodes=1, max_nodes=3, rdzv_backend="fsm", rdzv_endpoint="127.0.0.1:0", run_id="lc",
-                          rdzv_configs={"last_call_timeout": "0.1", "is_host": "true"}, local_addr="10.0.0.7",
-                          node_rank=2)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=3,
+        rdzv_backend="fsm",
+        rdzv_endpoint="127.0.0.1:0",
+        run_id="lc",
+        rdzv_configs={"last_call_timeout": "0.1", "is_host": "true"},
+        local_addr="10.0.0.7",
+        node_rank=2,
+    )
     params = FsmRendezvousParameters.from_launch_config(config)
     assert (params.backend, params.endpoint, params.run_id, params.min_nodes, params.max_nodes, params.local_addr) == (
-        "fsm", "127.0.0.1:0", "lc", 1, 3, "10.0.0.7")
+        "fsm",
+        "127.0.0.1:0",
+        "lc",
+        1,
+        3,
+        "10.0.0.7",
+    )
     assert params.get("node_rank") == 2 and params.get_as_bool("is_host") is True
     assert params.get_as_int("missing", 5) == 5
     h = create_fsm_handler(params)

@@ -18,8 +18,16 @@ from datetime import timedelta
 import pytest
 
 from fsm_agent.errors import RendezvousFailed
-from fsm_agent.plugins.rendezvous_fsm.store import (PROTO, PrefixStore, StoreBindError, StoreClient, StoreConnectionError,
-                             StoreProtocolError, StoreServer, StoreTimeout)
+from fsm_agent.plugins.rendezvous_fsm.store import (
+    PROTO,
+    PrefixStore,
+    StoreBindError,
+    StoreClient,
+    StoreConnectionError,
+    StoreProtocolError,
+    StoreServer,
+    StoreTimeout,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -143,10 +151,10 @@ def test_add_is_atomic_under_threads(clients):
 
 def test_compare_set_semantics(clients):
     c = clients()
-    assert c.compare_set("k", "", "first") == b"first"            # missing + "" -> set
-    assert c.compare_set("k", "wrong", "second") == b"first"      # mismatch -> current value
-    assert c.compare_set("k", "first", "second") == b"second"     # match -> swapped
-    assert c.compare_set("absent", "x", "y") == b"x"              # missing + non-empty: not set (torch)
+    assert c.compare_set("k", "", "first") == b"first"  # missing + "" -> set
+    assert c.compare_set("k", "wrong", "second") == b"first"  # mismatch -> current value
+    assert c.compare_set("k", "first", "second") == b"second"  # match -> swapped
+    assert c.compare_set("absent", "x", "y") == b"x"  # missing + non-empty: not set (torch)
     assert not c.check(["absent"])
 
 
@@ -310,14 +318,42 @@ def test_non_finite_numbers_are_refused(server, clients):
     assert c.get("k") == b"v"
 
 
-OPS = ["hello", "set", "multi_set", "get", "multi_get", "wait", "watch", "add", "compare_set", "check", "exists",
-       "delete", "num_keys", "get_versioned", "touch", "time"]
+OPS = [
+    "hello",
+    "set",
+    "multi_set",
+    "get",
+    "multi_get",
+    "wait",
+    "watch",
+    "add",
+    "compare_set",
+    "check",
+    "exists",
+    "delete",
+    "num_keys",
+    "get_versioned",
+    "touch",
+    "time",
+]
 BAD_VALUES = [None, 1, -1, 1e300, "x", "!!notbase64", [], [1], {}, {"a": "b"}, True]
 
 
 def test_malformed_requests_never_take_the_server_down(server, clients):
-    fields = ["key", "keys", "value", "values", "amount", "expected", "desired", "timeout", "versions", "ttl",
-              "prefix", "ephemeral"]
+    fields = [
+        "key",
+        "keys",
+        "value",
+        "values",
+        "amount",
+        "expected",
+        "desired",
+        "timeout",
+        "versions",
+        "ttl",
+        "prefix",
+        "ephemeral",
+    ]
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.settimeout(10)
         f = s.makefile("rwb")
@@ -479,8 +515,11 @@ def test_store_imports_no_torch():
 
 
 def test_standalone_server_process():
-    proc = subprocess.Popen([sys.executable, "-m", "fsm_agent.store", "--host", "127.0.0.1", "--port", "0"],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsm_agent.store", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("fsm store listening on 127.0.0.1:")
@@ -495,6 +534,7 @@ def test_standalone_server_process():
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "fsm_agent.store", "--port", str(port)],
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            [sys.executable, "-m", "fsm_agent.store", "--port", str(port)], capture_output=True, text=True, timeout=30
+        )
         assert done.returncode == 1 and "cannot listen" in done.stdout

@@ -22,8 +22,12 @@ from fsm_agent.replay import cli_main, read_events, replay
 from fsm_agent.testing import AgentProcesses, Scenario
 from fsm_agent.testing.coverage import COVERAGE_DIR_ENV
 
-CRASH_THEN_SUCCESS = ["INIT --start--> HEALTHY", "HEALTHY --workers_failed--> STOPPED", "STOPPED --restart--> HEALTHY",
-                      "HEALTHY --workers_succeeded--> SUCCEEDED"]
+CRASH_THEN_SUCCESS = [
+    "INIT --start--> HEALTHY",
+    "HEALTHY --workers_failed--> STOPPED",
+    "STOPPED --restart--> HEALTHY",
+    "HEALTHY --workers_succeeded--> SUCCEEDED",
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,8 @@ def crash_and_restart(tmp_path_factory) -> Path:
     """The events file of a real run: 2 workers, rank 1 crashes in attempt 0, attempt 1 succeeds."""
     tmp_path = tmp_path_factory.mktemp("real-run")
     script = tmp_path / "worker.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, sys, time
         here = os.path.dirname(os.path.abspath(__file__))
         first, rank = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0", os.environ["LOCAL_RANK"]
@@ -52,11 +57,21 @@ def crash_and_restart(tmp_path_factory) -> Path:
                     break
                 time.sleep(0.01)
             sys.exit("rank 1 crashes in the first attempt")
-    """))
+    """)
+    )
     events = tmp_path / "events.jsonl"
     with AgentProcesses(tmp_path) as agents:
-        done = agents.run("--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                          "--events-file", str(events), str(script), timeout=180)
+        done = agents.run(
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--events-file",
+            str(events),
+            str(script),
+            timeout=180,
+        )
     assert done.returncode == 0, done.stderr
     return events
 
@@ -89,7 +104,7 @@ def test_a_real_crash_and_restart_replays_identically(crash_and_restart, capsys)
 
 
 def test_a_tampered_destination_is_the_first_divergence(crash_and_restart, tmp_path, capsys):
-    (line, _), = [(n, r) for n, r in transitions(crash_and_restart) if r["trigger"] == "workers_failed"]
+    ((line, _),) = [(n, r) for n, r in transitions(crash_and_restart) if r["trigger"] == "workers_failed"]
 
     def fail_instead(records):
         for record in records:
@@ -104,11 +119,13 @@ def test_a_tampered_destination_is_the_first_divergence(crash_and_restart, tmp_p
     assert cli_main([str(bad)]) == 1
     assert capsys.readouterr().out.splitlines()[-1] == (
         f"first divergence at event {line} (line {line}, transition 2): "
-        f"HEALTHY --workers_failed--> expected FAILED, actual STOPPED")
+        f"HEALTHY --workers_failed--> expected FAILED, actual STOPPED"
+    )
 
 
 def test_a_tampered_trigger_shows_in_the_restart_count(crash_and_restart, tmp_path):
     """Recorded as a membership change, the restart would not have been counted."""
+
     def membership(records):
         for record in records:
             if record.get("trigger") == "workers_failed":
@@ -117,7 +134,11 @@ def test_a_tampered_trigger_shows_in_the_restart_count(crash_and_restart, tmp_pa
 
     divergence = replay(str(tampered(crash_and_restart, tmp_path / "bad.jsonl", membership))).divergence
     assert (divergence.what, divergence.trigger, divergence.expected, divergence.actual) == (
-        "restart_count", "membership_changed", "1", "0")
+        "restart_count",
+        "membership_changed",
+        "1",
+        "0",
+    )
     assert "HEALTHY --membership_changed--> STOPPED: expected restart_count 1, actual 0" in str(divergence)
 
 
@@ -127,7 +148,11 @@ def test_a_missing_transition_is_a_divergence_of_the_source_state(crash_and_rest
 
     divergence = replay(str(tampered(crash_and_restart, tmp_path / "bad.jsonl", drop_restart))).divergence
     assert (divergence.what, divergence.trigger, divergence.expected, divergence.actual) == (
-        "source", "workers_succeeded", "HEALTHY", "STOPPED")
+        "source",
+        "workers_succeeded",
+        "HEALTHY",
+        "STOPPED",
+    )
 
 
 def test_a_transition_the_table_does_not_have_is_refused(crash_and_restart, tmp_path):
@@ -144,9 +169,10 @@ def test_a_transition_the_table_does_not_have_is_refused(crash_and_restart, tmp_
 
 def test_a_recording_cut_short_replays_identically_and_says_so(crash_and_restart, tmp_path, capsys):
     """The agent was SIGKILLed mid-run: its file stops after the restart; what is there replays, flagged."""
+
     def cut(records):
         (restart,) = [i for i, r in enumerate(records) if r["kind"] == "transition" and r["trigger"] == "restart"]
-        return records[:restart + 1]
+        return records[: restart + 1]
 
     path = tampered(crash_and_restart, tmp_path / "cut.jsonl", cut)
     assert cli_main([str(path)]) == 0
@@ -175,6 +201,7 @@ def test_an_events_file_appended_to_by_a_rerun_holds_two_runs(crash_and_restart,
 
 # -- the statechart's paths, from runs on the test kit's fakes -------------------------------------
 
+
 class ReachesTheRendezvous:
     """A restart policy that asks the rendezvous and finds it gone (see tests/coverage/test_rare_edges.py)."""
 
@@ -198,18 +225,26 @@ PATHS = {
     "rendezvous_not_needed": lambda: Scenario("node joins -> restart -> rendezvous graceful exit"),
     "store_lost_while_healthy": lambda: Scenario().rendezvous(waiting_raises="connection").attempt("never"),
     "sigterm": lambda: Scenario("wait -> SIGTERM"),
-    "sigterm_in_rendezvous": lambda: Scenario("worker 1 exits 1 -> restart -> SIGTERM during rendezvous",
-                                              max_restarts=1),
+    "sigterm_in_rendezvous": lambda: Scenario(
+        "worker 1 exits 1 -> restart -> SIGTERM during rendezvous", max_restarts=1
+    ),
     "launcher_fails": lambda: Scenario("worker 1 exits 1 -> restart -> launcher fails to start", max_restarts=1),
     "stop_fails_once": lambda: Scenario("worker 1 exits 1 and stop fails once"),
     "last_resort": lambda: Scenario("worker 1 exits 1 and stop fails"),
-    "last_resort_outside_the_table": lambda: Scenario().rendezvous(waiting_raises="connection").attempt(
-        "never", stop_raises=RuntimeError("stop failed"), stop_raises_times=1),
-    "rendezvous_lost_in_unhealthy": lambda: Scenario("worker 1 hangs", hang_timeout=1, plugins=[ReachesTheRendezvous()]),
-    "second_of_two_nodes": lambda: Scenario("rendezvous rank 1 of 2 -> worker 0 exits 1 -> restart -> all succeed",
-                                            max_restarts=2),
-    "adopts_the_job_restart_count": lambda: Scenario(max_restarts=3).rendezvous(
-        rank=1, world_size=2, peer_restart_count=2).attempt("all_ok"),
+    "last_resort_outside_the_table": lambda: (
+        Scenario()
+        .rendezvous(waiting_raises="connection")
+        .attempt("never", stop_raises=RuntimeError("stop failed"), stop_raises_times=1)
+    ),
+    "rendezvous_lost_in_unhealthy": lambda: Scenario(
+        "worker 1 hangs", hang_timeout=1, plugins=[ReachesTheRendezvous()]
+    ),
+    "second_of_two_nodes": lambda: Scenario(
+        "rendezvous rank 1 of 2 -> worker 0 exits 1 -> restart -> all succeed", max_restarts=2
+    ),
+    "adopts_the_job_restart_count": lambda: (
+        Scenario(max_restarts=3).rendezvous(rank=1, world_size=2, peer_restart_count=2).attempt("all_ok")
+    ),
 }
 
 
@@ -234,8 +269,9 @@ def test_the_job_restart_count_is_adopted_in_the_replay_too(make_agent):
 def test_bad_input_is_a_config_error_naming_the_line(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         replay(str(tmp_path / "missing.jsonl"))
-    (tmp_path / "text.jsonl").write_text('{"kind": "transition", "source": "INIT", "dest": "HEALTHY", '
-                                         '"trigger": "start"}\nnot json\n')
+    (tmp_path / "text.jsonl").write_text(
+        '{"kind": "transition", "source": "INIT", "dest": "HEALTHY", "trigger": "start"}\nnot json\n'
+    )
     with pytest.raises(ConfigError, match="line 2: not JSON"):
         replay(str(tmp_path / "text.jsonl"))
     (tmp_path / "other.jsonl").write_text('{"level": "info"}\n')
@@ -246,8 +282,10 @@ def test_bad_input_is_a_config_error_naming_the_line(tmp_path):
         replay(str(tmp_path / "empty.jsonl"))
 
 
-@pytest.mark.parametrize("name, needle", [("events.jsonl.gz", "gzip-compressed; decompress it first (gunzip -k"),
-                                          ("core.bin", "not text (a binary file?)")])
+@pytest.mark.parametrize(
+    "name, needle",
+    [("events.jsonl.gz", "gzip-compressed; decompress it first (gunzip -k"), ("core.bin", "not text (a binary file?)")],
+)
 def test_a_gzip_or_binary_file_is_one_line(tmp_path, name, needle):
     """Not a ``UnicodeDecodeError`` traceback."""
     import gzip
@@ -255,8 +293,9 @@ def test_a_gzip_or_binary_file_is_one_line(tmp_path, name, needle):
     path = tmp_path / name
     record = b'{"kind": "transition", "source": "INIT", "dest": "HEALTHY", "trigger": "start"}\n'
     path.write_bytes(gzip.compress(record * 50) if name.endswith(".gz") else bytes(range(256)))
-    done = subprocess.run([sys.executable, "-m", "fsm_agent", "replay", str(path)], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "fsm_agent", "replay", str(path)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and done.stdout == ""
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"fsm-agent: error: events file {str(path)!r}: {needle}"), lines
@@ -276,21 +315,31 @@ def test_replayed_transitions_are_not_statechart_coverage(crash_and_restart, tmp
 
 
 def test_python_dash_m_fsm_agent_replay(crash_and_restart, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "fsm_agent.replay", str(crash_and_restart)], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "fsm_agent.replay", str(crash_and_restart)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and done.stdout.splitlines()[-1] == "identical trace", done.stderr
-    missing = subprocess.run([sys.executable, "-m", "fsm_agent.replay", str(tmp_path / "none.jsonl")],
-                             capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-m", "fsm_agent.replay", str(tmp_path / "none.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 2 and missing.stderr.startswith("fsm-agent: error: events file")
 
 
-@pytest.mark.skipif("replay" not in getattr(cli, "_DELEGATES", {}),
-                    reason="fsm_agent/cli.py does not dispatch `fsm-agent replay` yet (add it to _DELEGATES)")
+@pytest.mark.skipif(
+    "replay" not in getattr(cli, "_DELEGATES", {}),
+    reason="fsm_agent/cli.py does not dispatch `fsm-agent replay` yet (add it to _DELEGATES)",
+)
 def test_fsm_agent_replay_subcommand(crash_and_restart, tmp_path):
     with AgentProcesses(tmp_path, command=("replay",)) as replays:
         done = replays.run(str(crash_and_restart), timeout=180)
         assert done.returncode == 0 and done.stdout.splitlines()[-1] == "identical trace", done.stderr
-        bad = tampered(crash_and_restart, tmp_path / "bad.jsonl",
-                       lambda rs: [dict(r, dest="FAILED") if r.get("trigger") == "workers_failed" else r for r in rs])
+        bad = tampered(
+            crash_and_restart,
+            tmp_path / "bad.jsonl",
+            lambda rs: [dict(r, dest="FAILED") if r.get("trigger") == "workers_failed" else r for r in rs],
+        )
         done = replays.run(str(bad), timeout=180)
         assert done.returncode == 1 and "expected FAILED, actual STOPPED" in done.stdout

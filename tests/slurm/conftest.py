@@ -33,8 +33,9 @@ UP, DOWN, INSTALL = REPO / ".ci" / "slurm-up.sh", REPO / ".ci" / "slurm-down.sh"
 NODES = 2
 SLURM_BINARIES = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged")
 #: Job states a job does not leave (``scontrol show job``).
-TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
-                      "OUT_OF_MEMORY"})
+TERMINAL = frozenset(
+    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
+)
 
 
 def _cannot_run_a_cluster() -> str | None:
@@ -69,15 +70,28 @@ class SlurmCluster:
         self.killed: set[int] = set()
 
     def run(self, *argv: str, timeout: float = 60, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
-        done = subprocess.run(list(argv), env=self.env, capture_output=True, text=True, timeout=timeout,
-                              cwd=kwargs.pop("cwd", REPO), **kwargs)
+        done = subprocess.run(
+            list(argv),
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=kwargs.pop("cwd", REPO),
+            **kwargs,
+        )
         if check and done.returncode != 0:
             raise AssertionError(f"{' '.join(argv)} exited {done.returncode}: {done.stdout}{done.stderr}")
         return done
 
     def sbatch(self, *argv: str, env: dict[str, str] | None = None) -> int:
-        done = subprocess.run(["sbatch", "--parsable", *argv], env={**self.env, **(env or {})}, cwd=REPO,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            ["sbatch", "--parsable", *argv],
+            env={**self.env, **(env or {})},
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, f"sbatch {' '.join(argv)}: {done.stderr}"
         return int(done.stdout.strip().split(";")[0])
 
@@ -94,8 +108,9 @@ class SlurmCluster:
             return seen.get("JobState") in states or seen.get("JobState") in TERMINAL
 
         wait_until(reached, timeout=timeout, interval=0.5)
-        assert seen.get("JobState") in states, \
+        assert seen.get("JobState") in states, (
             f"job {job_id} did not reach {states} within {timeout:.0f}s: {seen.get('JobState')} {seen.get('Reason')}"
+        )
         return seen
 
     def node_pids(self, node: int) -> list[int]:
@@ -161,8 +176,9 @@ def slurm(slurm_cluster, tmp_path):
         yield cluster
     finally:
         cluster.cancel_all()
-        wait_until(lambda: not cluster.run("squeue", "-h", "-o", "%i", check=False).stdout.strip(), timeout=60,
-                   interval=0.2)
+        wait_until(
+            lambda: not cluster.run("squeue", "-h", "-o", "%i", check=False).stdout.strip(), timeout=60, interval=0.2
+        )
         cluster.revive()
         pids = [int(p) for f in cluster.out.glob("agent.*.pid") for p in f.read_text().split()]
         remove_worker_cgroups(pids)

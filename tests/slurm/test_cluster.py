@@ -29,9 +29,23 @@ ACCURACY = 0.95  # what the example reaches (tests/integration/test_train_exampl
 
 def agent_command(out: Path, *flags: str, epochs: int = 10, train: tuple[str, ...] = ()) -> list[str]:
     """One task's command: record the node and the agent's pid, then exec fsm-agent."""
-    run = [sys.executable, "-m", "fsm_agent", "run", "--nproc-per-node", "1", *flags, "examples/train_digits.py",
-           "--epochs", str(epochs), "--checkpoint", str(out / "ckpt.pt"), "--result-file", str(out / "result.json"),
-           *train]
+    run = [
+        sys.executable,
+        "-m",
+        "fsm_agent",
+        "run",
+        "--nproc-per-node",
+        "1",
+        *flags,
+        "examples/train_digits.py",
+        "--epochs",
+        str(epochs),
+        "--checkpoint",
+        str(out / "ckpt.pt"),
+        "--result-file",
+        str(out / "result.json"),
+        *train,
+    ]
     record = f'hostname >> {out}/host.$SLURM_NODEID; echo $$ >> {out}/agent.$SLURM_NODEID.pid; exec "$@"'
     return ["bash", "-c", record, "agent", *run]
 
@@ -43,15 +57,24 @@ class Step:
         self.slurm, self.log = slurm, slurm.out / "srun.out"
         self.started = time.monotonic()
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(["srun", *srun_flags, *command], env=slurm.env, cwd=REPO, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                ["srun", *srun_flags, *command],
+                env=slurm.env,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
     def wait_for(self, text: str, timeout: float) -> None:
-        assert wait_until(lambda: text in self.output() or self.proc.poll() is not None, timeout=timeout,
-                          interval=0.2) and text in self.output(), f"no {text!r} within {timeout}s:\n{self.output()[-3000:]}"
+        assert (
+            wait_until(lambda: text in self.output() or self.proc.poll() is not None, timeout=timeout, interval=0.2)
+            and text in self.output()
+        ), f"no {text!r} within {timeout}s:\n{self.output()[-3000:]}"
 
     def wait(self, timeout: float) -> int:
         try:
@@ -95,8 +118,11 @@ def test_srun_trains_with_ddp_across_two_nodes(slurm, steps):
 
 
 def test_a_failed_worker_restarts_the_group_on_the_same_nodes(slurm, steps):
-    step = srun(slurm, steps, command=agent_command(slurm.out, "--max-restarts", "1",
-                                                    train=("--crash-rank", "1", "--crash-epoch", "3")))
+    step = srun(
+        slurm,
+        steps,
+        command=agent_command(slurm.out, "--max-restarts", "1", train=("--crash-rank", "1", "--crash-epoch", "3")),
+    )
     assert step.wait(timeout=240) == 0, step.output()[-3000:]
     result = step.result()
     assert result["world_size"] == 2 and result["restart_count"] == 1 and result["resumed_from"] == 2
@@ -105,8 +131,9 @@ def test_a_failed_worker_restarts_the_group_on_the_same_nodes(slurm, steps):
 
 
 def test_several_tasks_per_node_is_a_one_line_error(slurm, steps):
-    step = Step(slurm, ("-N1", "--ntasks-per-node=2"),
-                [sys.executable, "-m", "fsm_agent", "run", "examples/train_digits.py"])
+    step = Step(
+        slurm, ("-N1", "--ntasks-per-node=2"), [sys.executable, "-m", "fsm_agent", "run", "examples/train_digits.py"]
+    )
     steps.append(step)
     assert step.wait(timeout=120) == 2
     errors = [line for line in step.output().splitlines() if line.startswith("fsm-agent: error:")]
@@ -141,8 +168,12 @@ def test_a_lost_node_is_survived_with_no_kill(slurm, steps):
     on node1, whose agent re-rendezvouses alone (--nnodes 1:2) and finishes the training, after
     Slurm has declared node2 down (SlurmdTimeout)."""
     stop = slurm.out / "stop"
-    step = srun(slurm, steps, "--no-kill", command=agent_command(slurm.out, "--nnodes", "1:2", epochs=100000,
-                                                                 train=("--stop-file", str(stop))))
+    step = srun(
+        slurm,
+        steps,
+        "--no-kill",
+        command=agent_command(slurm.out, "--nnodes", "1:2", epochs=100000, train=("--stop-file", str(stop))),
+    )
     step.wait_for("epoch 3/", timeout=180)
     slurm.kill_node(2)
     assert wait_until(lambda: node_down(slurm, 2), timeout=90, interval=0.5), "Slurm did not see node2 fail"
@@ -170,22 +201,31 @@ def test_train_sbatch_checkpoints_on_usr1_and_resumes_after_preemption_and_reque
     script requeues the job, and the requeued job resumes from the checkpoint under a new run id."""
     started = time.monotonic()
     log = slurm.out / "train.out"
-    job = slurm.sbatch("--output", str(log), "examples/slurm/train.sbatch", "--epochs", "40",
-                       "--result-file", str(slurm.out / "result.json"),
-                       env={"CHECKPOINT": str(slurm.out / "ckpt.pt"), "PYTHON": sys.executable})
+    job = slurm.sbatch(
+        "--output",
+        str(log),
+        "examples/slurm/train.sbatch",
+        "--epochs",
+        "40",
+        "--result-file",
+        str(slurm.out / "result.json"),
+        env={"CHECKPOINT": str(slurm.out / "ckpt.pt"), "PYTHON": sys.executable},
+    )
 
     def text() -> str:
         return log.read_text(errors="replace") if log.exists() else ""
 
     def wait_text(needle: str, timeout: float) -> None:
-        assert wait_until(lambda: needle in text(), timeout=timeout, interval=0.2), \
+        assert wait_until(lambda: needle in text(), timeout=timeout, interval=0.2), (
             f"no {needle!r} in the job's output within {timeout}s:\n{text()[-3000:]}"
+        )
 
     wait_text("epoch 2/", timeout=180)
     slurm.run("scancel", "--signal=USR1", "--batch", str(job))
     wait_text("[rank 0] checkpoint saved on SIGUSR1", timeout=60)
-    urgent = slurm.sbatch("-p", "urgent", "-N2", "--exclusive", "--output", str(slurm.out / "urgent.out"),
-                          "--wrap", "hostname")
+    urgent = slurm.sbatch(
+        "-p", "urgent", "-N2", "--exclusive", "--output", str(slurm.out / "urgent.out"), "--wrap", "hostname"
+    )
     info = slurm.wait_job(job, ("PENDING",), timeout=120)
     assert info["Restarts"] == "1", info
     assert "[rank 0] checkpoint saved on SIGTERM" in text() and "fsm-digits: requeueing" in text()
@@ -207,8 +247,10 @@ def test_salloc_shell_is_not_a_step_and_srun_inside_it_is_discovered(slurm):
     """``fsm-agent config`` in salloc's shell discovers nothing (no job step); in an srun step of the
     same allocation each node's values come from Slurm, with source ``slurm``."""
     config = f"{sys.executable} -m fsm_agent config --json"
-    script = (f"{config} > {slurm.out}/shell.json && "
-              f"srun --ntasks-per-node=1 bash -c '{config} > {slurm.out}/step.$SLURM_NODEID.json'")
+    script = (
+        f"{config} > {slurm.out}/shell.json && "
+        f"srun --ntasks-per-node=1 bash -c '{config} > {slurm.out}/step.$SLURM_NODEID.json'"
+    )
     done = slurm.run("salloc", "-N2", "bash", "-c", script, timeout=120)
     shell = json.loads((slurm.out / "shell.json").read_text())["values"]
     assert shell["nnodes"]["source"] == "default" and shell["rendezvous.node_rank"]["source"] == "default", done.stderr

@@ -21,10 +21,18 @@ from fsm_agent.scheduler import discover
 
 #: What srun gives task 1 of ``srun -N4 --gres=gpu:4`` in job 1234's step 0.
 STEP = {
-    "SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_NODEID": "1", "SLURM_PROCID": "1",
-    "SLURM_STEP_NUM_NODES": "4", "SLURM_NNODES": "4", "SLURM_JOB_NUM_NODES": "5",
-    "SLURM_STEP_NODELIST": "gpu[01-03,07]", "SLURM_JOB_NODELIST": "gpu[01-03,07,09]",
-    "SLURM_STEP_TASKS_PER_NODE": "1(x4)", "SLURM_STEP_GPUS": "0,1,2,3", "SLURM_GPUS_ON_NODE": "4",
+    "SLURM_JOB_ID": "1234",
+    "SLURM_STEP_ID": "0",
+    "SLURM_NODEID": "1",
+    "SLURM_PROCID": "1",
+    "SLURM_STEP_NUM_NODES": "4",
+    "SLURM_NNODES": "4",
+    "SLURM_JOB_NUM_NODES": "5",
+    "SLURM_STEP_NODELIST": "gpu[01-03,07]",
+    "SLURM_JOB_NODELIST": "gpu[01-03,07,09]",
+    "SLURM_STEP_TASKS_PER_NODE": "1(x4)",
+    "SLURM_STEP_GPUS": "0,1,2,3",
+    "SLURM_GPUS_ON_NODE": "4",
 }
 #: The batch script's own shell of the same job: no step variables.
 BATCH = {k: v for k, v in STEP.items() if not k.startswith("SLURM_STEP")}
@@ -93,8 +101,13 @@ def test_what_the_user_gives_wins_over_discovery(monkeypatch, tmp_path, source):
         path.write_text('nnodes = "1:4"\n[rendezvous]\nrun_id = "mine"\nnode_rank = 3\nendpoint = "h:1"\n')
         flags = ("--config", str(path))
     config, sources = resolved(monkeypatch, STEP, *flags)
-    assert (config.min_nodes, config.max_nodes, config.run_id, config.node_rank, config.rdzv_endpoint) == \
-        (1, 4, "mine", 3, "h:1")
+    assert (config.min_nodes, config.max_nodes, config.run_id, config.node_rank, config.rdzv_endpoint) == (
+        1,
+        4,
+        "mine",
+        3,
+        "h:1",
+    )
     assert sources["rendezvous.run_id"].kind == {"fsm_env": "env", "pet_env": "env"}.get(source, source)
     assert config.rdzv_backend == "fsm" and sources["rendezvous.backend"].kind == "slurm"  # still unset: filled
 
@@ -119,8 +132,11 @@ def test_scheduler_none_and_an_unknown_name(monkeypatch):
 
 def test_several_tasks_per_node_is_one_line_unless_the_user_set_the_node_identity(monkeypatch):
     env = {**STEP, "SLURM_STEP_TASKS_PER_NODE": "8(x4)"}
-    with pytest.raises(ConfigError, match=r"^Slurm started 8 fsm-agent tasks on this node "
-                                          r"\(SLURM_STEP_TASKS_PER_NODE=8\(x4\)\).*one task per node") as info:
+    with pytest.raises(
+        ConfigError,
+        match=r"^Slurm started 8 fsm-agent tasks on this node "
+        r"\(SLURM_STEP_TASKS_PER_NODE=8\(x4\)\).*one task per node",
+    ) as info:
         resolved(monkeypatch, env)
     assert "\n" not in str(info.value)
     # one launcher per GPU, set up by the user: kept (the endpoint and run id are still discovered)
@@ -133,8 +149,10 @@ def test_a_malformed_hostlist_is_one_line_naming_the_variable(monkeypatch):
         resolved(monkeypatch, {**STEP, "SLURM_STEP_NODELIST": "gpu[01-"})
 
 
-@pytest.mark.parametrize("expression, first", [("n1", "n1"), ("node[1-2]", "node1"), ("a[09-11],b7", "a09"),
-                                               ("rack1-[3,5]-gpu[2-3]", "rack1-3-gpu2")])
+@pytest.mark.parametrize(
+    "expression, first",
+    [("n1", "n1"), ("node[1-2]", "node1"), ("a[09-11],b7", "a09"), ("rack1-[3,5]-gpu[2-3]", "rack1-3-gpu2")],
+)
 def test_hostlist_expressions(expression, first):
     job = discover_slurm({**STEP, "SLURM_STEP_NODELIST": expression})
     assert job.values["rendezvous.endpoint"] == f"{first}:{PORT}"
@@ -151,8 +169,14 @@ def test_the_plugin_is_a_scheduler_plugin():
 def test_fsm_agent_config_shows_the_slurm_source(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_", "FSM_AGENT_"))}
     env.update(STEP)
-    out = subprocess.run([sys.executable, "-m", "fsm_agent", "config", "--json"], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "fsm_agent", "config", "--json"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     values = json.loads(out.stdout)["values"]
     assert values["rendezvous.node_rank"] == {"value": 1, "source": "slurm SLURM_NODEID"}

@@ -32,16 +32,27 @@ def test_real_table_passes_every_check():
     assert checks.check_all(TRANSITIONS, ElasticAgent) == []
 
 
-@pytest.mark.parametrize("check", [
-    lambda table: checks.check_states_declared(table),
-    lambda table: checks.check_reachable(table),
-    lambda table: checks.check_can_terminate(table),
-    lambda table: checks.check_terminal_absorbing(table),
-    lambda table: checks.check_callbacks_resolve(table, ElasticAgent),
-    lambda table: checks.check_triggers_bindable(table, ElasticAgent),
-    lambda table: checks.check_deterministic(table),
-], ids=["declared", "reachable", "can_terminate", "terminal_absorbing", "callbacks_resolve",
-        "triggers_bindable", "deterministic"])
+@pytest.mark.parametrize(
+    "check",
+    [
+        lambda table: checks.check_states_declared(table),
+        lambda table: checks.check_reachable(table),
+        lambda table: checks.check_can_terminate(table),
+        lambda table: checks.check_terminal_absorbing(table),
+        lambda table: checks.check_callbacks_resolve(table, ElasticAgent),
+        lambda table: checks.check_triggers_bindable(table, ElasticAgent),
+        lambda table: checks.check_deterministic(table),
+    ],
+    ids=[
+        "declared",
+        "reachable",
+        "can_terminate",
+        "terminal_absorbing",
+        "callbacks_resolve",
+        "triggers_bindable",
+        "deterministic",
+    ],
+)
 def test_each_check_passes_on_the_real_table(check):
     assert check(TRANSITIONS) == []
 
@@ -65,8 +76,7 @@ def test_undeclared_state_is_reported():
 
 def test_unreachable_state_is_reported():
     broken = without("health_check_failed", without("workers_hung"))  # nothing enters UNHEALTHY any more
-    assert checks.check_reachable(broken) == [
-        "state UNHEALTHY is unreachable from INIT: no chain of rows leads to it"]
+    assert checks.check_reachable(broken) == ["state UNHEALTHY is unreachable from INIT: no chain of rows leads to it"]
 
 
 def test_trap_state_is_reported():
@@ -78,8 +88,10 @@ def test_trap_state_is_reported():
         dict(trigger="stop_requested", source=[S.INIT, S.STOPPED], dest=S.FAILED),
     ]
     problems = checks.check_can_terminate(broken)
-    assert problems == [f"state {name} cannot reach SUCCEEDED or FAILED: a run entering it never ends"
-                        for name in ("HEALTHY", "UNHEALTHY")]
+    assert problems == [
+        f"state {name} cannot reach SUCCEEDED or FAILED: a run entering it never ends"
+        for name in ("HEALTHY", "UNHEALTHY")
+    ]
 
 
 def test_unknown_alone_does_not_count_as_an_outcome():
@@ -98,8 +110,7 @@ def test_exit_from_a_terminal_state_is_reported():
 def test_wildcard_source_leaves_every_terminal_state():
     broken = replaced("agent_errored", source="*")
     problems = checks.check_terminal_absorbing(broken)
-    assert [p.rsplit("terminal state ", 1)[1].split(";")[0] for p in problems] == [
-        "UNKNOWN", "SUCCEEDED", "FAILED"]
+    assert [p.rsplit("terminal state ", 1)[1].split(";")[0] for p in problems] == ["UNKNOWN", "SUCCEEDED", "FAILED"]
 
 
 def test_misspelled_callback_is_reported():
@@ -131,32 +142,41 @@ def test_trigger_shadowed_by_a_model_attribute_is_reported():
     assert len(problems) == 1 and "trigger 'run' is already an attribute of ElasticAgent" in problems[0]
 
 
-@pytest.mark.parametrize("broken, expected", [
-    pytest.param(
-        [*TRANSITIONS, dict(trigger="health_check_failed", source=S.HEALTHY, dest=S.FAILED)],
-        "HEALTHY --health_check_failed--> is ambiguous when always",
-        id="two-unguarded-rows"),
-    pytest.param(
-        [*TRANSITIONS, dict(trigger="workers_failed", source=S.UNHEALTHY, dest=S.FAILED)],
-        "UNHEALTHY --workers_failed--> is ambiguous when excludes_this_node=True, has_restarts_left=True",
-        id="unguarded-row-beside-guarded-rows"),
-    pytest.param(
-        replaced("workers_failed", conditions="has_restarts_left", unless=None),
-        "HEALTHY --workers_failed--> is ambiguous when has_restarts_left=True",
-        id="same-guard-twice"),
-    pytest.param(
-        [row for row in TRANSITIONS if not (row["trigger"] == "workers_failed" and "unless" in row)],
-        "HEALTHY --workers_failed--> has no enabled row when has_restarts_left=False",
-        id="guard-without-its-complement"),
-])
+@pytest.mark.parametrize(
+    "broken, expected",
+    [
+        pytest.param(
+            [*TRANSITIONS, dict(trigger="health_check_failed", source=S.HEALTHY, dest=S.FAILED)],
+            "HEALTHY --health_check_failed--> is ambiguous when always",
+            id="two-unguarded-rows",
+        ),
+        pytest.param(
+            [*TRANSITIONS, dict(trigger="workers_failed", source=S.UNHEALTHY, dest=S.FAILED)],
+            "UNHEALTHY --workers_failed--> is ambiguous when excludes_this_node=True, has_restarts_left=True",
+            id="unguarded-row-beside-guarded-rows",
+        ),
+        pytest.param(
+            replaced("workers_failed", conditions="has_restarts_left", unless=None),
+            "HEALTHY --workers_failed--> is ambiguous when has_restarts_left=True",
+            id="same-guard-twice",
+        ),
+        pytest.param(
+            [row for row in TRANSITIONS if not (row["trigger"] == "workers_failed" and "unless" in row)],
+            "HEALTHY --workers_failed--> has no enabled row when has_restarts_left=False",
+            id="guard-without-its-complement",
+        ),
+    ],
+)
 def test_nondeterministic_rows_are_reported(broken, expected):
     problems = checks.check_deterministic(broken)
     assert any(p.startswith(expected) for p in problems), problems
 
 
 def test_check_all_collects_every_problem():
-    broken = [*replaced("membership_changed", before="_stop_wrokers"),
-              dict(trigger="restart", source=S.FAILED, dest=S.HEALTHY)]
+    broken = [
+        *replaced("membership_changed", before="_stop_wrokers"),
+        dict(trigger="restart", source=S.FAILED, dest=S.HEALTHY),
+    ]
     problems = checks.check_all(broken, ElasticAgent)
     assert any("_stop_wrokers" in p for p in problems)
     assert any("leaves terminal state FAILED" in p for p in problems)
@@ -180,8 +200,11 @@ def test_rows_of_one_trigger_that_decide_differently_are_caught():
 
 def test_the_deciding_triggers_decide_in_their_rows():
     """The restart decision is in the table: every row whose guards read it names its prepare step."""
-    deciding = [row for row in TRANSITIONS if {"has_restarts_left", "excludes_this_node"} & {
-        *checks._as_list(row.get("conditions")), *checks._as_list(row.get("unless"))}]
+    deciding = [
+        row
+        for row in TRANSITIONS
+        if {"has_restarts_left", "excludes_this_node"}
+        & {*checks._as_list(row.get("conditions")), *checks._as_list(row.get("unless"))}
+    ]
     assert {row["trigger"] for row in deciding} == {"workers_failed", "membership_changed"}
-    assert all(row.get("prepare") in ("_decide_on_failed_workers", "_decide_on_membership_change")
-               for row in deciding)
+    assert all(row.get("prepare") in ("_decide_on_failed_workers", "_decide_on_membership_change") for row in deciding)

@@ -34,8 +34,7 @@ INSTALL_HINT = "run .ci/install-mermaid.sh (needs node >= 20 and npm)"
 
 def modified_table() -> list[dict]:
     """A copy of the real table where a failed health check ends the run instead of failing the workers."""
-    return [dict(row, dest=S.FAILED) if row["trigger"] == "health_check_failed" else dict(row)
-            for row in TRANSITIONS]
+    return [dict(row, dest=S.FAILED) if row["trigger"] == "health_check_failed" else dict(row) for row in TRANSITIONS]
 
 
 def mermaid_block(markdown: str) -> str:
@@ -51,11 +50,20 @@ def doc_drift(actual: bytes, expected: str) -> str | None:
     """None when the doc's bytes are ``expected``; otherwise the failure message, with a diff."""
     if actual == expected.encode("utf-8"):
         return None
-    diff = "".join(list(difflib.unified_diff(
-        actual.decode("utf-8", errors="replace").splitlines(keepends=True),
-        expected.splitlines(keepends=True), "docs/statechart.md", "render('markdown')"))[:40])
-    return (f"docs/statechart.md is out of date with fsm_agent/states/table.py; regenerate it with:\n"
-            f"    {REGENERATE_COMMAND}\n{diff}")
+    diff = "".join(
+        list(
+            difflib.unified_diff(
+                actual.decode("utf-8", errors="replace").splitlines(keepends=True),
+                expected.splitlines(keepends=True),
+                "docs/statechart.md",
+                "render('markdown')",
+            )
+        )[:40]
+    )
+    return (
+        f"docs/statechart.md is out of date with fsm_agent/states/table.py; regenerate it with:\n"
+        f"    {REGENERATE_COMMAND}\n{diff}"
+    )
 
 
 def test_doc_matches_the_renderer_byte_for_byte():
@@ -98,8 +106,7 @@ def test_doc_says_how_to_regenerate_it():
 
 def test_doc_has_one_table_line_per_row():
     doc = render("markdown")
-    header = ("| Source(s) | Trigger | Destination | Guard | Steps | Hooks fired |\n"
-              "|---|---|---|---|---|---|\n")
+    header = "| Source(s) | Trigger | Destination | Guard | Steps | Hooks fired |\n|---|---|---|---|---|---|\n"
     lines = doc.split(header)[1].split("\n\n")[0].splitlines()
     assert [line.split(" | ")[1] for line in lines] == [f"`{row['trigger']}`" for row in TRANSITIONS]
     cells = {(c[1], c[2]): c for c in (line.strip("|").split(" | ") for line in lines)}
@@ -112,7 +119,8 @@ def test_doc_has_one_table_line_per_row():
     assert cells["`start`", "HEALTHY"][5].strip() == (
         "`fsm_agent_rendezvous_completed`, `fsm_agent_worker_env`, `fsm_agent_workers_started`, "
         "`fsm_agent_put_metric`, `fsm_agent_record_event`, "  # the launcher's own timings, when it reports them
-        "`fsm_agent_state_changed`, `fsm_agent_record_event`, `fsm_agent_put_metric`")
+        "`fsm_agent_state_changed`, `fsm_agent_record_event`, `fsm_agent_put_metric`"
+    )
 
 
 # -- the Mermaid text ----------------------------------------------------------------------------
@@ -147,8 +155,14 @@ def parse_with_mermaid(texts: dict[str, str]) -> dict[str, dict]:
         if _truthy_env("CI"):
             pytest.fail(f"CI is set but the {reason}", pytrace=False)
         pytest.skip(reason)
-    proc = subprocess.run([node, str(PARSER), "--batch"], input=json.dumps(texts), capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "MERMAID_NODE_PREFIX": str(NODE_PREFIX)})
+    proc = subprocess.run(
+        [node, str(PARSER), "--batch"],
+        input=json.dumps(texts),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MERMAID_NODE_PREFIX": str(NODE_PREFIX)},
+    )
     assert proc.returncode == 0, f"{PARSER.name} exited {proc.returncode}: {proc.stderr.strip()}"
     return json.loads(proc.stdout)
 
@@ -157,12 +171,14 @@ def parse_with_mermaid(texts: dict[str, str]) -> dict[str, dict]:
 def mermaid_results() -> dict[str, dict]:
     """The parser's verdicts on the rendered diagram, the doc's block, and two broken variants."""
     text = render("mermaid")
-    return parse_with_mermaid({
-        "rendered": text,
-        "doc": mermaid_block(DOC.read_text(encoding="utf-8")),
-        "broken_transition": text.replace("INIT --> HEALTHY: start", "INIT --> : start"),
-        "broken_front_matter": text.replace("title: ", "title: [", 1),
-    })
+    return parse_with_mermaid(
+        {
+            "rendered": text,
+            "doc": mermaid_block(DOC.read_text(encoding="utf-8")),
+            "broken_transition": text.replace("INIT --> HEALTHY: start", "INIT --> : start"),
+            "broken_front_matter": text.replace("title: ", "title: [", 1),
+        }
+    )
 
 
 def test_mermaid_parses_with_the_real_parser(mermaid_results):
@@ -187,8 +203,10 @@ def test_json_lists_states_and_transitions():
     assert len(doc["transitions"]) == len(TRANSITIONS)
     failed = [t for t in doc["transitions"] if t["trigger"] == "workers_failed"]
     assert [(t["dest"], t["conditions"], t["unless"]) for t in failed] == [
-        ("STOPPED", ["has_restarts_left"], []), ("FAILED", ["excludes_this_node"], ["has_restarts_left"]),
-        ("FAILED", [], ["has_restarts_left", "excludes_this_node"])]
+        ("STOPPED", ["has_restarts_left"], []),
+        ("FAILED", ["excludes_this_node"], ["has_restarts_left"]),
+        ("FAILED", [], ["has_restarts_left", "excludes_this_node"]),
+    ]
 
 
 def test_unknown_format_is_refused():
@@ -217,8 +235,13 @@ def test_fsm_agent_statechart_command(capsys):
 
 
 def test_python_dash_m_regenerates_the_doc():
-    proc = subprocess.run([sys.executable, "-m", "fsm_agent.states.statechart", "--format", "markdown"],
-                          capture_output=True, text=True, check=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsm_agent.states.statechart", "--format", "markdown"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     assert proc.stdout == render("markdown")
 
 
@@ -232,16 +255,20 @@ def test_hook_map_agrees_with_the_hookspecs_called_from():
 def test_hook_map_cross_check_catches_a_stale_entry(monkeypatch):
     monkeypatch.setitem(statechart.HOOKS_BY_STEP, "_stop_workers", ("fsm_agent_workers_started",))
     problems = statechart.hook_map_problems()
-    assert any(p.startswith("fsm_agent_workers_started: HOOKS_BY_STEP says it is fired by "
-                            "['_start_workers', '_stop_workers']") for p in problems), problems
+    assert any(
+        p.startswith("fsm_agent_workers_started: HOOKS_BY_STEP says it is fired by ['_start_workers', '_stop_workers']")
+        for p in problems
+    ), problems
 
 
 def test_hook_map_cross_check_catches_a_step_on_a_new_row():
-    table = [*TRANSITIONS, dict(trigger="workers_hung", source=S.UNHEALTHY, dest=S.HEALTHY,
-                                before="_rendezvous")]
+    table = [*TRANSITIONS, dict(trigger="workers_hung", source=S.UNHEALTHY, dest=S.HEALTHY, before="_rendezvous")]
     problems = statechart.hook_map_problems(table)
-    assert any("'Called from:' names transitions ['restart', 'start'], but the rows running "
-               "['_rendezvous'] are ['restart', 'start', 'workers_hung']" in p for p in problems), problems
+    assert any(
+        "'Called from:' names transitions ['restart', 'start'], but the rows running "
+        "['_rendezvous'] are ['restart', 'start', 'workers_hung']" in p
+        for p in problems
+    ), problems
 
 
 def test_a_step_missing_from_the_hook_map_is_an_error():
@@ -268,7 +295,8 @@ def _hooks_in_source(method_name: str, seen: set[str] | None = None) -> set[str]
 def test_hook_map_agrees_with_the_agent_code(step):
     assert _hooks_in_source(step) == set(statechart.HOOKS_BY_STEP[step]), (
         f"ElasticAgent.{step} fires other hooks than HOOKS_BY_STEP[{step!r}] says: update "
-        f"fsm_agent/states/statechart.py, then {REGENERATE_COMMAND}")
+        f"fsm_agent/states/statechart.py, then {REGENERATE_COMMAND}"
+    )
 
 
 def test_after_every_transition_hooks_agree_with_the_agent_code():

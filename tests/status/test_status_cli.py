@@ -16,17 +16,57 @@ from fsm_agent import cli, status_cli
 from fsm_agent.errors import ConfigError
 
 DOC = {
-    "state": "HEALTHY", "time_in_state_s": 2.5, "state_since": 0, "restart_count": 1, "max_restarts": 3,
-    "remaining_restarts": 2, "rendezvous_round": 2,
-    "membership": {"run_id": "job", "role": "default", "rdzv_backend": "c10d", "rdzv_endpoint": "h:1",
-                   "min_nodes": 1, "max_nodes": 2, "local_world_size": 2, "group_rank": 0, "group_world_size": 1,
-                   "master_addr": "h", "master_port": 1234},
-    "workers": [{"local_rank": 0, "global_rank": 0, "role_rank": 0, "world_size": 2, "pid": 4242,
-                 "state": "running", "exit_code": None},
-                {"local_rank": 1, "global_rank": 1, "role_rank": 1, "world_size": 2, "pid": 4343,
-                 "state": "failed", "exit_code": 3}],
-    "transitions": [{"source": "HEALTHY", "dest": "STOPPED", "trigger": "workers_failed", "ts": 1.0e9,
-                     "restart_count": 1, "duration_s": 1.5, "error": None}],
+    "state": "HEALTHY",
+    "time_in_state_s": 2.5,
+    "state_since": 0,
+    "restart_count": 1,
+    "max_restarts": 3,
+    "remaining_restarts": 2,
+    "rendezvous_round": 2,
+    "membership": {
+        "run_id": "job",
+        "role": "default",
+        "rdzv_backend": "c10d",
+        "rdzv_endpoint": "h:1",
+        "min_nodes": 1,
+        "max_nodes": 2,
+        "local_world_size": 2,
+        "group_rank": 0,
+        "group_world_size": 1,
+        "master_addr": "h",
+        "master_port": 1234,
+    },
+    "workers": [
+        {
+            "local_rank": 0,
+            "global_rank": 0,
+            "role_rank": 0,
+            "world_size": 2,
+            "pid": 4242,
+            "state": "running",
+            "exit_code": None,
+        },
+        {
+            "local_rank": 1,
+            "global_rank": 1,
+            "role_rank": 1,
+            "world_size": 2,
+            "pid": 4343,
+            "state": "failed",
+            "exit_code": 3,
+        },
+    ],
+    "transitions": [
+        {
+            "source": "HEALTHY",
+            "dest": "STOPPED",
+            "trigger": "workers_failed",
+            "ts": 1.0e9,
+            "restart_count": 1,
+            "duration_s": 1.5,
+            "error": None,
+        }
+    ],
     "transitions_total": 3,
     "agent": {"pid": 99, "node": "n", "entrypoint": "train.py", "uptime_s": 9.0},
 }
@@ -63,14 +103,17 @@ def run(capsys, *argv):
     return exc.value.code, out, err
 
 
-@pytest.mark.parametrize("given,expected", [
-    ("8600", "http://127.0.0.1:8600/status"),
-    (":8600", "http://127.0.0.1:8600/status"),
-    ("127.0.0.1:8600", "http://127.0.0.1:8600/status"),
-    ("http://127.0.0.1:8600", "http://127.0.0.1:8600/status"),
-    ("http://127.0.0.1:8600/", "http://127.0.0.1:8600/status"),
-    ("http://127.0.0.1:8600/status?transitions=5", "http://127.0.0.1:8600/status?transitions=5"),
-])
+@pytest.mark.parametrize(
+    "given,expected",
+    [
+        ("8600", "http://127.0.0.1:8600/status"),
+        (":8600", "http://127.0.0.1:8600/status"),
+        ("127.0.0.1:8600", "http://127.0.0.1:8600/status"),
+        ("http://127.0.0.1:8600", "http://127.0.0.1:8600/status"),
+        ("http://127.0.0.1:8600/", "http://127.0.0.1:8600/status"),
+        ("http://127.0.0.1:8600/status?transitions=5", "http://127.0.0.1:8600/status?transitions=5"),
+    ],
+)
 def test_url_forms(given, expected):
     assert status_cli.status_url(given) == expected
 
@@ -102,11 +145,36 @@ def test_plain_rendering_without_rich():
 
 def test_the_step_times_are_a_table_with_the_median_and_each_ratio():
     """``step_times`` (plugin ``straggler``): a titled table, the straggler marked; absent: none."""
-    doc = {**DOC, "step_times": {"window_s": 1.0, "factor": 1.5, "windows": 3, "median_s": 0.05, "stragglers": [],
-                                 "ranks": [{"global_rank": 0, "local_rank": 0, "node_rank": 0, "host": "n1",
-                                            "step_time_s": 0.05, "ratio": 1.0, "straggler": False},
-                                           {"global_rank": 1, "local_rank": 1, "node_rank": 0, "host": "n1",
-                                            "step_time_s": 0.2, "ratio": 4.0, "straggler": True}]}}
+    doc = {
+        **DOC,
+        "step_times": {
+            "window_s": 1.0,
+            "factor": 1.5,
+            "windows": 3,
+            "median_s": 0.05,
+            "stragglers": [],
+            "ranks": [
+                {
+                    "global_rank": 0,
+                    "local_rank": 0,
+                    "node_rank": 0,
+                    "host": "n1",
+                    "step_time_s": 0.05,
+                    "ratio": 1.0,
+                    "straggler": False,
+                },
+                {
+                    "global_rank": 1,
+                    "local_rank": 1,
+                    "node_rank": 0,
+                    "host": "n1",
+                    "step_time_s": 0.2,
+                    "ratio": 4.0,
+                    "straggler": True,
+                },
+            ],
+        },
+    }
     text = status_cli.render_plain(doc, "http://x/status")
     assert "step times (job median step time 0.0500s; straggler above 1.5x for 3 windows)" in text
     assert text.splitlines()[-1].split() == ["1", "1", "0", "n1", "0.2000s", "4.00x", "yes"]
@@ -120,11 +188,31 @@ def test_the_step_times_are_a_table_with_the_median_and_each_ratio():
 
 
 def test_the_restart_cycles_are_a_table():
-    doc = {**DOC, "cycles": [
-        {"attempt": 0, "start": 1.0e9, "end": 1.0e9 + 5, "last_step": 15, "checkpoint_step": 10,
-         "failure_class": "exit_code", "progress": True, "no_progress_cycles": 0},
-        {"attempt": 1, "start": 1.0e9 + 6, "end": 1.0e9 + 9, "last_step": 15, "checkpoint_step": 10,
-         "failure_class": "exit_code", "progress": False, "no_progress_cycles": 1}]}
+    doc = {
+        **DOC,
+        "cycles": [
+            {
+                "attempt": 0,
+                "start": 1.0e9,
+                "end": 1.0e9 + 5,
+                "last_step": 15,
+                "checkpoint_step": 10,
+                "failure_class": "exit_code",
+                "progress": True,
+                "no_progress_cycles": 0,
+            },
+            {
+                "attempt": 1,
+                "start": 1.0e9 + 6,
+                "end": 1.0e9 + 9,
+                "last_step": 15,
+                "checkpoint_step": 10,
+                "failure_class": "exit_code",
+                "progress": False,
+                "no_progress_cycles": 1,
+            },
+        ],
+    }
     text = status_cli.render_plain(doc, "http://x/status")
     assert "cycles" in text.splitlines()
     rows = [line.split() for line in text.splitlines()]
@@ -155,8 +243,10 @@ def test_not_a_status_endpoint(stub, capsys):
     assert code == 1 and "HTTP 404" in err
 
 
-@pytest.mark.parametrize("argv,message", [(["--interval", "0", "1"], "expected seconds > 0"),
-                                          ([], "the following arguments are required: url")])
+@pytest.mark.parametrize(
+    "argv,message",
+    [(["--interval", "0", "1"], "expected seconds > 0"), ([], "the following arguments are required: url")],
+)
 def test_usage_errors(capsys, argv, message):
     code, _, err = run(capsys, *argv)
     assert code == 2 and message in err and err.count("\n") == 1

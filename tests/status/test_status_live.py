@@ -37,8 +37,12 @@ def running(url: str, restart_count: int):
     ``restart_count`` restarts; None before."""
     doc = get_json(url)
     workers = doc["workers"]
-    if (doc["state"] == "HEALTHY" and doc["restart_count"] == restart_count and len(workers) == 2
-            and all(w["state"] == "running" and w["pid"] for w in workers)):
+    if (
+        doc["state"] == "HEALTHY"
+        and doc["restart_count"] == restart_count
+        and len(workers) == 2
+        and all(w["state"] == "running" and w["pid"] for w in workers)
+    ):
         return doc
     return None
 
@@ -47,9 +51,20 @@ def test_status_during_a_real_run_and_after_a_crash(processes, tmp_path):
     (tmp_path / "worker.py").write_text(WORKER)
     stop = tmp_path / "stop"
     port = free_port()
-    agent = processes.start("run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
-                            "--status-port", str(port), "--log-dir", str(tmp_path / "logs"),
-                            "worker.py", str(stop))
+    agent = processes.start(
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--status-port",
+        str(port),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "worker.py",
+        str(stop),
+    )
     base = f"http://127.0.0.1:{port}"
     url = base + "/status"
 
@@ -79,8 +94,13 @@ def test_status_during_a_real_run_and_after_a_crash(processes, tmp_path):
     assert get(base + "/statechart")[2].rstrip().endswith("class HEALTHY current")
 
     # -- fsm-agent status URL shows the same
-    shown = subprocess.run([sys.executable, "-m", "fsm_agent", "status", f"127.0.0.1:{port}"],
-                           capture_output=True, text=True, timeout=60, env=subprocess_env())
+    shown = subprocess.run(
+        [sys.executable, "-m", "fsm_agent", "status", f"127.0.0.1:{port}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=subprocess_env(),
+    )
     assert shown.returncode == 0, shown.stderr
     assert "HEALTHY" in shown.stdout and "0 used, 2 left (max 2)" in shown.stdout
     assert endpoint in shown.stdout
@@ -94,10 +114,18 @@ def test_status_during_a_real_run_and_after_a_crash(processes, tmp_path):
     assert not alive(pids[0]) and not alive(pids[1])
     assert (doc["remaining_restarts"], doc["rendezvous_round"]) == (1, 2)
     assert [(t["source"], t["dest"], t["trigger"]) for t in doc["transitions"]] == [
-        ("INIT", "HEALTHY", "start"), ("HEALTHY", "STOPPED", "workers_failed"), ("STOPPED", "HEALTHY", "restart")]
+        ("INIT", "HEALTHY", "start"),
+        ("HEALTHY", "STOPPED", "workers_failed"),
+        ("STOPPED", "HEALTHY", "restart"),
+    ]
     assert doc["transitions"][1]["restart_count"] == 1
-    shown = subprocess.run([sys.executable, "-m", "fsm_agent", "status", "--json", base],
-                           capture_output=True, text=True, timeout=60, env=subprocess_env())
+    shown = subprocess.run(
+        [sys.executable, "-m", "fsm_agent", "status", "--json", base],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=subprocess_env(),
+    )
     assert '"restart_count": 1' in shown.stdout
 
     # -- the workers finish: the agent succeeds and the endpoint goes away with it

@@ -45,8 +45,7 @@ def test_off_unless_a_port_is_configured(make_agent, config):
 
 def test_status_follows_a_run_with_a_restart(make_agent):
     probe = Probe()
-    agent = make_agent(launcher=FakeLauncher([{1: 3}, "all_ok"]), max_restarts=2, config=STATUS_CONFIG,
-                       plugins=[probe])
+    agent = make_agent(launcher=FakeLauncher([{1: 3}, "all_ok"]), max_restarts=2, config=STATUS_CONFIG, plugins=[probe])
     status = server_of(agent)
     before = get_json(status.url + "/status")
     assert before["state"] == "INIT" and before["workers"] == [] and before["rendezvous_round"] == 0
@@ -64,8 +63,11 @@ def test_status_follows_a_run_with_a_restart(make_agent):
     assert [w["pid"] for w in second_healthy["workers"]] == [started[1].pids[r] for r in (0, 1)]
     assert [(w["state"], w["exit_code"]) for w in done["workers"]] == [("succeeded", 0), ("succeeded", 0)]
     assert [(t["source"], t["dest"], t["trigger"]) for t in done["transitions"]] == [
-        ("INIT", "HEALTHY", "start"), ("HEALTHY", "STOPPED", "workers_failed"),
-        ("STOPPED", "HEALTHY", "restart"), ("HEALTHY", "SUCCEEDED", "workers_succeeded")]
+        ("INIT", "HEALTHY", "start"),
+        ("HEALTHY", "STOPPED", "workers_failed"),
+        ("STOPPED", "HEALTHY", "restart"),
+        ("HEALTHY", "SUCCEEDED", "workers_succeeded"),
+    ]
     assert done["transitions_total"] == 4
     assert done["membership"]["group_rank"] == 0 and done["membership"]["group_world_size"] == 1
     assert done["membership"]["local_world_size"] == 2
@@ -82,8 +84,9 @@ def test_the_rendezvous_endpoint_is_the_bound_one(make_agent):
     /status shows that port, not port 0."""
     from fsm_agent.plugins.rendezvous_fsm import FsmRendezvousParameters, create_fsm_handler
 
-    handler = create_fsm_handler(FsmRendezvousParameters(backend="fsm", endpoint="127.0.0.1:0", run_id="job",
-                                                         min_nodes=1, max_nodes=1))
+    handler = create_fsm_handler(
+        FsmRendezvousParameters(backend="fsm", endpoint="127.0.0.1:0", run_id="job", min_nodes=1, max_nodes=1)
+    )
     probe = Probe()
     try:
         agent = make_agent(rendezvous=handler, config=STATUS_CONFIG, plugins=[probe])
@@ -159,8 +162,12 @@ def test_the_option_is_declared():
 
     option, *others = collect_options(get_plugin_manager(load_entry_points=False)).of("status-http")
     assert [o.name for o in others] == ["host", "token_file"]
-    assert (option.name, option.flag, option.env, option.default) == ("port", "--status-port",
-                                                                     "FSM_AGENT_STATUS_PORT", None)
+    assert (option.name, option.flag, option.env, option.default) == (
+        "port",
+        "--status-port",
+        "FSM_AGENT_STATUS_PORT",
+        None,
+    )
     assert option.from_string("0") == 0
     with pytest.raises(ValueError, match="expected a port number 0-65535"):
         option.from_string("65536")
@@ -185,9 +192,14 @@ def test_highlighted_chart_parses_with_mermaid(make_agent):
         texts = {"highlighted": status.statechart()}
     finally:
         status.close()
-    proc = subprocess.run([node, str(root / "tests" / "states" / "mermaid_parse.mjs"), "--batch"],
-                          input=json.dumps(texts), capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "MERMAID_NODE_PREFIX": str(prefix)})
+    proc = subprocess.run(
+        [node, str(root / "tests" / "states" / "mermaid_parse.mjs"), "--batch"],
+        input=json.dumps(texts),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MERMAID_NODE_PREFIX": str(prefix)},
+    )
     assert proc.returncode == 0, proc.stderr
     results = json.loads(proc.stdout)
     assert results["highlighted"] == {"diagramType": "stateDiagram"}
@@ -207,7 +219,9 @@ def test_status_shows_the_restart_cycles(make_agent):
     assert agent.run().exit_code == 0
     last = snapshots[-1]
     assert [(c["attempt"], c["failure_class"], c["last_step"], c["checkpoint_step"]) for c in last] == [
-        (0, "exit_code", None, None), (1, None, None, None)]
+        (0, "exit_code", None, None),
+        (1, None, None, None),
+    ]
     assert snapshots[0] == [] and len(snapshots[1]) == 1 and last[0]["start"] <= last[0]["end"]
 
 

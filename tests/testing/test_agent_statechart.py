@@ -20,8 +20,15 @@ from fsm_agent.states.worker_state import WorkerState
 from fsm_agent.testing import Scenario
 
 SIGTERM = signal.SIGTERM
-START_HOOKS = ["rendezvous_completed", "worker_env", "worker_env", "workers_started",
-               "state_changed", "record_event", "put_metric*3"]
+START_HOOKS = [
+    "rendezvous_completed",
+    "worker_env",
+    "worker_env",
+    "workers_started",
+    "state_changed",
+    "record_event",
+    "put_metric*3",
+]
 AFTER_HOOKS = ["state_changed", "record_event", "put_metric*3"]
 #: The ``cycle`` record of the steps that end a restart cycle (before their transition's hooks).
 CYCLE_HOOK = "record_event"
@@ -87,6 +94,7 @@ def _health_failures(run):
 # -- one case per way through the table ------------------------------------------------------------
 # (id, scenario, exact trace with triggers, extra check(run))
 
+
 def _drain_config(**options):
     from fsm_agent.config import LaunchConfig
 
@@ -103,6 +111,7 @@ def _drained(scope):
         assert "drained" in (run.result.verdict or ""), run.result
         # a node drain leaves the rendezvous open for the others; a job drain closes it
         assert run.rendezvous.shutdown_calls == (1 if scope == "job" else 0)
+
     return check
 
 
@@ -120,105 +129,241 @@ def _error_contains(*needles):
         assert run.result.state == WorkerState.UNKNOWN or run.result.state == WorkerState.FAILED
         for needle in needles:
             assert needle in (run.result.error or ""), run.result.error
+
     return check
 
 
 CASES = [
-    ("all_succeed", Scenario("all succeed"),
-     ["INIT->HEALTHY (start)", "HEALTHY->SUCCEEDED (workers_succeeded)"], _ok),
-    ("failure_restart_success", Scenario("worker 1 exits 1 -> restart -> all succeed", max_restarts=1),
-     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->HEALTHY (restart)",
-      "HEALTHY->SUCCEEDED (workers_succeeded)"], _ok),
-    ("failure_without_restarts", Scenario("worker 0 exits 3"),
-     ["INIT->HEALTHY (start)", "HEALTHY->FAILED (workers_failed)"],
-     lambda run: (run.result.exit_code == 3 and list(run.result.failures) == [0]) or pytest.fail(str(run.result))),
-    ("restarts_exhausted", Scenario("worker 0 exits 1 -> restart -> wait -> worker 1 exits 2", max_restarts=1),
-     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->HEALTHY (restart)",
-      "HEALTHY->FAILED (workers_failed)"],
-     lambda run: (run.result.restart_count == 1 and run.result.exit_code == 2) or pytest.fail(str(run.result))),
-    ("membership_changed", Scenario("node joins -> restart -> all succeed"),
-     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (membership_changed)", "STOPPED->HEALTHY (restart)",
-      "HEALTHY->SUCCEEDED (workers_succeeded)"],
-     lambda run: (run.result.restart_count == 0) or pytest.fail("a membership change spent a restart")),
-    ("node_lost", Scenario("wait -> node lost -> restart -> all succeed"),
-     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (membership_changed)", "STOPPED->HEALTHY (restart)",
-      "HEALTHY->SUCCEEDED (workers_succeeded)"],
-     lambda run: (run.result.restart_count == 0) or pytest.fail("a lost node spent a restart")),
-    ("node_lost_policy_gives_up",
-     Scenario("wait -> node lost", plugins=[PolicyOf("node_lost", restart=False, reason="no spare nodes")]),
-     ["INIT->HEALTHY (start)", "HEALTHY->FAILED (membership_changed)"],
-     lambda run: (run.result.error == "node_lost: no spare nodes" and run.result.verdict == "no spare nodes")
-     or pytest.fail(str(run.result))),
-    ("health_check_then_restart", Scenario("wait -> restart -> all succeed", max_restarts=1,
-                                           plugins=[FailingHealthCheck()]),
-     ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (health_check_failed)", "UNHEALTHY->STOPPED (workers_failed)",
-      "STOPPED->HEALTHY (restart)", "HEALTHY->SUCCEEDED (workers_succeeded)"], _ok),
-    ("health_check_excludes_this_node",
-     Scenario("wait", max_restarts=3, plugins=[FailingHealthCheck(),
-                                                PolicyOf("health_check", restart=False, exclude_node=True,
-                                                         reason="unhealthy: leaving the job")]),
-     ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (health_check_failed)", "UNHEALTHY->FAILED (workers_failed)"],
-     lambda run: (_health_failures(run), run.result.verdict == "unhealthy: leaving the job"
-                  and run.result.exit_code == 69 and run.rendezvous.shutdown_calls == 0
-                  or pytest.fail(str(run.result)))),
-    ("rendezvous_failed_in_init", Scenario("rendezvous times out"),
-     ["INIT->FAILED (rendezvous_failed)"], _error_contains("RendezvousTimeoutError", "backend=fake")),
-    ("rendezvous_failed_while_healthy",
-     Scenario().rendezvous(waiting_raises="connection").attempt("never"),
-     ["INIT->HEALTHY (start)", "HEALTHY->FAILED (rendezvous_failed)"],
-     _error_contains("RendezvousConnectionError")),
-    ("rendezvous_failed_on_restart", Scenario("worker 1 exits 1 -> restart -> rendezvous closed", max_restarts=1),
-     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->FAILED (rendezvous_failed)"],
-     _error_contains("RendezvousClosedError")),
-    ("rendezvous_not_needed_in_init", Scenario("rendezvous graceful exit"),
-     ["INIT->SUCCEEDED (rendezvous_not_needed)"], _ok),
-    ("rendezvous_not_needed_on_restart", Scenario("node joins -> restart -> rendezvous graceful exit"),
-     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (membership_changed)", "STOPPED->SUCCEEDED (rendezvous_not_needed)"],
-     _ok),
-    ("stop_requested_in_init", Scenario("SIGTERM during rendezvous"),
-     ["INIT->FAILED (stop_requested)"], _signalled),
-    ("stop_requested_while_healthy", Scenario("wait -> SIGTERM"),
-     ["INIT->HEALTHY (start)", "HEALTHY->FAILED (stop_requested)"], _signalled),
-    ("stop_requested_while_stopped",
-     Scenario("worker 1 exits 1 -> restart -> SIGTERM during rendezvous", max_restarts=1),
-     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->FAILED (stop_requested)"], _signalled),
-    ("drain_requested_while_healthy", Scenario("wait -> SIGUSR2", config=_drain_config()),
-     ["INIT->HEALTHY (start)", "HEALTHY->FAILED (drain_requested)"], _drained("node")),
-    ("job_drain_requested_while_healthy", Scenario("wait -> SIGUSR2", config=_drain_config(scope="job")),
-     ["INIT->HEALTHY (start)", "HEALTHY->FAILED (drain_requested)"], _drained("job")),
-    ("drain_requested_in_init", Scenario("all succeed", config=_drain_config(file=__file__)),
-     ["INIT->FAILED (drain_requested)"], _drained("node")),
-    ("drain_requested_during_the_first_rendezvous", Scenario("SIGUSR2 during rendezvous", config=_drain_config()),
-     ["INIT->FAILED (drain_requested)"], _drained("node")),
-    ("drain_requested_while_stopped",
-     Scenario("worker 1 exits 1 -> restart -> SIGUSR2 during rendezvous", max_restarts=1, config=_drain_config()),
-     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->FAILED (drain_requested)"],
-     _drained("node")),
-    ("agent_errored_in_init", Scenario("launcher fails to start"),
-     ["INIT->UNKNOWN (agent_errored)"], _error_contains("start failed in state INIT", "scripted start failure")),
-    ("agent_errored_plugin_in_init", Scenario("all succeed", plugins=[ListenerBoom()]),
-     ["INIT->UNKNOWN (agent_errored)"], _error_contains("plugin cannot compute the env")),
-    ("agent_errored_while_healthy", Scenario("worker 1 exits 1 and stop fails once"),
-     ["INIT->HEALTHY (start)", "HEALTHY->UNKNOWN (agent_errored)"],
-     _error_contains("workers_failed failed in state HEALTHY", "scripted stop failure")),
-    ("agent_errored_watching_workers",
-     Scenario().attempt("never", poll_raises=RuntimeError("launcher lost its workers")),
-     ["INIT->HEALTHY (start)", "HEALTHY->UNKNOWN (agent_errored)"],
-     _error_contains("watching the workers failed", "launcher lost its workers")),
-    ("hang_then_restart", Scenario("worker 1 hangs -> restart -> all succeed", max_restarts=1, hang_timeout=1),
-     ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (workers_hung)", "UNHEALTHY->STOPPED (workers_failed)",
-      "STOPPED->HEALTHY (restart)", "HEALTHY->SUCCEEDED (workers_succeeded)"], _ok),
-    ("hang_without_restarts", Scenario("worker 1 hangs", hang_timeout=1),
-     ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (workers_hung)", "UNHEALTHY->FAILED (workers_failed)"],
-     lambda run: ([f.failure_class for f in run.result.failures.values()] == ["hang"]) or pytest.fail(str(run.result))),
-    ("stop_requested_while_unhealthy", Scenario("worker 1 hangs -> SIGTERM", hang_timeout=1),
-     ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (workers_hung)", "UNHEALTHY->FAILED (stop_requested)"], _signalled),
-    ("agent_errored_while_unhealthy", Scenario("worker 1 hangs and stop fails once", hang_timeout=1),
-     ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (workers_hung)", "UNHEALTHY->UNKNOWN (agent_errored)"],
-     _error_contains("workers_failed failed in state UNHEALTHY", "scripted stop failure")),
-    ("agent_errored_on_restart", Scenario("worker 1 exits 1 -> restart -> launcher fails to start", max_restarts=1),
-     ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->UNKNOWN (agent_errored)"],
-     _error_contains("restart failed in state STOPPED")),
+    ("all_succeed", Scenario("all succeed"), ["INIT->HEALTHY (start)", "HEALTHY->SUCCEEDED (workers_succeeded)"], _ok),
+    (
+        "failure_restart_success",
+        Scenario("worker 1 exits 1 -> restart -> all succeed", max_restarts=1),
+        [
+            "INIT->HEALTHY (start)",
+            "HEALTHY->STOPPED (workers_failed)",
+            "STOPPED->HEALTHY (restart)",
+            "HEALTHY->SUCCEEDED (workers_succeeded)",
+        ],
+        _ok,
+    ),
+    (
+        "failure_without_restarts",
+        Scenario("worker 0 exits 3"),
+        ["INIT->HEALTHY (start)", "HEALTHY->FAILED (workers_failed)"],
+        lambda run: (run.result.exit_code == 3 and list(run.result.failures) == [0]) or pytest.fail(str(run.result)),
+    ),
+    (
+        "restarts_exhausted",
+        Scenario("worker 0 exits 1 -> restart -> wait -> worker 1 exits 2", max_restarts=1),
+        [
+            "INIT->HEALTHY (start)",
+            "HEALTHY->STOPPED (workers_failed)",
+            "STOPPED->HEALTHY (restart)",
+            "HEALTHY->FAILED (workers_failed)",
+        ],
+        lambda run: (run.result.restart_count == 1 and run.result.exit_code == 2) or pytest.fail(str(run.result)),
+    ),
+    (
+        "membership_changed",
+        Scenario("node joins -> restart -> all succeed"),
+        [
+            "INIT->HEALTHY (start)",
+            "HEALTHY->STOPPED (membership_changed)",
+            "STOPPED->HEALTHY (restart)",
+            "HEALTHY->SUCCEEDED (workers_succeeded)",
+        ],
+        lambda run: (run.result.restart_count == 0) or pytest.fail("a membership change spent a restart"),
+    ),
+    (
+        "node_lost",
+        Scenario("wait -> node lost -> restart -> all succeed"),
+        [
+            "INIT->HEALTHY (start)",
+            "HEALTHY->STOPPED (membership_changed)",
+            "STOPPED->HEALTHY (restart)",
+            "HEALTHY->SUCCEEDED (workers_succeeded)",
+        ],
+        lambda run: (run.result.restart_count == 0) or pytest.fail("a lost node spent a restart"),
+    ),
+    (
+        "node_lost_policy_gives_up",
+        Scenario("wait -> node lost", plugins=[PolicyOf("node_lost", restart=False, reason="no spare nodes")]),
+        ["INIT->HEALTHY (start)", "HEALTHY->FAILED (membership_changed)"],
+        lambda run: (
+            (run.result.error == "node_lost: no spare nodes" and run.result.verdict == "no spare nodes")
+            or pytest.fail(str(run.result))
+        ),
+    ),
+    (
+        "health_check_then_restart",
+        Scenario("wait -> restart -> all succeed", max_restarts=1, plugins=[FailingHealthCheck()]),
+        [
+            "INIT->HEALTHY (start)",
+            "HEALTHY->UNHEALTHY (health_check_failed)",
+            "UNHEALTHY->STOPPED (workers_failed)",
+            "STOPPED->HEALTHY (restart)",
+            "HEALTHY->SUCCEEDED (workers_succeeded)",
+        ],
+        _ok,
+    ),
+    (
+        "health_check_excludes_this_node",
+        Scenario(
+            "wait",
+            max_restarts=3,
+            plugins=[
+                FailingHealthCheck(),
+                PolicyOf("health_check", restart=False, exclude_node=True, reason="unhealthy: leaving the job"),
+            ],
+        ),
+        ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (health_check_failed)", "UNHEALTHY->FAILED (workers_failed)"],
+        lambda run: (
+            _health_failures(run),
+            run.result.verdict == "unhealthy: leaving the job"
+            and run.result.exit_code == 69
+            and run.rendezvous.shutdown_calls == 0
+            or pytest.fail(str(run.result)),
+        ),
+    ),
+    (
+        "rendezvous_failed_in_init",
+        Scenario("rendezvous times out"),
+        ["INIT->FAILED (rendezvous_failed)"],
+        _error_contains("RendezvousTimeoutError", "backend=fake"),
+    ),
+    (
+        "rendezvous_failed_while_healthy",
+        Scenario().rendezvous(waiting_raises="connection").attempt("never"),
+        ["INIT->HEALTHY (start)", "HEALTHY->FAILED (rendezvous_failed)"],
+        _error_contains("RendezvousConnectionError"),
+    ),
+    (
+        "rendezvous_failed_on_restart",
+        Scenario("worker 1 exits 1 -> restart -> rendezvous closed", max_restarts=1),
+        ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->FAILED (rendezvous_failed)"],
+        _error_contains("RendezvousClosedError"),
+    ),
+    (
+        "rendezvous_not_needed_in_init",
+        Scenario("rendezvous graceful exit"),
+        ["INIT->SUCCEEDED (rendezvous_not_needed)"],
+        _ok,
+    ),
+    (
+        "rendezvous_not_needed_on_restart",
+        Scenario("node joins -> restart -> rendezvous graceful exit"),
+        [
+            "INIT->HEALTHY (start)",
+            "HEALTHY->STOPPED (membership_changed)",
+            "STOPPED->SUCCEEDED (rendezvous_not_needed)",
+        ],
+        _ok,
+    ),
+    ("stop_requested_in_init", Scenario("SIGTERM during rendezvous"), ["INIT->FAILED (stop_requested)"], _signalled),
+    (
+        "stop_requested_while_healthy",
+        Scenario("wait -> SIGTERM"),
+        ["INIT->HEALTHY (start)", "HEALTHY->FAILED (stop_requested)"],
+        _signalled,
+    ),
+    (
+        "stop_requested_while_stopped",
+        Scenario("worker 1 exits 1 -> restart -> SIGTERM during rendezvous", max_restarts=1),
+        ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->FAILED (stop_requested)"],
+        _signalled,
+    ),
+    (
+        "drain_requested_while_healthy",
+        Scenario("wait -> SIGUSR2", config=_drain_config()),
+        ["INIT->HEALTHY (start)", "HEALTHY->FAILED (drain_requested)"],
+        _drained("node"),
+    ),
+    (
+        "job_drain_requested_while_healthy",
+        Scenario("wait -> SIGUSR2", config=_drain_config(scope="job")),
+        ["INIT->HEALTHY (start)", "HEALTHY->FAILED (drain_requested)"],
+        _drained("job"),
+    ),
+    (
+        "drain_requested_in_init",
+        Scenario("all succeed", config=_drain_config(file=__file__)),
+        ["INIT->FAILED (drain_requested)"],
+        _drained("node"),
+    ),
+    (
+        "drain_requested_during_the_first_rendezvous",
+        Scenario("SIGUSR2 during rendezvous", config=_drain_config()),
+        ["INIT->FAILED (drain_requested)"],
+        _drained("node"),
+    ),
+    (
+        "drain_requested_while_stopped",
+        Scenario("worker 1 exits 1 -> restart -> SIGUSR2 during rendezvous", max_restarts=1, config=_drain_config()),
+        ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->FAILED (drain_requested)"],
+        _drained("node"),
+    ),
+    (
+        "agent_errored_in_init",
+        Scenario("launcher fails to start"),
+        ["INIT->UNKNOWN (agent_errored)"],
+        _error_contains("start failed in state INIT", "scripted start failure"),
+    ),
+    (
+        "agent_errored_plugin_in_init",
+        Scenario("all succeed", plugins=[ListenerBoom()]),
+        ["INIT->UNKNOWN (agent_errored)"],
+        _error_contains("plugin cannot compute the env"),
+    ),
+    (
+        "agent_errored_while_healthy",
+        Scenario("worker 1 exits 1 and stop fails once"),
+        ["INIT->HEALTHY (start)", "HEALTHY->UNKNOWN (agent_errored)"],
+        _error_contains("workers_failed failed in state HEALTHY", "scripted stop failure"),
+    ),
+    (
+        "agent_errored_watching_workers",
+        Scenario().attempt("never", poll_raises=RuntimeError("launcher lost its workers")),
+        ["INIT->HEALTHY (start)", "HEALTHY->UNKNOWN (agent_errored)"],
+        _error_contains("watching the workers failed", "launcher lost its workers"),
+    ),
+    (
+        "hang_then_restart",
+        Scenario("worker 1 hangs -> restart -> all succeed", max_restarts=1, hang_timeout=1),
+        [
+            "INIT->HEALTHY (start)",
+            "HEALTHY->UNHEALTHY (workers_hung)",
+            "UNHEALTHY->STOPPED (workers_failed)",
+            "STOPPED->HEALTHY (restart)",
+            "HEALTHY->SUCCEEDED (workers_succeeded)",
+        ],
+        _ok,
+    ),
+    (
+        "hang_without_restarts",
+        Scenario("worker 1 hangs", hang_timeout=1),
+        ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (workers_hung)", "UNHEALTHY->FAILED (workers_failed)"],
+        lambda run: (
+            ([f.failure_class for f in run.result.failures.values()] == ["hang"]) or pytest.fail(str(run.result))
+        ),
+    ),
+    (
+        "stop_requested_while_unhealthy",
+        Scenario("worker 1 hangs -> SIGTERM", hang_timeout=1),
+        ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (workers_hung)", "UNHEALTHY->FAILED (stop_requested)"],
+        _signalled,
+    ),
+    (
+        "agent_errored_while_unhealthy",
+        Scenario("worker 1 hangs and stop fails once", hang_timeout=1),
+        ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (workers_hung)", "UNHEALTHY->UNKNOWN (agent_errored)"],
+        _error_contains("workers_failed failed in state UNHEALTHY", "scripted stop failure"),
+    ),
+    (
+        "agent_errored_on_restart",
+        Scenario("worker 1 exits 1 -> restart -> launcher fails to start", max_restarts=1),
+        ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->UNKNOWN (agent_errored)"],
+        _error_contains("restart failed in state STOPPED"),
+    ),
 ]
 
 
@@ -235,10 +380,16 @@ def test_statechart_path(make_agent, scenario, expected, check):
 
 #: Edges of the table the run loop cannot take, and why. Change the agent, then this list.
 UNREACHABLE = {
-    ("workers_succeeded", "UNHEALTHY", "SUCCEEDED"):
-        "in UNHEALTHY the run loop fires workers_failed at once: the hung ranks are the failure",
-    ("rendezvous_failed", "UNHEALTHY", "FAILED"):
-        "nothing asks the rendezvous anything while UNHEALTHY (no membership check before workers_failed)",
+    (
+        "workers_succeeded",
+        "UNHEALTHY",
+        "SUCCEEDED",
+    ): "in UNHEALTHY the run loop fires workers_failed at once: the hung ranks are the failure",
+    (
+        "rendezvous_failed",
+        "UNHEALTHY",
+        "FAILED",
+    ): "nothing asks the rendezvous anything while UNHEALTHY (no membership check before workers_failed)",
 }
 
 
@@ -271,22 +422,40 @@ def test_hooks_of_start(make_agent, hook_recorder):
     changed = hook_recorder.segment(0)[4]
     assert changed["transition"] is run.agent.transitions[0]
     metrics = [(c["metric_group"], c["metric_name"], c["metric_value"]) for c in hook_recorder.segment(0)[6:]]
-    assert metrics[:2] == [("torchelastic", "workers.default.remaining_restarts", 0),
-                           ("torchelastic", "workers.default.healthy", 1)]
+    assert metrics[:2] == [
+        ("torchelastic", "workers.default.remaining_restarts", 0),
+        ("torchelastic", "workers.default.healthy", 1),
+    ]
     assert metrics[2][:2] == ("fsm_agent", "state.INIT.duration_s")
-    hook_recorder.assert_sequence(["configure", *START_HOOKS,
-                                   "worker_exited", "record_event", "worker_exited", "record_event", CYCLE_HOOK,
-                                   *AFTER_HOOKS,
-                                   "put_metric*6", "record_event", "unconfigure"])
+    hook_recorder.assert_sequence(
+        [
+            "configure",
+            *START_HOOKS,
+            "worker_exited",
+            "record_event",
+            "worker_exited",
+            "record_event",
+            CYCLE_HOOK,
+            *AFTER_HOOKS,
+            "put_metric*6",
+            "record_event",
+            "unconfigure",
+        ]
+    )
 
 
 def test_hooks_of_failure_then_restart(make_agent, hook_recorder):
     run = Scenario("worker 1 exits 1 -> restart -> all succeed", max_restarts=1).run(make_agent)
     assert [t.label for t in hook_recorder.by_transition()] == [
-        "INIT->HEALTHY", "HEALTHY->STOPPED", "STOPPED->HEALTHY", "HEALTHY->SUCCEEDED"]
+        "INIT->HEALTHY",
+        "HEALTHY->STOPPED",
+        "STOPPED->HEALTHY",
+        "HEALTHY->SUCCEEDED",
+    ]
     hook_recorder.assert_sequence(START_HOOKS, transition=0)
-    hook_recorder.assert_sequence(["worker_exited", "record_event", CYCLE_HOOK, "restart_policy", *AFTER_HOOKS],
-                                  transition=1)
+    hook_recorder.assert_sequence(
+        ["worker_exited", "record_event", CYCLE_HOOK, "restart_policy", *AFTER_HOOKS], transition=1
+    )
     hook_recorder.assert_sequence(START_HOOKS, transition=2)
     hook_recorder.assert_sequence(["worker_exited", "record_event"] * 2 + [CYCLE_HOOK, *AFTER_HOOKS], transition=3)
 
@@ -297,7 +466,10 @@ def test_hooks_of_failure_then_restart(make_agent, hook_recorder):
     assert list(policy["failures"]) == [1] and policy["restart_count"] == 0
     transition_event = hook_recorder.segment(1)[5]["event"]
     assert (transition_event["source"], transition_event["dest"], transition_event["trigger"]) == (
-        "HEALTHY", "STOPPED", "workers_failed")
+        "HEALTHY",
+        "STOPPED",
+        "workers_failed",
+    )
     remaining = hook_recorder.segment(1)[6]
     assert (remaining["metric_name"], remaining["metric_value"]) == ("workers.default.remaining_restarts", 0)
     assert [s.stopped for s in run.launcher.stops] == [(0,)]  # the survivor was stopped before the restart
@@ -387,14 +559,20 @@ def test_second_node_of_two_gets_the_upper_ranks_and_passes_the_exit_barrier(mak
     run.assert_trace(["INIT->HEALTHY", "HEALTHY->SUCCEEDED"])
     envs = run.launcher.envs()
     assert [(e["RANK"], e["WORLD_SIZE"], e["GROUP_RANK"], e["GROUP_WORLD_SIZE"]) for e in envs.values()] == [
-        ("2", "4", "1", "2"), ("3", "4", "1", "2")]
+        ("2", "4", "1", "2"),
+        ("3", "4", "1", "2"),
+    ]
     assert (envs[0]["MASTER_ADDR"], envs[0]["MASTER_PORT"]) == ("127.0.0.1", "29500")
     assert time.monotonic() - started < 10  # the simulated peer checked in: no barrier timeout
 
 
 def test_return_values_are_keyed_by_global_rank(make_agent):
-    run = (Scenario(local_world_size=2).rendezvous(rank=1, world_size=2, peer_local_world_size=3)
-           .attempt("all_ok", return_values={0: "a", 1: "b"}).run(make_agent))
+    run = (
+        Scenario(local_world_size=2)
+        .rendezvous(rank=1, world_size=2, peer_local_world_size=3)
+        .attempt("all_ok", return_values={0: "a", 1: "b"})
+        .run(make_agent)
+    )
     assert run.result.return_values == {3: "a", 4: "b"}
 
 
@@ -419,14 +597,21 @@ def test_policy_hears_each_failure_class_and_the_events_record_it(make_agent):
     from fsm_agent.replay import replay
 
     policy = PolicyOf("none")  # answers nothing: the built-in policy decides, the plugin only listens
-    run = Scenario("wait -> 2 nodes join -> restart -> wait -> node lost -> restart -> worker 1 is killed",
-                   plugins=[policy]).run(make_agent)
+    run = Scenario(
+        "wait -> 2 nodes join -> restart -> wait -> node lost -> restart -> worker 1 is killed", plugins=[policy]
+    ).run(make_agent)
     assert policy.asked == ["membership_change", "node_lost", "signal"]
     with open(run.agent.events_path) as f:
         events = [json.loads(line) for line in f]
     transitions = [(e["trigger"], e.get("failure_class")) for e in events if e["kind"] == "transition"]
-    assert transitions == [("start", None), ("membership_changed", "membership_change"), ("restart", None),
-                           ("membership_changed", "node_lost"), ("restart", None), ("workers_failed", "signal")]
+    assert transitions == [
+        ("start", None),
+        ("membership_changed", "membership_change"),
+        ("restart", None),
+        ("membership_changed", "node_lost"),
+        ("restart", None),
+        ("workers_failed", "signal"),
+    ]
     assert run.result.restart_count == 0 and run.result.verdict == "no restarts left (max_restarts=0)"
     replay(run.agent.events_path).assert_identical()
 
@@ -434,10 +619,18 @@ def test_policy_hears_each_failure_class_and_the_events_record_it(make_agent):
 def test_health_check_failure_is_replayed_identically(make_agent):
     from fsm_agent.replay import replay
 
-    run = Scenario("wait -> restart -> worker 0 exits 1", max_restarts=1, plugins=[FailingHealthCheck()]).run(make_agent)
-    run.assert_trace(["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (health_check_failed)",
-                      "UNHEALTHY->STOPPED (workers_failed)", "STOPPED->HEALTHY (restart)",
-                      "HEALTHY->FAILED (workers_failed)"])
+    run = Scenario("wait -> restart -> worker 0 exits 1", max_restarts=1, plugins=[FailingHealthCheck()]).run(
+        make_agent
+    )
+    run.assert_trace(
+        [
+            "INIT->HEALTHY (start)",
+            "HEALTHY->UNHEALTHY (health_check_failed)",
+            "UNHEALTHY->STOPPED (workers_failed)",
+            "STOPPED->HEALTHY (restart)",
+            "HEALTHY->FAILED (workers_failed)",
+        ]
+    )
     replay(run.agent.events_path).assert_identical()
 
 

@@ -65,8 +65,15 @@ def test_fake_rendezvous_is_a_torch_rendezvous_handler():
 
 
 def test_fake_rendezvous_follows_its_script_then_repeats_the_last_round():
-    rdzv = FakeRendezvous([Round(rank=1, world_size=3, peers_reach_exit_barrier=False), "timeout",
-                           RendezvousClosedError, "graceful_exit", (0, 2)])
+    rdzv = FakeRendezvous(
+        [
+            Round(rank=1, world_size=3, peers_reach_exit_barrier=False),
+            "timeout",
+            RendezvousClosedError,
+            "graceful_exit",
+            (0, 2),
+        ]
+    )
     first = rdzv.next_rendezvous()
     assert (first.rank, first.world_size) == (1, 3)
     with pytest.raises(RendezvousTimeoutError):
@@ -87,11 +94,14 @@ def test_rounds_reject_a_rank_outside_the_group():
         Round(rank=2, world_size=2)
 
 
-@pytest.mark.parametrize("rank, world, peer_lws, expected", [
-    (1, 2, 3, (3, 5, 3, 5)),   # group rank 0 is simulated and assigns the ranks
-    (0, 3, None, (0, 6, 0, 6)),  # this node assigns; peers have as many workers as it has
-    (2, 3, 1, (2, 4, 2, 4)),
-])
+@pytest.mark.parametrize(
+    "rank, world, peer_lws, expected",
+    [
+        (1, 2, 3, (3, 5, 3, 5)),  # group rank 0 is simulated and assigns the ranks
+        (0, 3, None, (0, 6, 0, 6)),  # this node assigns; peers have as many workers as it has
+        (2, 3, 1, (2, 4, 2, 4)),
+    ],
+)
 def test_simulated_peers_take_part_in_rank_assignment(rank, world, peer_lws, expected):
     rdzv = FakeRendezvous([Round(rank=rank, world_size=world, peer_local_world_size=peer_lws)], store_timeout=5)
     info = rdzv.next_rendezvous()
@@ -195,7 +205,9 @@ def test_fake_launcher_stop_stops_what_runs():
     launcher.stop(signal.SIGTERM, 5.0)
     assert launcher.poll() == {0: -signal.SIGKILL, 1: -signal.SIGKILL}
     assert [(s.attempt, s.sig, s.timeout, s.stopped) for s in launcher.stops] == [
-        (0, signal.SIGTERM, 5.0, (0,)), (1, signal.SIGTERM, 5.0, (0, 1))]
+        (0, signal.SIGTERM, 5.0, (0,)),
+        (1, signal.SIGTERM, 5.0, (0, 1)),
+    ]
     launcher.close()
 
 
@@ -218,9 +230,13 @@ def test_fake_launcher_repeats_the_last_attempt_and_records_starts():
 
 
 def test_fake_launcher_scripted_failures():
-    launcher = FakeLauncher([Attempt(start_raises=OSError("no exec")),
-                             Attempt(exits="never", stop_raises=RuntimeError("stuck"), stop_raises_times=1),
-                             Attempt(poll_raises=ValueError("lost"), poll_raises_at=2)])
+    launcher = FakeLauncher(
+        [
+            Attempt(start_raises=OSError("no exec")),
+            Attempt(exits="never", stop_raises=RuntimeError("stuck"), stop_raises_times=1),
+            Attempt(poll_raises=ValueError("lost"), poll_raises_at=2),
+        ]
+    )
     with pytest.raises(OSError, match="no exec"):
         start(launcher)
     start(launcher)
@@ -261,8 +277,14 @@ def test_fake_launcher_rejects_ranks_outside_the_group():
 
 def test_fake_launcher_actions_run_at_the_end_of_their_tick():
     seen = []
-    launcher = FakeLauncher([Attempt(exits="never", actions={0: lambda: seen.append(0),
-                                                            2: [lambda: seen.append(2), lambda: seen.append("2b")]})])
+    launcher = FakeLauncher(
+        [
+            Attempt(
+                exits="never",
+                actions={0: lambda: seen.append(0), 2: [lambda: seen.append(2), lambda: seen.append("2b")]},
+            )
+        ]
+    )
     start(launcher)
     assert seen == [0]
     launcher.poll()
@@ -325,8 +347,11 @@ def test_recorder_splits_a_run_into_setup_transitions_and_end(make_agent, hook_r
     hook_recorder.assert_sequence(["configure"], transition="setup")
     hook_recorder.assert_sequence(["put_metric*6", "record_event", "unconfigure"], transition="end")
     assert hook_recorder.calls("record_event")[-1]["event"]["kind"] == "run_end"
-    segments = [hook_recorder.segment("setup"), *(t.calls for t in hook_recorder.by_transition()),
-                hook_recorder.segment("end")]
+    segments = [
+        hook_recorder.segment("setup"),
+        *(t.calls for t in hook_recorder.by_transition()),
+        hook_recorder.segment("end"),
+    ]
     assert [c for s in segments for c in s] == hook_recorder.calls()  # nothing lost, nothing twice
     with pytest.raises(LookupError):
         hook_recorder.segment("STOPPED->HEALTHY")
@@ -360,8 +385,10 @@ def test_text_scenario_builds_rounds_and_attempts():
 
 
 def test_text_scenario_rendezvous_signals_and_joins():
-    rdzv, launcher = Scenario("rendezvous rank 1 of 2 -> node joins -> SIGTERM and worker 0 hangs -> restart -> "
-                              "SIGINT during rendezvous", local_world_size=1).build()
+    rdzv, launcher = Scenario(
+        "rendezvous rank 1 of 2 -> node joins -> SIGTERM and worker 0 hangs -> restart -> SIGINT during rendezvous",
+        local_world_size=1,
+    ).build()
     assert [(r.rank, r.world_size) for r in rdzv.rounds] == [(1, 2), (0, 1)]
     assert rdzv.rounds[1].action.__qualname__ == "send_signal(SIGINT)"
     attempt = launcher.attempts[0]
@@ -374,8 +401,15 @@ def test_text_scenario_rendezvous_signals_and_joins():
     rdzv.shutdown()
 
 
-@pytest.mark.parametrize("text, raises", [("rendezvous times out", "timeout"), ("rendezvous closed", "closed"),
-                                          ("rendezvous graceful exit", "graceful_exit"), ("rendezvous fails", "error")])
+@pytest.mark.parametrize(
+    "text, raises",
+    [
+        ("rendezvous times out", "timeout"),
+        ("rendezvous closed", "closed"),
+        ("rendezvous graceful exit", "graceful_exit"),
+        ("rendezvous fails", "error"),
+    ],
+)
 def test_text_scenario_rendezvous_failures(text, raises):
     rdzv, launcher = Scenario(text).build()
     assert rdzv.rounds[0].raises == raises and launcher.attempts == []
@@ -423,7 +457,8 @@ def test_pytest11_entry_point_registers_the_fixtures(request):
 
 @pytest.mark.slow
 def test_a_plugin_package_gets_the_kit_without_a_conftest(pytester):
-    pytester.makepyfile(test_my_plugin=textwrap.dedent("""
+    pytester.makepyfile(
+        test_my_plugin=textwrap.dedent("""
         from fsm_agent.plugins import hookimpl
         from fsm_agent.testing import Scenario
 
@@ -441,7 +476,8 @@ def test_a_plugin_package_gets_the_kit_without_a_conftest(pytester):
             run.assert_trace(["INIT->HEALTHY", "HEALTHY->STOPPED", "STOPPED->HEALTHY", "HEALTHY->SUCCEEDED"])
             assert plugin.seen == ["start", "workers_failed", "restart", "workers_succeeded"]
             assert len(hook_recorder.calls("state_changed")) == 4
-    """))
+    """)
+    )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
 
@@ -458,8 +494,16 @@ def test_agent_processes_run_to_the_end_or_kill_the_group_at_the_timeout(tmp_pat
     with AgentProcesses(tmp_path, command=()) as processes:
         done = processes.run("plugins", "--json")
         assert done.returncode == 0 and '"name": "status-http"' in done.stdout, done.stderr
-        waits_for_a_second_node = ("run", "--nnodes", "2", "--rdzv-backend", "fsm",
-                                   "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "worker.py")
+        waits_for_a_second_node = (
+            "run",
+            "--nnodes",
+            "2",
+            "--rdzv-backend",
+            "fsm",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}",
+            "worker.py",
+        )
         with pytest.raises(subprocess.TimeoutExpired) as expired:
             processes.run(*waits_for_a_second_node, timeout=3)
         assert processes.procs[-1].returncode == -signal.SIGKILL  # killed with its group and reaped
@@ -467,7 +511,9 @@ def test_agent_processes_run_to_the_end_or_kill_the_group_at_the_timeout(tmp_pat
 
 
 def test_loading_the_kit_does_not_import_torch():
-    code = ("import sys, fsm_agent.testing, fsm_agent.testing.pytest_plugin; "
-            "assert 'torch' not in sys.modules, 'torch imported'; "
-            "assert 'HookRecorder' in fsm_agent.testing.__all__")
+    code = (
+        "import sys, fsm_agent.testing, fsm_agent.testing.pytest_plugin; "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "assert 'HookRecorder' in fsm_agent.testing.__all__"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

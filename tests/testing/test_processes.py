@@ -42,12 +42,29 @@ def test_a_sigkilled_agent_s_temporary_directories_go_with_kill_all(tmp_path):
     SIGKILLed by kill_all it cannot remove them: they are in the AgentProcesses' TMPDIR, removed with it."""
     (tmp_path / "worker.py").write_text("")
     with AgentProcesses(tmp_path, command=()) as processes:
-        agent = processes.start("run", "--nnodes", "2", "--rdzv-backend", "fsm", "--rdzv-endpoint",
-                                f"127.0.0.1:{free_port()}", "--hang-timeout", "30", "worker.py")
+        agent = processes.start(
+            "run",
+            "--nnodes",
+            "2",
+            "--rdzv-backend",
+            "fsm",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}",
+            "--hang-timeout",
+            "30",
+            "worker.py",
+        )
         tmp_dir = processes.tmp_dir
         assert tmp_dir is not None and tmp_dir.is_dir()
-        made = lambda: sorted("heartbeat" if p.name.startswith("fsm_agent_hb_") else  # noqa: E731
-                              "log" if p.name.startswith("fsm_agent_") else p.name for p in tmp_dir.iterdir())
+
+        def made() -> list[str]:
+            def kind(p):
+                if p.name.startswith("fsm_agent_hb_"):
+                    return "heartbeat"
+                return "log" if p.name.startswith("fsm_agent_") else p.name
+
+            return sorted(kind(p) for p in tmp_dir.iterdir())
+
         assert wait_until(lambda: made() == ["heartbeat", "log"] or agent.poll() is not None), made()
         assert agent.poll() is None, agent.communicate()
         assert psutil.Process(agent.pid).environ()["TMPDIR"] == str(tmp_dir)
@@ -67,7 +84,9 @@ def test_start_env_may_set_its_own_tmpdir(tmp_path):
 
 
 def test_is_cgroup_keeper():
-    assert is_cgroup_keeper(["/usr/bin/python3", "-I", "-S", "/x/fsm_agent/plugins/containment.py", "--keep", "/cg/fsm-agent-1-a"])
+    assert is_cgroup_keeper(
+        ["/usr/bin/python3", "-I", "-S", "/x/fsm_agent/plugins/containment.py", "--keep", "/cg/fsm-agent-1-a"]
+    )
     assert not is_cgroup_keeper(["/usr/bin/python3", "-m", "fsm_agent", "run", "--keep", "train.py"])
     assert not is_cgroup_keeper(["/usr/bin/python3", "/x/fsm_agent/plugins/containment.py"])
 

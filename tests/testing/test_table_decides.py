@@ -42,7 +42,8 @@ def test_a_membership_change_is_decided_once_and_recorded_with_its_class(make_ag
     policy = CountingPolicy()
     events = tmp_path / "events.jsonl"
     run = Scenario("node lost", max_restarts=1).run(
-        lambda **kw: make_agent(plugins=[policy], events_path=str(events), **kw))
+        lambda **kw: make_agent(plugins=[policy], events_path=str(events), **kw)
+    )
     assert run.trace[-1] == "HEALTHY->FAILED"
     assert policy.calls == [([], "node_lost")]
     assert '"failure_class": "node_lost"' in events.read_text()
@@ -75,8 +76,11 @@ def test_a_failing_step_takes_the_tables_error_row(make_agent):
 def test_the_statechart_shows_which_hook_decides_each_row():
     doc = render("markdown")
     transitions = doc.split("## Hooks")[0]
-    rows = [line for line in transitions.splitlines()
-            if "| `workers_failed` |" in line or "| `membership_changed` |" in line]
+    rows = [
+        line
+        for line in transitions.splitlines()
+        if "| `workers_failed` |" in line or "| `membership_changed` |" in line
+    ]
     assert len(rows) == 6
     assert all("prepare: `_decide_on" in row and "`fsm_agent_restart_policy`" in row for row in rows)
     assert "`workers_failed` in UNHEALTHY" in doc  # UNHEALTHY's way out is an auto trigger of the table

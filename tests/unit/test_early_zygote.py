@@ -35,20 +35,24 @@ CHECK = textwrap.dedent("""
 
 
 def run_check(args: list[str], env: dict[str, str] | None = None) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHECK, json.dumps(args)], capture_output=True, text=True,
-                          timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK, json.dumps(args)], capture_output=True, text=True, timeout=120, env=env
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("args, started, taken", [
-    (["--launcher", "preload", "--preload-modules", "json", "w.py", "json"], True, True),
-    (["--launcher=preload", "--preload-modules=json", "w.py", "json"], True, True),
-    # configured with other modules than the quick look saw: ended, the launcher starts its own
-    (["--launcher", "preload", "--preload-modules", "json", "w.py", "csv"], True, False),
-    (["--launcher", "subprocess", "w.py", "json"], False, False),
-    (["w.py", "json"], False, False),
-])
+@pytest.mark.parametrize(
+    "args, started, taken",
+    [
+        (["--launcher", "preload", "--preload-modules", "json", "w.py", "json"], True, True),
+        (["--launcher=preload", "--preload-modules=json", "w.py", "json"], True, True),
+        # configured with other modules than the quick look saw: ended, the launcher starts its own
+        (["--launcher", "preload", "--preload-modules", "json", "w.py", "csv"], True, False),
+        (["--launcher", "subprocess", "w.py", "json"], False, False),
+        (["w.py", "json"], False, False),
+    ],
+)
 def test_started_for_the_preload_launcher_only_and_taken_once(args, started, taken):
     seen = run_check(args)
     assert (seen["started"], seen["taken"]) == (started, taken)
@@ -65,8 +69,18 @@ def test_the_environment_chooses_the_launcher_too():
 
 
 def test_a_program_that_imports_fsm_agent_starts_no_zygote():
-    done = subprocess.run([sys.executable, "-c", "import fsm_agent._early_zygote as e, fsm_agent; print(e._early)",
-                           "--launcher", "preload"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import fsm_agent._early_zygote as e, fsm_agent; print(e._early)",
+            "--launcher",
+            "preload",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr
 
 

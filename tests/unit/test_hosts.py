@@ -10,14 +10,17 @@ import pytest
 from fsm_agent import hosts
 
 
-@pytest.mark.parametrize("endpoint, expected", [
-    ("node0:29400", [("node0", 29400)]),
-    ("[fd00::1]:29400", [("fd00::1", 29400)]),
-    ("http://10.0.0.1:2379,http://10.0.0.2:2379/", [("10.0.0.1", 2379), ("10.0.0.2", 2379)]),
-    ("fd00::1", [("fd00::1", 9)]),
-    ("node0", [("node0", 9)]),
-    ("", []),
-])
+@pytest.mark.parametrize(
+    "endpoint, expected",
+    [
+        ("node0:29400", [("node0", 29400)]),
+        ("[fd00::1]:29400", [("fd00::1", 29400)]),
+        ("http://10.0.0.1:2379,http://10.0.0.2:2379/", [("10.0.0.1", 2379), ("10.0.0.2", 2379)]),
+        ("fd00::1", [("fd00::1", 9)]),
+        ("node0", [("node0", 9)]),
+        ("", []),
+    ],
+)
 def test_split_endpoints(endpoint, expected):
     assert hosts.split_endpoints(endpoint) == expected
 

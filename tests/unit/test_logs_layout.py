@@ -26,7 +26,11 @@ def test_a_reused_attempt_keeps_the_earlier_rounds_logs(tmp_path):
     assert sorted(os.listdir(run)) == ["attempt_0", "attempt_0.1", "attempt_0.2", "attempt_1"]
     read = lambda name: open(os.path.join(run, name, "1", "stdout.log")).read()  # noqa: E731
     assert [read(n) for n in ("attempt_0.1", "attempt_0.2", "attempt_0", "attempt_1")] == [
-        "world 4\n", "world 2\n", "world 3\n", "restarted\n"]
+        "world 4\n",
+        "world 2\n",
+        "world 3\n",
+        "restarted\n",
+    ]
 
 
 def test_each_round_starts_without_the_previous_error_file(tmp_path):
@@ -41,10 +45,16 @@ def test_a_temporary_dir_holding_the_only_copy_of_output_is_kept(tmp_path, monke
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    for options, kept in [({}, False), ({"tee": ALL}, False), ({"redirects": ALL, "tee": ALL}, False),
-                          ({"redirects": ALL}, True), ({"redirects": ALL, "tee": 1}, True),
-                          ({"redirects": {1: ALL}}, True), ({"redirects": {1: ALL}, "tee": {1: ALL}}, False),
-                          ({"local_ranks_filter": frozenset({0})}, True)]:
+    for options, kept in [
+        ({}, False),
+        ({"tee": ALL}, False),
+        ({"redirects": ALL, "tee": ALL}, False),
+        ({"redirects": ALL}, True),
+        ({"redirects": ALL, "tee": 1}, True),
+        ({"redirects": {1: ALL}}, True),
+        ({"redirects": {1: ALL}, "tee": {1: ALL}}, False),
+        ({"local_ranks_filter": frozenset({0})}, True),
+    ]:
         layout = LogsLayout(log_dir=None, run_id="job", **options)
         run_dir = layout.run_log_dir
         caplog.clear()

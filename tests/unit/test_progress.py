@@ -17,19 +17,35 @@ def cycles(*reports):
     """Cycles from (last_step, checkpoint_step, failure_class) reports, oldest first."""
     made = []
     for attempt, (step, checkpoint, kind) in enumerate(reports):
-        made.append(next_cycle(made, attempt=attempt, start=attempt, end=attempt + 0.5, last_step=step,
-                               checkpoint_step=checkpoint, failure_class=kind))
+        made.append(
+            next_cycle(
+                made,
+                attempt=attempt,
+                start=attempt,
+                end=attempt + 0.5,
+                last_step=step,
+                checkpoint_step=checkpoint,
+                failure_class=kind,
+            )
+        )
     return [(c.progress, c.no_progress_cycles) for c in made]
 
 
 def test_a_checkpoint_beyond_every_earlier_one_is_progress():
     assert cycles((15, 10, "exit_code"), (15, 10, "signal"), (25, 20, "hang"), (25, 20, "exit_code")) == [
-        (True, 0), (False, 1), (True, 0), (False, 1)]
+        (True, 0),
+        (False, 1),
+        (True, 0),
+        (False, 1),
+    ]
 
 
 def test_without_checkpoints_the_last_step_is_the_progress():
     assert cycles((7, None, "exit_code"), (7, None, "exit_code"), (9, None, "exit_code")) == [
-        (True, 0), (False, 1), (True, 0)]
+        (True, 0),
+        (False, 1),
+        (True, 0),
+    ]
 
 
 def test_once_a_checkpoint_is_reported_steps_alone_are_no_progress():
@@ -41,8 +57,12 @@ def test_a_cycle_that_reports_nothing_makes_no_progress():
 
 
 def test_a_membership_change_neither_counts_nor_resets():
-    assert cycles((5, None, "exit_code"), (5, None, "exit_code"), (5, None, "node_lost"),
-                  (5, None, "exit_code")) == [(True, 0), (False, 1), (False, 1), (False, 2)]
+    assert cycles((5, None, "exit_code"), (5, None, "exit_code"), (5, None, "node_lost"), (5, None, "exit_code")) == [
+        (True, 0),
+        (False, 1),
+        (False, 1),
+        (False, 2),
+    ]
 
 
 def test_heartbeat_step_reaches_the_agent_after_the_worker_died(tmp_path):
@@ -89,8 +109,9 @@ def failed(code: int) -> RunResult:
 def test_exit_codes():
     assert failed(DO_NOT_REQUEUE_EXIT_CODE).exit_code == 1  # a worker's 79 is not the agent's verdict
     assert failed(3).exit_code == 3
-    gave_up = RunResult(state=WorkerState.FAILED, failures=failed(3).failures,
-                        verdict_exit_code=DO_NOT_REQUEUE_EXIT_CODE)
+    gave_up = RunResult(
+        state=WorkerState.FAILED, failures=failed(3).failures, verdict_exit_code=DO_NOT_REQUEUE_EXIT_CODE
+    )
     assert gave_up.exit_code == DO_NOT_REQUEUE_EXIT_CODE
 
 
@@ -105,9 +126,11 @@ def test_a_process_forked_after_the_import_reads_its_own_variable(tmp_path):
     """As the preload launcher's zygote: fsm_agent imported without the variable, a child forked
     and given it, then reporting steps."""
     path = tmp_path / "heartbeat_0"
-    code = (f"import os, fsm_agent\nfsm_agent.heartbeat(step=1)\npid = os.fork()\nif pid == 0:\n"
-            f"    os.environ[{HEARTBEAT_FILE_ENV!r}] = {str(path)!r}\n    fsm_agent.heartbeat(step=42)\n    os._exit(0)\n"
-            f"os.waitpid(pid, 0)\n")
+    code = (
+        f"import os, fsm_agent\nfsm_agent.heartbeat(step=1)\npid = os.fork()\nif pid == 0:\n"
+        f"    os.environ[{HEARTBEAT_FILE_ENV!r}] = {str(path)!r}\n    fsm_agent.heartbeat(step=42)\n    os._exit(0)\n"
+        f"os.waitpid(pid, 0)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != HEARTBEAT_FILE_ENV}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     assert read_step(str(path)) == 42

@@ -69,14 +69,17 @@ def test_rank_assignment_matches_torch(agents):
 def test_compute_assignments_several_roles():
     # trainer agents get role ranks 0-1 and 2-4; reader agents 0 and 1-2; global ranks follow group rank.
     assert compute_assignments([("trainer", 2), ("reader", 1), ("trainer", 3), ("reader", 2)]) == [
-        (0, 8, 0, 5), (2, 8, 0, 3), (3, 8, 2, 5), (6, 8, 1, 3)]
+        (0, 8, 0, 5),
+        (2, 8, 0, 3),
+        (3, 8, 2, 5),
+        (6, 8, 1, 3),
+    ]
 
 
 def test_job_wide_restart_count_is_the_maximum():
     """Agents that restarted a different number of times agree on the highest count."""
     counts = [0, 2, 1]
-    results = _run_agents(lambda store, rank: assign_ranks(store, rank, 3, "default", 1, counts[rank])[1],
-                          counts)
+    results = _run_agents(lambda store, rank: assign_ranks(store, rank, 3, "default", 1, counts[rank])[1], counts)
     assert results == [2, 2, 2]
 
 

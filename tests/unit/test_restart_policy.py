@@ -13,21 +13,33 @@ from fsm_agent.worker import RendezvousSpec, RestartDecision, WorkerFailure, Wor
 
 
 def group(max_restarts: int) -> WorkerGroup:
-    return WorkerGroup(WorkerSpec(role="r", local_world_size=2, entrypoint="x", max_restarts=max_restarts,
-                                  rendezvous=RendezvousSpec()))
+    return WorkerGroup(
+        WorkerSpec(role="r", local_world_size=2, entrypoint="x", max_restarts=max_restarts, rendezvous=RendezvousSpec())
+    )
 
 
 def failure(rank: int, code: int, kind: str, at: float = 1.0) -> dict[int, WorkerFailure]:
-    return {rank: WorkerFailure(local_rank=rank, global_rank=rank, role_rank=rank, pid=100 + rank, exitcode=code,
-                                timestamp=at, failure_class=kind)}
+    return {
+        rank: WorkerFailure(
+            local_rank=rank,
+            global_rank=rank,
+            role_rank=rank,
+            pid=100 + rank,
+            exitcode=code,
+            timestamp=at,
+            failure_class=kind,
+        )
+    }
 
 
-def decide(policy: RestartPolicy, failures: dict, max_restarts: int, restart_count: int,
-           failure_class: str | None = None) -> RestartDecision:
+def decide(
+    policy: RestartPolicy, failures: dict, max_restarts: int, restart_count: int, failure_class: str | None = None
+) -> RestartDecision:
     """Ask the policy as the agent does: the class is the root cause's unless given (membership)."""
     failure_class = failure_class or first_failure(failures).failure_class
-    return policy.fsm_agent_restart_policy(failures=failures, worker_group=group(max_restarts),
-                                           restart_count=restart_count, failure_class=failure_class)
+    return policy.fsm_agent_restart_policy(
+        failures=failures, worker_group=group(max_restarts), restart_count=restart_count, failure_class=failure_class
+    )
 
 
 def test_torchrun_budget():
@@ -90,12 +102,17 @@ def test_bad_budgets_are_refused(text):
 def test_backoff_grows_exponentially_with_jitter_and_a_cap():
     rng = random.Random(0)
     delays = [backoff_delay(n, 1.0, 5.0, rng) for n in range(5)]
-    assert all(0.5 * min(5.0, 2 ** n) <= d < 1.5 * min(5.0, 2 ** n) for n, d in enumerate(delays))
+    assert all(0.5 * min(5.0, 2**n) <= d < 1.5 * min(5.0, 2**n) for n, d in enumerate(delays))
     assert backoff_delay(3, 0.0, 5.0) == 0.0
 
 
-@pytest.mark.parametrize("scenario, what", [("node joins -> restart -> all succeed", "membership change"),
-                                            ("wait -> node lost -> restart -> all succeed", "node lost")])
+@pytest.mark.parametrize(
+    "scenario, what",
+    [
+        ("node joins -> restart -> all succeed", "membership change"),
+        ("wait -> node lost -> restart -> all succeed", "node lost"),
+    ],
+)
 def test_the_re_rendezvous_warning_names_the_class_once(make_agent, caplog, scenario, what):
     """Not ``membership change: membership change: re-rendezvous``."""
     caplog.set_level(logging.WARNING, logger="fsm_agent.agent")

@@ -68,8 +68,10 @@ def test_step_clock_gives_compute_seconds_per_step_over_the_same_steps():
     clock = StepClock()
     clock.sample({0: 10, 1: 10}, now=0.0, compute={0: 1.0, 1: 1.0})
     # Lockstep: both did 10 steps in 1 s, but rank 1 computed 0.8 s of it and rank 0 0.1 s.
-    assert clock.sample({0: 20, 1: 20}, now=1.0, compute={0: 1.1, 1: 1.8}) == {0: pytest.approx(0.1),
-                                                                             1: pytest.approx(0.1)}
+    assert clock.sample({0: 20, 1: 20}, now=1.0, compute={0: 1.1, 1: 1.8}) == {
+        0: pytest.approx(0.1),
+        1: pytest.approx(0.1),
+    }
     assert clock.compute == {0: pytest.approx(0.01), 1: pytest.approx(0.08)}
     clock.sample({0: 25}, now=2.0)  # a worker that stopped reporting compute keeps its last estimate
     assert clock.compute[0] == pytest.approx(0.01)
@@ -110,9 +112,26 @@ def test_excluding_stragglers_without_a_window_is_a_one_line_error(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "fsm_agent", "run", "--standalone", "--nproc-per-node", "1",
-                           "--exclude-node-on", "straggler", sys.executable, "-c", "pass"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsm_agent",
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "--exclude-node-on",
+            "straggler",
+            sys.executable,
+            "-c",
+            "pass",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert "--exclude-node-on straggler needs --straggler-window" in proc.stderr, proc.stderr

@@ -36,7 +36,10 @@ from fsm_agent.errors import ConfigError
 from fsm_agent.logs import WorkerLogs
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.launcher_subprocess import (
-    SubprocessLauncher, _Handle, _killpg, _TeeReader,
+    SubprocessLauncher,
+    _Handle,
+    _killpg,
+    _TeeReader,
 )
 
 PLUGIN_NAME = "launcher-preload"
@@ -50,8 +53,14 @@ def fsm_agent_register_backends(registry):
 
 @hookimpl
 def fsm_agent_addoption(options):
-    options.add("modules", type=str, default="torch", flag="--preload-modules", env="FSM_AGENT_PRELOAD_MODULES",
-                help="comma-separated modules the preload launcher's zygote imports once (default: torch)")
+    options.add(
+        "modules",
+        type=str,
+        default="torch",
+        flag="--preload-modules",
+        env="FSM_AGENT_PRELOAD_MODULES",
+        help="comma-separated modules the preload launcher's zygote imports once (default: torch)",
+    )
 
 
 @hookimpl
@@ -102,8 +111,10 @@ class PreloadLauncher(SubprocessLauncher):
                 elif "ready" in message:
                     self._ready = message
             if self._ready.get("ready"):
-                self._timings = {"preload_import_s": float(self._ready.get("import_s", 0.0)),
-                                 "preload_wait_s": time.monotonic() - waited}
+                self._timings = {
+                    "preload_import_s": float(self._ready.get("import_s", 0.0)),
+                    "preload_wait_s": time.monotonic() - waited,
+                }
         return self._ready
 
     def _ensure_zygote(self) -> None:
@@ -118,12 +129,16 @@ class PreloadLauncher(SubprocessLauncher):
             self._spawn_zygote()
         ready = self._await_ready()
         if ready.get("module"):
-            raise ConfigError(f"--preload-modules: the preload launcher's zygote could not import {ready['module']!r} "
-                              f"({ready.get('error')}); name importable modules (default: torch) or use "
-                              "--launcher subprocess")
+            raise ConfigError(
+                f"--preload-modules: the preload launcher's zygote could not import {ready['module']!r} "
+                f"({ready.get('error')}); name importable modules (default: torch) or use "
+                "--launcher subprocess"
+            )
         if not ready.get("ready"):
-            raise ConfigError(f"--launcher preload: the zygote did not start (importing {self._modules!r} failed?); "
-                              "use --launcher subprocess")
+            raise ConfigError(
+                f"--launcher preload: the zygote did not start (importing {self._modules!r} failed?); "
+                "use --launcher subprocess"
+            )
 
     def _receive(self, timeout: float | None) -> dict | None:
         ready, _, _ = select.select([self._sock], [], [], timeout)
@@ -178,11 +193,13 @@ class PreloadLauncher(SubprocessLauncher):
             RuntimeError: the store could not listen there (e.g. the port is taken) or the zygote is gone.
         """
         self.close_worker_store()
-        answer = self._ask({"op": "store", "addr": master_addr, "port": int(master_port)},
-                           lambda m: "store" in m or "store_error" in m)
+        answer = self._ask(
+            {"op": "store", "addr": master_addr, "port": int(master_port)}, lambda m: "store" in m or "store_error" in m
+        )
         if "store_error" in answer:
-            raise RuntimeError(f"the workers' store at {master_addr}:{master_port} did not start: "
-                               f"{answer['store_error']}")
+            raise RuntimeError(
+                f"the workers' store at {master_addr}:{master_port} did not start: {answer['store_error']}"
+            )
         self._store_pid = answer["pid"]
         self._not_ours.add(self._store_pid)
 
@@ -210,17 +227,22 @@ class PreloadLauncher(SubprocessLauncher):
     # -- the launcher interface -----------------------------------------------------------------
     def start(self, spec, envs, logs, filtered=(None, None)) -> dict[int, int]:
         if callable(spec.entrypoint):
-            raise ConfigError("--launcher preload runs scripts, modules and binaries, not Python callables "
-                              "(--run-path, elastic_launch(fn)); use --launcher subprocess")
+            raise ConfigError(
+                "--launcher preload runs scripts, modules and binaries, not Python callables "
+                "(--run-path, elastic_launch(fn)); use --launcher subprocess"
+            )
         self._ensure_zygote()
         return super().start(spec, envs, logs, filtered)
 
-    def _start_program(self, spec, local_rank: int, env: dict[str, str], wlogs: WorkerLogs,
-                       born_in_cgroup: bool = False) -> _Handle:
+    def _start_program(
+        self, spec, local_rank: int, env: dict[str, str], wlogs: WorkerLogs, born_in_cgroup: bool = False
+    ) -> _Handle:
         argv, mode = _command(spec.entrypoint, substitute_local_rank(tuple(spec.args), local_rank))
         fds, readers = [], []
-        for path, tee, console, index in ((wlogs.stdout, wlogs.tee_stdout, sys.stdout, 0),
-                                          (wlogs.stderr, wlogs.tee_stderr, sys.stderr, 1)):
+        for path, tee, console, index in (
+            (wlogs.stdout, wlogs.tee_stdout, sys.stdout, 0),
+            (wlogs.stderr, wlogs.tee_stderr, sys.stderr, 1),
+        ):
             if tee:
                 read_end, write_end = os.pipe()
                 fds.append(write_end)
@@ -229,8 +251,15 @@ class PreloadLauncher(SubprocessLauncher):
                 fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
             else:
                 fds.append(os.dup(index + 1))  # inherit the agent's stdout/stderr
-        request = {"op": "spawn", "local_rank": local_rank, "argv": argv, "env": env, "cwd": os.getcwd(), "mode": mode,
-                   "cgroup": self._cgroup_path}
+        request = {
+            "op": "spawn",
+            "local_rank": local_rank,
+            "argv": argv,
+            "env": env,
+            "cwd": os.getcwd(),
+            "mode": mode,
+            "cgroup": self._cgroup_path,
+        }
         try:
             message = self._ask(request, lambda m: m.get("spawned") == local_rank, fds)
         finally:

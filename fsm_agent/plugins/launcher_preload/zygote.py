@@ -140,8 +140,9 @@ def _host_store(addr: str, port: int, link: socket.socket) -> None:
                 if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
                     raise
                 time.sleep(0.01)
-        store = TCPStore(host_name=addr, port=port, is_master=True, wait_for_workers=False,
-                         master_listen_fd=listener.detach())
+        store = TCPStore(
+            host_name=addr, port=port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach()
+        )
     except BaseException as exc:
         link.send(f"{type(exc).__name__}: {exc}".encode()[:4000])
         os._exit(1)

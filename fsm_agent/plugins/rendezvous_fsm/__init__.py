@@ -76,17 +76,37 @@ from dataclasses import fields
 
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.rendezvous_fsm.handler import FsmRendezvousHandler, RendezvousInfo, create_fsm_handler
-from fsm_agent.plugins.rendezvous_fsm.params import (BACKEND, DEFAULT_PORT, FsmRendezvousParameters,
-                                                     FsmRendezvousSettings, parse_endpoint)
+from fsm_agent.plugins.rendezvous_fsm.params import (
+    BACKEND,
+    DEFAULT_PORT,
+    FsmRendezvousParameters,
+    FsmRendezvousSettings,
+    parse_endpoint,
+)
 from fsm_agent.plugins.rendezvous_fsm.planner import Joined, Node, Rendezvous, rank_order
 
-__all__ = ["BACKEND", "DEFAULT_PORT", "FsmRendezvousHandler", "FsmRendezvousParameters", "FsmRendezvousSettings",
-           "Joined", "Node", "Rendezvous", "RendezvousInfo", "create_fsm_handler", "parse_endpoint", "rank_order"]
+__all__ = [
+    "BACKEND",
+    "DEFAULT_PORT",
+    "FsmRendezvousHandler",
+    "FsmRendezvousParameters",
+    "FsmRendezvousSettings",
+    "Joined",
+    "Node",
+    "Rendezvous",
+    "RendezvousInfo",
+    "create_fsm_handler",
+    "parse_endpoint",
+    "rank_order",
+]
 
 
 @hookimpl
 def fsm_agent_register_backends(registry):
-    registry.add_rendezvous(BACKEND, create_fsm_handler,
-                            conf_keys=(*(f.name for f in fields(FsmRendezvousSettings)), "rank"),
-                            parameters=FsmRendezvousParameters.from_launch_config,  # torch-free
-                            node_rank="hint")
+    registry.add_rendezvous(
+        BACKEND,
+        create_fsm_handler,
+        conf_keys=(*(f.name for f in fields(FsmRendezvousSettings)), "rank"),
+        parameters=FsmRendezvousParameters.from_launch_config,  # torch-free
+        node_rank="hint",
+    )

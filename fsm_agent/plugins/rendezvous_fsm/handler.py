@@ -14,8 +14,21 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from fsm_agent.errors import ConfigError, RendezvousFailed, RendezvousNotNeeded
-from fsm_agent.plugins.rendezvous_fsm.params import BACKEND, FsmRendezvousSettings, free_port, is_loopback, parse_endpoint
-from fsm_agent.plugins.rendezvous_fsm.store import PrefixStore, StoreBindError, StoreClient, StoreError, StoreServer, format_endpoint
+from fsm_agent.plugins.rendezvous_fsm.params import (
+    BACKEND,
+    FsmRendezvousSettings,
+    free_port,
+    is_loopback,
+    parse_endpoint,
+)
+from fsm_agent.plugins.rendezvous_fsm.store import (
+    PrefixStore,
+    StoreBindError,
+    StoreClient,
+    StoreError,
+    StoreServer,
+    format_endpoint,
+)
 
 
 log = logging.getLogger(__name__)
@@ -67,8 +80,15 @@ class FsmRendezvousHandler:
     #: thread, where a stop signal interrupts them (so shutdown() never races a join still running).
     interruptible = True
 
-    def __init__(self, run_id: str, endpoint: str, min_nodes: int, max_nodes: int, local_addr: str | None = None,
-                 settings: FsmRendezvousSettings | None = None):
+    def __init__(
+        self,
+        run_id: str,
+        endpoint: str,
+        min_nodes: int,
+        max_nodes: int,
+        local_addr: str | None = None,
+        settings: FsmRendezvousSettings | None = None,
+    ):
         if not 0 < min_nodes <= max_nodes:
             raise ConfigError(f"--nnodes {min_nodes}:{max_nodes}: need 0 < MIN <= MAX")
         self.settings = s = settings or FsmRendezvousSettings()
@@ -81,8 +101,10 @@ class FsmRendezvousHandler:
         self._port_taken = False
         self._setup_hosting()
         if self.port == 0:
-            raise ConfigError(f"--rdzv-endpoint {endpoint!r}: port 0 (a free port) only works on the node that hosts "
-                              f"the store; this node {self._hosting_note}")
+            raise ConfigError(
+                f"--rdzv-endpoint {endpoint!r}: port 0 (a free port) only works on the node that hosts "
+                f"the store; this node {self._hosting_note}"
+            )
         loopback = is_loopback(self._connect_host)
         self.addr = local_addr or ("127.0.0.1" if loopback else socket.getfqdn())
         self.node_id = f"{self.addr}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
@@ -95,8 +117,14 @@ class FsmRendezvousHandler:
         # hello counts as load. Only after finding the endpoint port taken (by a store or by some
         # other program) does the short handshake_timeout tell the two apart.
         patience = s.handshake_timeout if fast else max(s.join_timeout, s.handshake_timeout)
-        self._client = StoreClient(self._connect_host, self.port, timeout=s.read_timeout,
-                                   connect_timeout=patience, handshake_timeout=patience, fail_fast_refused=fast)
+        self._client = StoreClient(
+            self._connect_host,
+            self.port,
+            timeout=s.read_timeout,
+            connect_timeout=patience,
+            handshake_timeout=patience,
+            fail_fast_refused=fast,
+        )
         side = dict(timeout=s.read_timeout, connect_timeout=patience, handshake_timeout=patience)
         self._hb_client = StoreClient(self._connect_host, self.port, **side)
         self._watch_client = StoreClient(self._connect_host, self.port, **side)
@@ -136,8 +164,10 @@ class FsmRendezvousHandler:
         target = self._connect_host
         if s.is_host is False:
             if self.port == 0:
-                raise ConfigError(f"--rdzv-endpoint {self.endpoint}: port 0 means 'host the store on a free port', "
-                                  f"which is_host=0 forbids; give the store's port")
+                raise ConfigError(
+                    f"--rdzv-endpoint {self.endpoint}: port 0 means 'host the store on a free port', "
+                    f"which is_host=0 forbids; give the store's port"
+                )
             return
         server = StoreServer(target, self.port)
         try:
@@ -152,17 +182,28 @@ class FsmRendezvousHandler:
                 # Another agent on this machine may host it: join as a client, but fail fast if the
                 # holder is not an fsm store.
                 self._port_taken = True
-                self._hosting_note = (f"tried to host the store but {format_endpoint(target, self.port)} is taken "
-                                      f"(joining the program that holds it as a client)")
+                self._hosting_note = (
+                    f"tried to host the store but {format_endpoint(target, self.port)} is taken "
+                    f"(joining the program that holds it as a client)"
+                )
                 return
-            raise RendezvousFailed(self._describe(
-                f"could not host the store at {format_endpoint(target, self.port)}: {exc}"
-                + ("; is_host=1 was given" if explicit else "")
-                + ("; the port is taken by another program: free it or pick another --rdzv-endpoint port"
-                   if exc.errno == errno.EADDRINUSE else "")
-                + ("; is_host=1 but the endpoint host is not an address of this machine"
-                   if exc.errno == errno.EADDRNOTAVAIL else ""),
-                note=f"tried to host the store: {exc}")) from None
+            raise RendezvousFailed(
+                self._describe(
+                    f"could not host the store at {format_endpoint(target, self.port)}: {exc}"
+                    + ("; is_host=1 was given" if explicit else "")
+                    + (
+                        "; the port is taken by another program: free it or pick another --rdzv-endpoint port"
+                        if exc.errno == errno.EADDRINUSE
+                        else ""
+                    )
+                    + (
+                        "; is_host=1 but the endpoint host is not an address of this machine"
+                        if exc.errno == errno.EADDRNOTAVAIL
+                        else ""
+                    ),
+                    note=f"tried to host the store: {exc}",
+                )
+            ) from None
         if s.bind_addr and s.bind_addr != target:
             port = server.port
             server.close()
@@ -171,13 +212,20 @@ class FsmRendezvousHandler:
                 server.bind()
             except StoreBindError as exc:
                 server.close()
-                raise RendezvousFailed(self._describe(f"could not host the store on bind_addr={s.bind_addr}: {exc}",
-                                                      note="tried to host the store")) from None
+                raise RendezvousFailed(
+                    self._describe(
+                        f"could not host the store on bind_addr={s.bind_addr}: {exc}", note="tried to host the store"
+                    )
+                ) from None
         bound = server._listener.getsockname()[0]
         if not s.bind_addr and not is_loopback(self._endpoint_host) and is_loopback(bound):
-            log.warning("fsm rendezvous: --rdzv-endpoint host %s resolves to %s on this machine, so the store is "
-                        "reachable from this machine only; use an IP address in --rdzv-endpoint or "
-                        "--rdzv-conf bind_addr=0.0.0.0 for other nodes", self._endpoint_host, bound)
+            log.warning(
+                "fsm rendezvous: --rdzv-endpoint host %s resolves to %s on this machine, so the store is "
+                "reachable from this machine only; use an IP address in --rdzv-endpoint or "
+                "--rdzv-conf bind_addr=0.0.0.0 for other nodes",
+                self._endpoint_host,
+                bound,
+            )
         server.start()
         self._server = server
         self.port = server.port
@@ -185,9 +233,11 @@ class FsmRendezvousHandler:
 
     def _describe(self, message: str, note: str | None = None) -> str:
         s = self.settings
-        return (f"fsm rendezvous failed: backend={BACKEND} endpoint={format_endpoint(self._connect_host, self.port)} "
-                f"run_id={self.run_id} nnodes={self.min_nodes}:{self.max_nodes} join_timeout={s.join_timeout:g}s; "
-                f"this node {note or self._hosting_note}: {message}")
+        return (
+            f"fsm rendezvous failed: backend={BACKEND} endpoint={format_endpoint(self._connect_host, self.port)} "
+            f"run_id={self.run_id} nnodes={self.min_nodes}:{self.max_nodes} join_timeout={s.join_timeout:g}s; "
+            f"this node {note or self._hosting_note}: {message}"
+        )
 
     # -- torch's RendezvousHandler interface -------------------------------------------------------------
     def get_backend(self) -> str:
@@ -230,8 +280,9 @@ class FsmRendezvousHandler:
         # A one-node job has no peer to lose or admit: its lease lives as long as its connection,
         # and no keep-alive or membership thread wakes the idle agent.
         single = self.max_nodes == 1
-        self._hb_client.set(self._alive_key, self.node_id, ttl=None if single else self._keep_alive_timeout,
-                            ephemeral=True)
+        self._hb_client.set(
+            self._alive_key, self.node_id, ttl=None if single else self._keep_alive_timeout, ephemeral=True
+        )
         self._started = True
         for name, target in () if single else (("keep-alive", self._heartbeat_loop), ("membership", self._watch_loop)):
             t = threading.Thread(target=target, name=f"fsm-rdzv-{name}-{self.run_id}", daemon=True)
@@ -247,9 +298,19 @@ class FsmRendezvousHandler:
             # A standby waits for a seat as long as the job runs (torch's redundancy list: no join_timeout).
             remaining = s.join_timeout if self.standby else deadline - time.monotonic()
             reply = self._client.rendezvous(
-                "join", max(0.0, remaining), run=self.run_id, node=self.node_id, lease=self._alive_key, info=info,
-                min=self.min_nodes, max=self.max_nodes, last_call_timeout=s.last_call_timeout,
-                rejoin_timeout=s.rejoin_timeout, returned_round=self._returned_round, standby=self.standby)
+                "join",
+                max(0.0, remaining),
+                run=self.run_id,
+                node=self.node_id,
+                lease=self._alive_key,
+                info=info,
+                min=self.min_nodes,
+                max=self.max_nodes,
+                last_call_timeout=s.last_call_timeout,
+                rejoin_timeout=s.rejoin_timeout,
+                returned_round=self._returned_round,
+                standby=self.standby,
+            )
             status = reply.get("status")
             if status == "ranked":
                 if self.standby:
@@ -265,15 +326,22 @@ class FsmRendezvousHandler:
             if status == "not_needed":
                 raise RendezvousNotNeeded(
                     f"fsm rendezvous {self.run_id} at {self.endpoint}: round {reply['round']} is complete with "
-                    f"max_nodes={self.max_nodes} nodes; this node is not needed and leaves")
+                    f"max_nodes={self.max_nodes} nodes; this node is not needed and leaves"
+                )
             if status == "closed":
-                raise RendezvousFailed(self._describe("the rendezvous is closed (set_closed() was called); "
-                                                      "start a new job with another --rdzv-id"))
+                raise RendezvousFailed(
+                    self._describe(
+                        "the rendezvous is closed (set_closed() was called); start a new job with another --rdzv-id"
+                    )
+                )
             if status == "timeout":
-                raise RendezvousFailed(self._describe(
-                    f"timed out after {s.join_timeout:g}s in round {reply['round']}: {reply['joined']} node(s) "
-                    f"joined, {reply['waiting']} waiting; need {self.min_nodes} "
-                    f"(raise join_timeout or start more nodes)"))
+                raise RendezvousFailed(
+                    self._describe(
+                        f"timed out after {s.join_timeout:g}s in round {reply['round']}: {reply['joined']} node(s) "
+                        f"joined, {reply['waiting']} waiting; need {self.min_nodes} "
+                        f"(raise join_timeout or start more nodes)"
+                    )
+                )
             raise RendezvousFailed(self._describe(f"the store answered the join with {str(reply)[:120]!r}"))
 
     def _standby_reply(self, reply: dict) -> None:
@@ -288,11 +356,14 @@ class FsmRendezvousHandler:
         if status == "done":
             raise RendezvousNotNeeded(
                 f"fsm rendezvous {self.run_id} at {self.endpoint}: standby: the job's nodes have all left "
-                f"(round {reply['round']}); this standby is not needed and leaves")
+                f"(round {reply['round']}); this standby is not needed and leaves"
+            )
         if status == "standby":
             self.standby = True
-            message = (f"standby: the job has {self.max_nodes} nodes (fsm rendezvous {self.run_id} round "
-                       f"{reply['round']}); this node waits, running no workers, to take the seat of a lost node")
+            message = (
+                f"standby: the job has {self.max_nodes} nodes (fsm rendezvous {self.run_id} round "
+                f"{reply['round']}); this node waits, running no workers, to take the seat of a lost node"
+            )
             (self.on_standby or log.warning)(message)
 
     def _finish(self, reply: dict) -> RendezvousInfo:
@@ -305,8 +376,15 @@ class FsmRendezvousHandler:
             self._drain()
             self._cv.notify_all()
         store = PrefixStore(f"{self._base}/round/{rnd}", self._client)
-        log.info("fsm rendezvous %s round %s complete: rank %s of %s, master %s:%s", self.run_id, rnd,
-                 rank, world, master["addr"], master["port"])
+        log.info(
+            "fsm rendezvous %s round %s complete: rank %s of %s, master %s:%s",
+            self.run_id,
+            rnd,
+            rank,
+            world,
+            master["addr"],
+            master["port"],
+        )
         return RendezvousInfo(store, rank, world, RendezvousStoreInfo(master["addr"], int(master["port"])))
 
     def _leave(self, forget: bool = True) -> None:
@@ -387,11 +465,13 @@ class FsmRendezvousHandler:
         return ok
 
     def _linger(self) -> None:
-        others = self._client.rendezvous("linger", self.settings.linger_timeout, run=self.run_id,
-                                         node=self.node_id)["others"]
+        others = self._client.rendezvous("linger", self.settings.linger_timeout, run=self.run_id, node=self.node_id)[
+            "others"
+        ]
         if others:
-            log.warning("fsm rendezvous %s: the store host exits while %d node(s) still use the store",
-                        self.run_id, others)
+            log.warning(
+                "fsm rendezvous %s: the store host exits while %d node(s) still use the store", self.run_id, others
+            )
 
     # -- background threads ---------------------------------------------------------------------------
     def _signal(self) -> None:  # holds self._cv
@@ -418,8 +498,9 @@ class FsmRendezvousHandler:
                     if self._stop.is_set():
                         return
                     c.set(self._alive_key, self.node_id, ttl=self._keep_alive_timeout, ephemeral=True)
-                    log.warning("fsm rendezvous %s: this node's keep-alive lapsed; the others may count it lost",
-                                self.run_id)
+                    log.warning(
+                        "fsm rendezvous %s: this node's keep-alive lapsed; the others may count it lost", self.run_id
+                    )
                     with self._cv:
                         if self._round is not None:
                             self._self_lost = True
@@ -441,8 +522,9 @@ class FsmRendezvousHandler:
                     return
                 rnd, gen, lost, waiting = self._round, self._gen, self._lost, self._waiting
             try:
-                reply = c.rendezvous("watch", 3600.0, run=self.run_id, node=self.node_id, round=rnd.round,
-                                     lost=lost, waiting=waiting)
+                reply = c.rendezvous(
+                    "watch", 3600.0, run=self.run_id, node=self.node_id, round=rnd.round, lost=lost, waiting=waiting
+                )
                 with self._cv:
                     if gen != self._gen:
                         continue
@@ -462,8 +544,10 @@ class FsmRendezvousHandler:
                         self._cv.wait()
 
     def __repr__(self) -> str:
-        return (f"FsmRendezvousHandler(run_id={self.run_id!r}, endpoint={self.endpoint!r}, "
-                f"nnodes={self.min_nodes}:{self.max_nodes}, node={self.node_id!r}, hosts_store={self.hosts_store})")
+        return (
+            f"FsmRendezvousHandler(run_id={self.run_id!r}, endpoint={self.endpoint!r}, "
+            f"nnodes={self.min_nodes}:{self.max_nodes}, node={self.node_id!r}, hosts_store={self.hosts_store})"
+        )
 
 
 def create_fsm_handler(params: Any) -> FsmRendezvousHandler:
@@ -474,6 +558,11 @@ def create_fsm_handler(params: Any) -> FsmRendezvousHandler:
     ``get(key, default)``: torch's ``RendezvousParameters`` qualifies, and needs no torch here.
     """
     settings = FsmRendezvousSettings.from_params(params)
-    return FsmRendezvousHandler(run_id=str(params.run_id), endpoint=params.endpoint or "",
-                                min_nodes=int(params.min_nodes), max_nodes=int(params.max_nodes),
-                                local_addr=getattr(params, "local_addr", None), settings=settings)
+    return FsmRendezvousHandler(
+        run_id=str(params.run_id),
+        endpoint=params.endpoint or "",
+        min_nodes=int(params.min_nodes),
+        max_nodes=int(params.max_nodes),
+        local_addr=getattr(params, "local_addr", None),
+        settings=settings,
+    )

@@ -29,8 +29,16 @@ class FsmRendezvousParameters:
     ``config`` holds the ``--rdzv-conf`` values (strings) plus ``node_rank``.
     """
 
-    def __init__(self, backend: str, endpoint: str, run_id: str, min_nodes: int, max_nodes: int,
-                 local_addr: str | None = None, **config: Any):
+    def __init__(
+        self,
+        backend: str,
+        endpoint: str,
+        run_id: str,
+        min_nodes: int,
+        max_nodes: int,
+        local_addr: str | None = None,
+        **config: Any,
+    ):
         if not backend:
             raise ValueError("The rendezvous backend name must be a non-empty string.")
         if min_nodes < 1 or max_nodes < min_nodes:
@@ -44,8 +52,15 @@ class FsmRendezvousParameters:
         """From a ``LaunchConfig`` (``rdzv_*`` fields, ``local_addr``, ``node_rank``)."""
         configs = dict(config.rdzv_configs)
         configs.setdefault("node_rank", config.node_rank)
-        return cls(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
-                   min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr, **configs)
+        return cls(
+            backend=config.rdzv_backend,
+            endpoint=config.rdzv_endpoint,
+            run_id=config.run_id,
+            min_nodes=config.min_nodes,
+            max_nodes=config.max_nodes,
+            local_addr=config.local_addr,
+            **configs,
+        )
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.config.get(key, default)
@@ -64,10 +79,12 @@ class FsmRendezvousParameters:
         return None if value is None else int(value)
 
     def __repr__(self) -> str:
-        return (f"FsmRendezvousParameters(backend={self.backend!r}, endpoint={self.endpoint!r}, "
-                f"run_id={self.run_id!r}, "
-                f"min_nodes={self.min_nodes}, max_nodes={self.max_nodes}, local_addr={self.local_addr!r}, "
-                f"config={self.config!r})")
+        return (
+            f"FsmRendezvousParameters(backend={self.backend!r}, endpoint={self.endpoint!r}, "
+            f"run_id={self.run_id!r}, "
+            f"min_nodes={self.min_nodes}, max_nodes={self.max_nodes}, local_addr={self.local_addr!r}, "
+            f"config={self.config!r})"
+        )
 
 
 # -- settings ----------------------------------------------------------------------------------------
@@ -192,10 +209,9 @@ def parse_endpoint(endpoint: str | None, default_port: int = DEFAULT_PORT) -> tu
     try:
         return host, int(port) if port else default_port
     except ValueError:
-        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: port {port!r} is not a number "
-                          f"(use host:port, e.g. node0:{default_port})") from None
-
-
+        raise ConfigError(
+            f"--rdzv-endpoint {endpoint!r}: port {port!r} is not a number (use host:port, e.g. node0:{default_port})"
+        ) from None
 
 
 def free_port() -> int:

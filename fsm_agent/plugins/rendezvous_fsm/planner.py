@@ -310,6 +310,7 @@ class Rendezvous:
 
 def rank_order(nodes: dict[str, Node], participants) -> list[str]:
     """Participants in rank order: node_rank hint, then the store host, then first-join order."""
+
     def key(p: str):
         n = nodes[p]
         return (n.node_rank if n.node_rank is not None else _INF, 0 if n.host else 1, n.seq, p)

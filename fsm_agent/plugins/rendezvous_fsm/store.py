@@ -220,8 +220,9 @@ class StoreServer:
     def bind(self) -> "StoreServer":
         """Bind and listen (no serving yet). Raises StoreBindError."""
         try:
-            infos = socket.getaddrinfo(self._host or None, self._req_port, type=socket.SOCK_STREAM,
-                                       flags=socket.AI_PASSIVE)
+            infos = socket.getaddrinfo(
+                self._host or None, self._req_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )
         except socket.gaierror as exc:
             raise StoreBindError(f"fsm store: cannot resolve {self._host!r}: {exc}", None) from None
         family, _, _, _, addr = infos[0]
@@ -232,8 +233,10 @@ class StoreServer:
             sock.listen(self._backlog)
         except OSError as exc:
             sock.close()
-            raise StoreBindError(f"fsm store: cannot listen on {format_endpoint(self._host, self._req_port)}: "
-                                 f"{exc.strerror or exc}", exc.errno) from None
+            raise StoreBindError(
+                f"fsm store: cannot listen on {format_endpoint(self._host, self._req_port)}: {exc.strerror or exc}",
+                exc.errno,
+            ) from None
         sock.setblocking(False)
         self._listener = sock
         self.port = sock.getsockname()[1]
@@ -310,9 +313,11 @@ class StoreServer:
                 self._expire(now)
                 self._time_out_waiters(now)
                 self._run_timers(now)
-                nxt = min(self._deadlines[0][0] if self._deadlines else float("inf"),
-                          self._expiries[0][0] if self._expiries else float("inf"),
-                          self._timers[0][0] if self._timers else float("inf"))
+                nxt = min(
+                    self._deadlines[0][0] if self._deadlines else float("inf"),
+                    self._expiries[0][0] if self._expiries else float("inf"),
+                    self._timers[0][0] if self._timers else float("inf"),
+                )
                 timeout = 3600.0 if nxt == float("inf") else min(3600.0, max(0.0, nxt - time.monotonic()))
                 for key, mask in sel.select(timeout):
                     if key.data == "wake":
@@ -365,7 +370,7 @@ class StoreServer:
             if i < 0:
                 break
             conn.lines.append(bytes(conn.inbuf[:i]))
-            del conn.inbuf[:i + 1]
+            del conn.inbuf[: i + 1]
         if len(conn.inbuf) > MAX_LINE:
             conn.close_after_flush = True
             conn.lines.clear()
@@ -384,14 +389,26 @@ class StoreServer:
                     raise ValueError("a request must be a JSON object")
             except (ValueError, UnicodeDecodeError) as exc:
                 conn.close_after_flush = True
-                self._reply(conn, {"ok": False, "error": "bad_request",
-                                   "message": f"not an fsm-store request ({PROTO}, JSON lines): {exc}"})
+                self._reply(
+                    conn,
+                    {
+                        "ok": False,
+                        "error": "bad_request",
+                        "message": f"not an fsm-store request ({PROTO}, JSON lines): {exc}",
+                    },
+                )
                 break
             try:
                 self._handle(conn, req)
             except Exception as exc:  # one bad request never takes the server down
-                self._reply(conn, {"ok": False, "error": "bad_request",
-                                   "message": f"bad {req.get('op')!r} request: {type(exc).__name__}: {exc}"})
+                self._reply(
+                    conn,
+                    {
+                        "ok": False,
+                        "error": "bad_request",
+                        "message": f"bad {req.get('op')!r} request: {type(exc).__name__}: {exc}",
+                    },
+                )
 
     def _reply(self, conn: _Conn, obj: dict) -> None:
         if conn.closed:
@@ -508,12 +525,16 @@ class StoreServer:
         if w.kind == "multi_get":
             return {"ok": True, "values": [_b64(self._data[k].value) for k in w.keys]}
         if w.kind == "watch":
-            return {"ok": True, "now": time.monotonic(),
-                    "changed": {k: self._version(k) for k, v in w.versions.items() if self._version(k) != v}}
+            return {
+                "ok": True,
+                "now": time.monotonic(),
+                "changed": {k: self._version(k) for k, v in w.versions.items() if self._version(k) != v},
+            }
         return {"ok": True}
 
-    def _block(self, conn: _Conn, kind: str, keys: list[str], timeout: Any,
-               versions: dict[str, int] | None = None) -> None:
+    def _block(
+        self, conn: _Conn, kind: str, keys: list[str], timeout: Any, versions: dict[str, int] | None = None
+    ) -> None:
         w = _Waiter(conn, kind, keys, versions, 0.0)
         if self._satisfied(w):
             self._reply(conn, self._answer(w))
@@ -635,9 +656,12 @@ class StoreServer:
         elif op == "get_versioned":
             keys = [str(k) for k in req.get("keys", ())]
             entries = [self._data.get(k) for k in keys]
-            reply = {"ok": True, "now": now,
-                     "values": [_b64(e.value) if e is not None else None for e in entries],
-                     "versions": [e.version if e is not None else 0 for e in entries]}
+            reply = {
+                "ok": True,
+                "now": now,
+                "values": [_b64(e.value) if e is not None else None for e in entries],
+                "versions": [e.version if e is not None else 0 for e in entries],
+            }
             prefix = req.get("prefix")
             if prefix is not None:
                 prefix = str(prefix)
@@ -678,8 +702,12 @@ class StoreServer:
             rdzv.last_call_timeout, rdzv.rejoin_timeout = float(req["last_call_timeout"]), float(req["rejoin_timeout"])
             self._leases[lease] = (run_id, node)
             info = req["info"]
-            me = Node(str(info["addr"]), int(info["port"]), bool(info.get("host")),
-                      None if info.get("node_rank") is None else int(info["node_rank"]))
+            me = Node(
+                str(info["addr"]),
+                int(info["port"]),
+                bool(info.get("host")),
+                None if info.get("node_rank") is None else int(info["node_rank"]),
+            )
             returned = req.get("returned_round")
 
             def join(rdzv: Rendezvous, now: float) -> None:
@@ -692,8 +720,19 @@ class StoreServer:
 
             self._rdzv_apply(run_id, join)
         elif run is None:  # nothing joined this run yet (or the store restarted)
-            self._reply(conn, {"ok": True, "closed": False, "round": -1, "complete": False, "nodes": 0,
-                               "lost": 0, "waiting": 1 if op == "rdzv_watch" else 0, "others": 0})
+            self._reply(
+                conn,
+                {
+                    "ok": True,
+                    "closed": False,
+                    "round": -1,
+                    "complete": False,
+                    "nodes": 0,
+                    "lost": 0,
+                    "waiting": 1 if op == "rdzv_watch" else 0,
+                    "others": 0,
+                },
+            )
         elif op == "rdzv_leave":
             self._rdzv_apply(run_id, lambda rdzv, now: rdzv.leave(node, now, forget=bool(req.get("forget", True))))
             self._reply(conn, {"ok": True})
@@ -702,9 +741,18 @@ class StoreServer:
             self._reply(conn, {"ok": True})
         elif op == "rdzv_status":
             r = run.rdzv
-            self._reply(conn, {"ok": True, "closed": r.closed, "round": r.round, "complete": r.complete,
-                               "nodes": len(r.nodes), "participants": len(r.participants),
-                               "waiting": len(r.wait_list)})
+            self._reply(
+                conn,
+                {
+                    "ok": True,
+                    "closed": r.closed,
+                    "round": r.round,
+                    "complete": r.complete,
+                    "nodes": len(r.nodes),
+                    "participants": len(r.participants),
+                    "waiting": len(r.wait_list),
+                },
+            )
         elif op == "rdzv_watch":
             lost, waiting, _ = run.rdzv.membership(node, int(req["round"]), now)
             if (lost, waiting > 0) != (int(req["lost"]), int(req["waiting"]) > 0):
@@ -737,8 +785,11 @@ class StoreServer:
     def _rdzv_joined(rdzv: Rendezvous, status: str, node: str) -> dict:
         reply = {"ok": True, "status": status, "round": rdzv.round}
         if status == "ranked":
-            reply.update(rank=rdzv.participants[node], world=len(rdzv.participants),
-                         master={"addr": rdzv.master[0], "port": rdzv.master[1]})
+            reply.update(
+                rank=rdzv.participants[node],
+                world=len(rdzv.participants),
+                master={"addr": rdzv.master[0], "port": rdzv.master[1]},
+            )
         return reply
 
     # -- hot spares (planner.Rendezvous.is_standby): told once, then their join blocks ----------------
@@ -769,8 +820,13 @@ class StoreServer:
             return {"ok": True, "lost": lost, "waiting": waiting}
         if w.kind == "rdzv_linger":
             return {"ok": True, "others": len(rdzv.nodes) - (node in rdzv.nodes)}
-        reply = {"ok": True, "status": "timeout", "round": rdzv.round, "waiting": len(rdzv.wait_list),
-                 "joined": 0 if rdzv.complete else len(rdzv.participants)}
+        reply = {
+            "ok": True,
+            "status": "timeout",
+            "round": rdzv.round,
+            "waiting": len(rdzv.wait_list),
+            "joined": 0 if rdzv.complete else len(rdzv.participants),
+        }
         self._unregister(w)  # a node that gave up leaves the round it waited for (not the run)
         self._rdzv_apply(w.run.run_id, lambda r, now: r.leave(node, now, forget=False))
         return reply
@@ -843,9 +899,16 @@ class StoreClient:
     ``fsm_agent.errors.RendezvousFailed`` and name the endpoint.
     """
 
-    def __init__(self, host: str, port: int, *, timeout: timedelta | float = DEFAULT_TIMEOUT,
-                 connect_timeout: float = 60.0, handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-                 fail_fast_refused: bool = False):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        timeout: timedelta | float = DEFAULT_TIMEOUT,
+        connect_timeout: float = 60.0,
+        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+        fail_fast_refused: bool = False,
+    ):
         self.host, self.port = host, int(port)
         self._timeout = timedelta(seconds=_seconds(timeout))
         self.connect_timeout = float(connect_timeout)
@@ -894,8 +957,10 @@ class StoreClient:
             return "the port is taken but nothing accepts connections on it (another program holds it)"
         finally:
             probe.close()
-        return ("nothing listens there any more: what held the port when this node tried to host the store "
-                "(an agent hosting it, shutting down?) has exited; start this node again and it hosts the store")
+        return (
+            "nothing listens there any more: what held the port when this node tried to host the store "
+            "(an agent hosting it, shutting down?) has exited; start this node again and it hosts the store"
+        )
 
     def _open(self) -> None:
         if self._closed:
@@ -905,24 +970,28 @@ class StoreClient:
         while True:
             remaining = deadline - time.monotonic()
             try:
-                sock = socket.create_connection((self.host, self.port),
-                                                timeout=max(0.05, min(self.handshake_timeout, remaining)))
+                sock = socket.create_connection(
+                    (self.host, self.port), timeout=max(0.05, min(self.handshake_timeout, remaining))
+                )
                 break
             except socket.gaierror as exc:
                 raise StoreConnectionError(
-                    f"fsm store at {self.endpoint}: cannot resolve {self.host!r}: {exc}") from None
+                    f"fsm store at {self.endpoint}: cannot resolve {self.host!r}: {exc}"
+                ) from None
             except OSError as exc:
                 last = exc
                 if self._was_connected and isinstance(exc, ConnectionRefusedError):
                     raise StoreConnectionError(
                         f"fsm store at {self.endpoint}: connection refused: the store this client used is "
-                        f"gone (the agent hosting it exited?)") from None
+                        f"gone (the agent hosting it exited?)"
+                    ) from None
                 if self.fail_fast_refused and isinstance(exc, ConnectionRefusedError) and remaining <= 0:
                     raise StoreProtocolError(f"fsm store at {self.endpoint}: {self._refused_after_taken()}") from None
                 if remaining <= 0:
                     raise StoreConnectionError(
                         f"fsm store at {self.endpoint}: could not connect within {self.connect_timeout:g} s: "
-                        f"{exc.strerror or exc}") from None
+                        f"{exc.strerror or exc}"
+                    ) from None
             if self._closed:  # abort() while the server is not up yet: stop retrying
                 raise StoreConnectionError(f"fsm store client for {self.endpoint} is closed")
             # The server is not listening yet (its host starts later): the one wait outside the server.
@@ -943,14 +1012,17 @@ class StoreClient:
             raise StoreProtocolError(
                 f"fsm store at {self.endpoint}: the peer accepted the connection but did not answer the "
                 f"{PROTO} hello within {self.handshake_timeout:g} s: the port is held by another program, "
-                f"not an fsm-agent store") from None
+                f"not an fsm-agent store"
+            ) from None
         except StoreError:
             self._reset()
             raise
         if reply.get("proto") != PROTO or not reply.get("ok"):
             self._reset()
-            raise StoreProtocolError(f"fsm store at {self.endpoint}: the peer is not an {PROTO} server "
-                                     f"(hello answered with {str(reply)[:120]!r})")
+            raise StoreProtocolError(
+                f"fsm store at {self.endpoint}: the peer is not an {PROTO} server "
+                f"(hello answered with {str(reply)[:120]!r})"
+            )
         self.server_now = reply.get("now")
         self._was_connected = True
 
@@ -987,23 +1059,26 @@ class StoreClient:
             self._sock.sendall(_encode(obj))
         except OSError as exc:
             self._reset()
-            raise StoreConnectionError(f"fsm store at {self.endpoint}: connection lost while sending "
-                                       f"{obj.get('op')!r}: {exc}") from None
+            raise StoreConnectionError(
+                f"fsm store at {self.endpoint}: connection lost while sending {obj.get('op')!r}: {exc}"
+            ) from None
 
     def _recv(self, deadline: float, handshake: bool = False) -> dict:
         while True:
             i = self._buf.find(b"\n")
             if i >= 0:
                 line = bytes(self._buf[:i])
-                del self._buf[:i + 1]
+                del self._buf[: i + 1]
                 try:
                     reply = json.loads(line)
                     if not isinstance(reply, dict):
                         raise ValueError("not an object")
                 except (ValueError, UnicodeDecodeError):
                     self._reset()
-                    raise StoreProtocolError(f"fsm store at {self.endpoint}: malformed reply {line[:80]!r} "
-                                             f"(is the port held by another program?)") from None
+                    raise StoreProtocolError(
+                        f"fsm store at {self.endpoint}: malformed reply {line[:80]!r} "
+                        f"(is the port held by another program?)"
+                    ) from None
                 return reply
             if len(self._buf) > MAX_LINE:
                 self._reset()
@@ -1021,10 +1096,14 @@ class StoreClient:
                 raise StoreConnectionError(f"fsm store at {self.endpoint}: connection lost: {exc}") from None
             if not chunk:
                 self._reset()
-                what = "closed the connection during the handshake (not an fsm-agent store?)" if handshake \
+                what = (
+                    "closed the connection during the handshake (not an fsm-agent store?)"
+                    if handshake
                     else "closed the connection (the agent hosting the store exited?)"
+                )
                 raise (StoreProtocolError if handshake else StoreConnectionError)(
-                    f"fsm store at {self.endpoint}: {what}")
+                    f"fsm store at {self.endpoint}: {what}"
+                )
             self._buf += chunk
 
     def _request(self, req: dict, wait: float | None = None) -> dict:
@@ -1040,7 +1119,8 @@ class StoreClient:
                     self._reset()
                     raise StoreConnectionError(
                         f"fsm store at {self.endpoint}: no reply to {req.get('op')!r} in time: the server "
-                        f"is unresponsive") from None
+                        f"is unresponsive"
+                    ) from None
             except BaseException:
                 # interrupted mid-request (a signal, an error): the stream is out of step, start over
                 self._reset()
@@ -1049,10 +1129,14 @@ class StoreClient:
             self.server_now = reply["now"]
         if not reply.get("ok"):
             if reply.get("error") == "timeout":
-                raise StoreTimeout(f"fsm store at {self.endpoint}: {req.get('op')} timed out after "
-                                   f"{wait:g} s ({reply.get('message', '')})")
-            raise StoreError(f"fsm store at {self.endpoint}: {req.get('op')} failed: "
-                             f"{reply.get('error')}: {reply.get('message', '')}")
+                raise StoreTimeout(
+                    f"fsm store at {self.endpoint}: {req.get('op')} timed out after "
+                    f"{wait:g} s ({reply.get('message', '')})"
+                )
+            raise StoreError(
+                f"fsm store at {self.endpoint}: {req.get('op')} failed: "
+                f"{reply.get('error')}: {reply.get('message', '')}"
+            )
         return reply
 
     def _wait_s(self, timeout: timedelta | float | None) -> float:
@@ -1084,15 +1168,24 @@ class StoreClient:
         Returns the value after the call: ``desired_value`` if swapped, else the current value
         (or ``expected_value`` when the key is missing and ``expected_value`` is not empty, as torch).
         """
-        req = {"op": "compare_set", "key": key, "expected": _b64(_to_bytes(expected_value)),
-               "desired": _b64(_to_bytes(desired_value))}
+        req = {
+            "op": "compare_set",
+            "key": key,
+            "expected": _b64(_to_bytes(expected_value)),
+            "desired": _b64(_to_bytes(desired_value)),
+        }
         return _unb64(self._request(req)["value"])
 
-    def compare_set_versioned(self, key: str, expected_value: str | bytes, desired_value: str | bytes
-                              ) -> tuple[bytes, int, float]:
+    def compare_set_versioned(
+        self, key: str, expected_value: str | bytes, desired_value: str | bytes
+    ) -> tuple[bytes, int, float]:
         """``compare_set`` that also returns the key's version and the server time: ``(value, version, now)``."""
-        req = {"op": "compare_set", "key": key, "expected": _b64(_to_bytes(expected_value)),
-               "desired": _b64(_to_bytes(desired_value))}
+        req = {
+            "op": "compare_set",
+            "key": key,
+            "expected": _b64(_to_bytes(expected_value)),
+            "desired": _b64(_to_bytes(desired_value)),
+        }
         reply = self._request(req)
         return _unb64(reply["value"]), int(reply["version"]), float(reply["now"])
 
@@ -1124,8 +1217,9 @@ class StoreClient:
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return list(self._request({"op": "exists", "keys": list(keys)})["values"])
 
-    def get_versioned(self, keys: Sequence[str], prefix: str | None = None
-                      ) -> tuple[list[bytes | None], list[int], dict[str, int], float]:
+    def get_versioned(
+        self, keys: Sequence[str], prefix: str | None = None
+    ) -> tuple[list[bytes | None], list[int], dict[str, int], float]:
         """``(values, versions, listing, now)``: never blocks. Missing keys: value None, version 0.
 
         ``listing`` maps every key that starts with ``prefix`` to its version (empty without a prefix).

@@ -54,14 +54,56 @@ class TlsFiles:
         if not openssl:
             pytest.fail("no openssl on PATH (Debian's openssl package) to make the TLS test certificates")
         d = directory
-        (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n"
-                                   "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n")
-        for argv in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
-                      "-days", "1", "-subj", "/CN=fsm-agent test CA"],
-                     ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr",
-                      "-subj", "/CN=127.0.0.1"],
-                     ["x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                      "-out", "node.pem", "-days", "1", "-extfile", "ext.cnf"]):
+        (d / "ext.cnf").write_text(
+            "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n"
+            "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
+        )
+        for argv in (
+            [
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.pem",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=fsm-agent test CA",
+            ],
+            [
+                "req",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                "node.key",
+                "-out",
+                "node.csr",
+                "-subj",
+                "/CN=127.0.0.1",
+            ],
+            [
+                "x509",
+                "-req",
+                "-in",
+                "node.csr",
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                "node.pem",
+                "-days",
+                "1",
+                "-extfile",
+                "ext.cnf",
+            ],
+        ):
             subprocess.run([openssl, *argv], cwd=d, check=True, capture_output=True, timeout=60)
         return cls(ca=d / "ca.pem", cert=d / "node.pem", key=d / "node.key")
 
@@ -87,14 +129,46 @@ class EtcdMember:
     def start(self, initial_cluster: str) -> None:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [ETCD_BINARY, "--name", self.name, "--data-dir", str(self.data_dir / self.name),
-             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-             "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
-             "--initial-cluster", initial_cluster, "--initial-cluster-state", "new",
-             "--initial-cluster-token", f"fsm-agent-test-{self.data_dir.name}", *ETCD_TIMING,
-             *(["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key), "--trusted-ca-file",
-                str(self.tls.ca), "--client-cert-auth"] if self.tls else [])],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            [
+                ETCD_BINARY,
+                "--name",
+                self.name,
+                "--data-dir",
+                str(self.data_dir / self.name),
+                "--listen-client-urls",
+                self.url,
+                "--advertise-client-urls",
+                self.url,
+                "--listen-peer-urls",
+                self.peer_url,
+                "--initial-advertise-peer-urls",
+                self.peer_url,
+                "--initial-cluster",
+                initial_cluster,
+                "--initial-cluster-state",
+                "new",
+                "--initial-cluster-token",
+                f"fsm-agent-test-{self.data_dir.name}",
+                *ETCD_TIMING,
+                *(
+                    [
+                        "--cert-file",
+                        str(self.tls.cert),
+                        "--key-file",
+                        str(self.tls.key),
+                        "--trusted-ca-file",
+                        str(self.tls.ca),
+                        "--client-cert-auth",
+                    ]
+                    if self.tls
+                    else []
+                ),
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def healthy(self) -> bool:
         """True once this member answers /health with a leader elected (False while it is starting)."""
@@ -164,8 +238,9 @@ class EtcdCluster:
             if all(m.healthy() for m in self.members):
                 return
             time.sleep(0.1)
-        raise RuntimeError(f"etcd not healthy after {timeout}s: "
-                           + "\n".join(m.log_path.read_text()[-2000:] for m in self.members))
+        raise RuntimeError(
+            f"etcd not healthy after {timeout}s: " + "\n".join(m.log_path.read_text()[-2000:] for m in self.members)
+        )
 
     def leader(self) -> EtcdMember:
         """The member that is the raft leader now (asked of a running member)."""
@@ -233,4 +308,3 @@ def agents(tmp_path):
     group = Agents(tmp_path)
     yield group
     group.kill_all()
-

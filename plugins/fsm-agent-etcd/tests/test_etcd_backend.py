@@ -19,8 +19,9 @@ import fsm_agent_etcd
 
 
 def params(endpoint: str, run_id: str | None = None, **conf) -> RendezvousParameters:
-    return RendezvousParameters(backend="etcd-v3", endpoint=endpoint, run_id=run_id or uuid.uuid4().hex,
-                                min_nodes=1, max_nodes=2, **conf)
+    return RendezvousParameters(
+        backend="etcd-v3", endpoint=endpoint, run_id=run_id or uuid.uuid4().hex, min_nodes=1, max_nodes=2, **conf
+    )
 
 
 def test_etcd_server_speaks_v3(etcd_server):
@@ -133,13 +134,32 @@ def test_a_revoked_lease_is_replaced_on_the_next_write(etcd_server):
 
 def test_cli_with_an_unreachable_etcd_is_a_one_line_error(tmp_path):
     with socket_closed_port() as port:
-        proc = subprocess.run([sys.executable, "-m", "fsm_agent", "run", "--rdzv-backend", "etcd-v3",
-                               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nowhere", "-m", "json.tool"],
-                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fsm_agent",
+                "run",
+                "--rdzv-backend",
+                "etcd-v3",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "nowhere",
+                "-m",
+                "json.tool",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"fsm-agent: error: --rdzv-backend etcd-v3 at 127.0.0.1:{port}: RendezvousConnectionError: "
-                           f"etcd at http://127.0.0.1:{port} does not answer: ConnectionFailedError")
+    assert last.startswith(
+        f"fsm-agent: error: --rdzv-backend etcd-v3 at 127.0.0.1:{port}: RendezvousConnectionError: "
+        f"etcd at http://127.0.0.1:{port} does not answer: ConnectionFailedError"
+    )
 
 
 def test_bad_options_name_the_fix():
@@ -162,8 +182,13 @@ def test_declared_conf_keys_are_the_options_read():
 
 
 def test_backend_is_listed_by_fsm_agent_plugins():
-    out = subprocess.run([sys.executable, "-m", "fsm_agent", "plugins", "--json"], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "fsm_agent", "plugins", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     row = next(r for r in json.loads(out) if r["name"] == "etcd")
     assert row["distribution"] == "fsm-agent-etcd" and "fsm_agent_register_backends" in row["hooks"]
 

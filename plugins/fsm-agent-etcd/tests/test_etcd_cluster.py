@@ -21,8 +21,7 @@ from fsm_agent.testing.node_loss import NodeLossJob
 
 
 def params(endpoint: str, run_id: str, **conf) -> RendezvousParameters:
-    return RendezvousParameters(backend="etcd-v3", endpoint=endpoint, run_id=run_id, min_nodes=1, max_nodes=2,
-                                **conf)
+    return RendezvousParameters(backend="etcd-v3", endpoint=endpoint, run_id=run_id, min_nodes=1, max_nodes=2, **conf)
 
 
 def leader_first(cluster) -> list:
@@ -67,8 +66,9 @@ def test_backend_and_store_go_on_when_the_member_they_use_is_lost(etcd_cluster, 
 
 
 def test_unreachable_members_are_named_in_one_line():
-    with pytest.raises(RendezvousConnectionError,
-                       match=r"etcd at http://127\.0\.0\.1:1, http://127\.0\.0\.1:2 does not answer"):
+    with pytest.raises(
+        RendezvousConnectionError, match=r"etcd at http://127\.0\.0\.1:1, http://127\.0\.0\.1:2 does not answer"
+    ):
         fsm_agent_etcd.create_backend(params("127.0.0.1:1,127.0.0.1:2", "nowhere", read_timeout="5"))
 
 
@@ -99,11 +99,26 @@ def test_job_survives_an_etcd_member_then_its_first_node(tmp_path, etcd_cluster)
     is SIGKILLed with its workers (a machine dying), and the other two re-rendezvous without it and
     finish as a world of 2. Nothing is left running (NodeLossJob.close, conftest)."""
     members = leader_first(etcd_cluster)
-    flags = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3",
-             "--rdzv-endpoint", ",".join(m.endpoint for m in members), "--rdzv-id", f"ha-{uuid.uuid4().hex[:8]}",
-             "--local-addr", "127.0.0.1", "--monitor-interval", "0.1", "--max-restarts", "0",
-             "--rdzv-conf", "join_timeout=120,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=10,"
-                            "read_timeout=30"]
+    flags = [
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "etcd-v3",
+        "--rdzv-endpoint",
+        ",".join(m.endpoint for m in members),
+        "--rdzv-id",
+        f"ha-{uuid.uuid4().hex[:8]}",
+        "--local-addr",
+        "127.0.0.1",
+        "--monitor-interval",
+        "0.1",
+        "--max-restarts",
+        "0",
+        "--rdzv-conf",
+        "join_timeout=120,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=10,read_timeout=30",
+    ]
     job = NodeLossJob(tmp_path, flags)
     try:
         for name in ("a", "b", "c"):
@@ -138,7 +153,9 @@ def test_job_survives_an_etcd_member_then_its_first_node(tmp_path, etcd_cluster)
             assert change["failure_class"] == "node_lost", change
             assert all(e["restart_count"] == 0 for e in job.events(name))
             assert job.transitions(name)[-1] == ("HEALTHY", "SUCCEEDED", "workers_succeeded")
-        print(f"\nfirst node (group rank {world_of_3['a']['group_rank']}) lost -> survivors running again "
-              f"{min(r['ts'] for r in last.values()) - node_lost_at:.2f} s")
+        print(
+            f"\nfirst node (group rank {world_of_3['a']['group_rank']}) lost -> survivors running again "
+            f"{min(r['ts'] for r in last.values()) - node_lost_at:.2f} s"
+        )
     finally:
         job.close()

@@ -30,10 +30,29 @@ def start_etcd(hosts) -> str:
     """A one-member etcd in host 0, clients on the switch address; returns its endpoint once healthy."""
     etcd = shutil.which("etcd") or "/usr/bin/etcd"
     url, peer = f"http://{hosts.addrs[0]}:{ETCD_PORT}", "http://127.0.0.1:2380"
-    proc = hosts.start_process(0, [etcd, "--name", "m0", "--data-dir", str(hosts.workdir / "etcd-data"),
-                                   "--listen-client-urls", url, "--advertise-client-urls", url,
-                                   "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                                   "--initial-cluster", f"m0={peer}", "--initial-cluster-state", "new"], "etcd")
+    proc = hosts.start_process(
+        0,
+        [
+            etcd,
+            "--name",
+            "m0",
+            "--data-dir",
+            str(hosts.workdir / "etcd-data"),
+            "--listen-client-urls",
+            url,
+            "--advertise-client-urls",
+            url,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"m0={peer}",
+            "--initial-cluster-state",
+            "new",
+        ],
+        "etcd",
+    )
     deadline = time.monotonic() + 60
     while hosts.run_in(0, [sys.executable, "-c", HEALTH, f"{url}/health"]).returncode != 0:
         assert proc.poll() is None and time.monotonic() < deadline, (hosts.workdir / "etcd.log").read_text()[-3000:]
@@ -46,9 +65,24 @@ def test_etcd_v3_job_forms_whatever_the_hostnames_resolve_to(netns_hosts, mode):
     hosts = netns_hosts
     hostnames = cluster_hosts(hosts, mode)
     endpoint = start_etcd(hosts)
-    flags = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint,
-             "--rdzv-id", f"hostnames-{mode}", "--rdzv-conf", "join_timeout=120", "--monitor-interval", "0.1",
-             "--max-restarts", "0"]
+    flags = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "etcd-v3",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        f"hostnames-{mode}",
+        "--rdzv-conf",
+        "join_timeout=120",
+        "--monitor-interval",
+        "0.1",
+        "--max-restarts",
+        "0",
+    ]
     agents = [hosts.start_agent(i, *flags, final_world=2, local_addr=False, hostname=hostnames[i]) for i in range(2)]
     for agent in agents:
         assert agent.wait(JOB_TIMEOUT_S) == 0, hosts.diagnostics()

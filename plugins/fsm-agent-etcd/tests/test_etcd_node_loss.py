@@ -18,16 +18,35 @@ from fsm_agent.testing.processes import wait_until
 
 pytestmark = pytest.mark.slow
 
-AFTER_LOSS = [("HEALTHY", "STOPPED", "membership_changed"), ("STOPPED", "HEALTHY", "restart"),
-              ("HEALTHY", "SUCCEEDED", "workers_succeeded")]
+AFTER_LOSS = [
+    ("HEALTHY", "STOPPED", "membership_changed"),
+    ("STOPPED", "HEALTHY", "restart"),
+    ("HEALTHY", "SUCCEEDED", "workers_succeeded"),
+]
 MARGIN_S = 10.0
 
 
 def etcd_flags(etcd_server, keep_alive: str) -> list[str]:
-    return ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint",
-            etcd_server.endpoint, "--rdzv-id", f"loss-{uuid.uuid4().hex[:8]}", "--local-addr", "127.0.0.1",
-            "--monitor-interval", "0.1", "--max-restarts", "0",
-            "--rdzv-conf", f"join_timeout=60,last_call_timeout=3,{keep_alive}"]
+    return [
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "etcd-v3",
+        "--rdzv-endpoint",
+        etcd_server.endpoint,
+        "--rdzv-id",
+        f"loss-{uuid.uuid4().hex[:8]}",
+        "--local-addr",
+        "127.0.0.1",
+        "--monitor-interval",
+        "0.1",
+        "--max-restarts",
+        "0",
+        "--rdzv-conf",
+        f"join_timeout=60,last_call_timeout=3,{keep_alive}",
+    ]
 
 
 @pytest.fixture
@@ -44,15 +63,22 @@ def job(tmp_path):
         one.close()
 
 
-@pytest.mark.parametrize("sig, keep_alive_s, detect_bound_s", [
-    # a machine dying: seen once its keep-alive (1 s x 5) expired, plus the check (torch caches 1 s)
-    (signal.SIGKILL, 5, 5 + 1 + MARGIN_S),
-    # an operator's SIGTERM: the agent leaves its round, seen long before torch's 5 x 3 s keep-alive
-    (signal.SIGTERM, 15, MARGIN_S),
-], ids=["sigkill", "sigterm"])
+@pytest.mark.parametrize(
+    "sig, keep_alive_s, detect_bound_s",
+    [
+        # a machine dying: seen once its keep-alive (1 s x 5) expired, plus the check (torch caches 1 s)
+        (signal.SIGKILL, 5, 5 + 1 + MARGIN_S),
+        # an operator's SIGTERM: the agent leaves its round, seen long before torch's 5 x 3 s keep-alive
+        (signal.SIGTERM, 15, MARGIN_S),
+    ],
+    ids=["sigkill", "sigterm"],
+)
 def test_survivor_goes_on_alone_when_its_peer_is_lost(job, etcd_server, sig, keep_alive_s, detect_bound_s):
-    conf = "keep_alive_interval=1,keep_alive_max_attempt=5" if keep_alive_s == 5 else \
-        "keep_alive_interval=5,keep_alive_max_attempt=3"
+    conf = (
+        "keep_alive_interval=1,keep_alive_max_attempt=5"
+        if keep_alive_s == 5
+        else "keep_alive_interval=5,keep_alive_max_attempt=3"
+    )
     loss = job(etcd_flags(etcd_server, conf))
     loss.start("a")
     loss.start("b")

@@ -37,10 +37,26 @@ def write_script(tmp_path) -> str:
 
 
 def agent_args(etcd_server, run_id: str, nnodes: str, events) -> list[str]:
-    return ["--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
-            "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id, "--local-addr", "127.0.0.1",
-            "--monitor-interval", "0.2", "--rdzv-conf", "last_call_timeout=1,join_timeout=120",
-            "--events-file", str(events)]
+    return [
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "etcd-v3",
+        "--rdzv-endpoint",
+        etcd_server.endpoint,
+        "--rdzv-id",
+        run_id,
+        "--local-addr",
+        "127.0.0.1",
+        "--monitor-interval",
+        "0.2",
+        "--rdzv-conf",
+        "last_call_timeout=1,join_timeout=120",
+        "--events-file",
+        str(events),
+    ]
 
 
 def sums(tmp_path, world: int) -> list[float]:
@@ -59,8 +75,10 @@ def test_two_agents_form_one_job_through_etcd(tmp_path, agents, etcd_server):
     assert sums(tmp_path, 4) == [10.0] * 4  # 1+2+3+4: one gloo group of four workers over two agents
 
     for name in ("a.jsonl", "b.jsonl"):
-        assert agents.transitions(tmp_path / name) == [("INIT", "HEALTHY", "start"),
-                                                       ("HEALTHY", "SUCCEEDED", "workers_succeeded")]
+        assert agents.transitions(tmp_path / name) == [
+            ("INIT", "HEALTHY", "start"),
+            ("HEALTHY", "SUCCEEDED", "workers_succeeded"),
+        ]
         assert {e["rdzv_backend"] for e in agents.read_events(tmp_path / name)} == {"etcd-v3"}
     ranks = sorted(e["group_rank"] for e in (agents.read_events(tmp_path / n)[-1] for n in ("a.jsonl", "b.jsonl")))
     assert ranks == [0, 1]
@@ -70,10 +88,14 @@ def test_two_agents_form_one_job_through_etcd(tmp_path, agents, etcd_server):
     state = pickle.loads(client.get(f"/torch/elastic/rendezvous/{run_id}")[0])
     assert state.complete and state.closed and len(state.participants) == 2
     store_prefix = f"/torch/elastic/store/{run_id}/torch.rendezvous.{run_id}.{state.round}/"
-    keys = {meta["key"].decode()[len(store_prefix):]: value for value, meta in client.get_prefix(store_prefix)}
+    keys = {meta["key"].decode()[len(store_prefix) :]: value for value, meta in client.get_prefix(store_prefix)}
     assert keys["MASTER_ADDR"] == b"127.0.0.1"
-    assert {"torchelastic/role_info/0", "torchelastic/role_info/1", "torchelastic/assigned_ranks/0",
-            "torchelastic/assigned_ranks/1"} <= set(keys)
+    assert {
+        "torchelastic/role_info/0",
+        "torchelastic/role_info/1",
+        "torchelastic/assigned_ranks/0",
+        "torchelastic/assigned_ranks/1",
+    } <= set(keys)
     assert keys["torchelastic/agent/terminal_state/num_members"] == b"2"  # both passed the exit barrier
 
 
@@ -96,10 +118,15 @@ def test_a_third_agent_joining_triggers_a_rerendezvous(tmp_path, agents, etcd_se
 
     for name in ("a.jsonl", "b.jsonl"):
         assert agents.transitions(tmp_path / name) == [
-            ("INIT", "HEALTHY", "start"), ("HEALTHY", "STOPPED", "membership_changed"),
-            ("STOPPED", "HEALTHY", "restart"), ("HEALTHY", "SUCCEEDED", "workers_succeeded")]
+            ("INIT", "HEALTHY", "start"),
+            ("HEALTHY", "STOPPED", "membership_changed"),
+            ("STOPPED", "HEALTHY", "restart"),
+            ("HEALTHY", "SUCCEEDED", "workers_succeeded"),
+        ]
         assert all(e["restart_count"] == 0 for e in agents.read_events(tmp_path / name))  # not counted
-    assert agents.transitions(tmp_path / "c.jsonl") == [("INIT", "HEALTHY", "start"),
-                                                       ("HEALTHY", "SUCCEEDED", "workers_succeeded")]
+    assert agents.transitions(tmp_path / "c.jsonl") == [
+        ("INIT", "HEALTHY", "start"),
+        ("HEALTHY", "SUCCEEDED", "workers_succeeded"),
+    ]
     state = pickle.loads(etcd_server.client().get(f"/torch/elastic/rendezvous/{run_id}")[0])
     assert len(state.participants) == 3 and state.round >= 1

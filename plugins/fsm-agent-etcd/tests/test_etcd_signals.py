@@ -24,7 +24,7 @@ GRACE_S = "90"
 
 #: Writes started_<RANK> once its handlers are in place, signal_<RANK> with the first signal it gets
 #: (SIGINT: KeyboardInterrupt), then dies of that signal; EXIT_AFTER seconds: exits 0 by itself.
-WORKER = r'''
+WORKER = r"""
 import os, signal, sys, time
 rank = os.environ["RANK"]
 def note(what):
@@ -43,13 +43,32 @@ except KeyboardInterrupt:
     note("KeyboardInterrupt")
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGINT)
-'''
+"""
 
 
 def agent_args(etcd_server, run_id: str) -> list[str]:
-    return ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint",
-            etcd_server.endpoint, "--rdzv-id", run_id, "--local-addr", "127.0.0.1", "--monitor-interval", "0.1",
-            "--shutdown-timeout", GRACE_S, "--exit-barrier-timeout", "200", "--rdzv-conf", "join_timeout=120"]
+    return [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "etcd-v3",
+        "--rdzv-endpoint",
+        etcd_server.endpoint,
+        "--rdzv-id",
+        run_id,
+        "--local-addr",
+        "127.0.0.1",
+        "--monitor-interval",
+        "0.1",
+        "--shutdown-timeout",
+        GRACE_S,
+        "--exit-barrier-timeout",
+        "200",
+        "--rdzv-conf",
+        "join_timeout=120",
+    ]
 
 
 def stop(proc, sig: int) -> None:
@@ -97,10 +116,12 @@ def test_workers_get_the_signal_and_the_exit_barrier_stops(tmp_path, agents, etc
         path.mkdir()
         (path / "worker.py").write_text(WORKER)
         agents.cwd = path
-        procs[name] = agents.start(*agent_args(etcd_server, run_id), "worker.py",
-                                   env={"EXIT_AFTER": "0" if name == "b" else "120"})
-    assert wait_until(lambda: all(list(p.glob("started_*")) for p in dirs.values()), 120), \
-        [p.communicate()[1][-2000:] for p in procs.values() if p.poll() is not None]
+        procs[name] = agents.start(
+            *agent_args(etcd_server, run_id), "worker.py", env={"EXIT_AFTER": "0" if name == "b" else "120"}
+        )
+    assert wait_until(lambda: all(list(p.glob("started_*")) for p in dirs.values()), 120), [
+        p.communicate()[1][-2000:] for p in procs.values() if p.poll() is not None
+    ]
     time.sleep(2.0)  # b's worker is done: b is in the exit barrier
     assert procs["b"].poll() is None
     # Both at once: b leaves its round on SIGTERM, and a, given time, would see it leave and stop

@@ -18,12 +18,29 @@ def test_a_slow_worker_is_found_through_etcd(tmp_path, agents, etcd_server):
     its ranks and factor, within the windows the shared job allows."""
     script, run_id = write_worker(tmp_path), f"straggler-{uuid.uuid4().hex[:8]}"
     paths = [tmp_path / f"{n}.jsonl" for n in "ab"]
-    procs = [agents.start("--nnodes", "1:2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint,
-                          "--rdzv-id", run_id, "--local-addr", "127.0.0.1", "--rdzv-conf", "last_call_timeout=1",
-                          *straggler_flags("--events-file", str(path)), script, env={"SLOW_RANK": "3"})
-             for path in paths]
-    assert wait_until(lambda: any(events(p, "straggler") for p in paths), timeout=120), (
-        [events(p, "step_times")[-2:] for p in paths])
+    procs = [
+        agents.start(
+            "--nnodes",
+            "1:2",
+            "--rdzv-backend",
+            "etcd-v3",
+            "--rdzv-endpoint",
+            etcd_server.endpoint,
+            "--rdzv-id",
+            run_id,
+            "--local-addr",
+            "127.0.0.1",
+            "--rdzv-conf",
+            "last_call_timeout=1",
+            *straggler_flags("--events-file", str(path)),
+            script,
+            env={"SLOW_RANK": "3"},
+        )
+        for path in paths
+    ]
+    assert wait_until(lambda: any(events(p, "straggler") for p in paths), timeout=120), [
+        events(p, "step_times")[-2:] for p in paths
+    ]
     for proc in procs:
         proc.terminate()
     for proc in procs:

@@ -16,8 +16,7 @@ from fsm_agent.testing import AgentProcesses
 try:
     distribution("fsm-agent-example")
 except PackageNotFoundError:
-    pytest.skip("fsm-agent-example is not installed: pip install -e plugins/fsm-agent-example",
-                allow_module_level=True)
+    pytest.skip("fsm-agent-example is not installed: pip install -e plugins/fsm-agent-example", allow_module_level=True)
 
 
 @pytest.fixture
@@ -43,7 +42,8 @@ def test_fsm_agent_plugins_lists_it(fsm_agent):
 
 def test_fsm_agent_run_with_the_example_launcher(fsm_agent, tmp_path):
     script = tmp_path / "worker.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, sys, time
         attempt, rank = os.environ["FSM_EXAMPLE_ATTEMPT"], os.environ["LOCAL_RANK"]
         here = os.path.dirname(__file__)
@@ -54,12 +54,30 @@ def test_fsm_agent_run_with_the_example_launcher(fsm_agent, tmp_path):
             while not os.path.exists(os.path.join(here, "seen-0-0")) and time.monotonic() < deadline:
                 time.sleep(0.01)
             sys.exit(1)
-    """))
+    """)
+    )
     events = tmp_path / "events.jsonl"
-    done = fsm_agent.run("run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                         "--launcher", "example", "--example-attempt-env", "true", "--events-file", str(events), str(script))
+    done = fsm_agent.run(
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--launcher",
+        "example",
+        "--example-attempt-env",
+        "true",
+        "--events-file",
+        str(events),
+        str(script),
+    )
     assert done.returncode == 0, done.stderr
     transitions = [json.loads(line) for line in events.read_text().splitlines()]
     assert [(e["source"], e["dest"]) for e in transitions if e["kind"] == "transition"] == [
-        ("INIT", "HEALTHY"), ("HEALTHY", "STOPPED"), ("STOPPED", "HEALTHY"), ("HEALTHY", "SUCCEEDED")]
+        ("INIT", "HEALTHY"),
+        ("HEALTHY", "STOPPED"),
+        ("STOPPED", "HEALTHY"),
+        ("HEALTHY", "SUCCEEDED"),
+    ]
     assert sorted(p.name for p in tmp_path.glob("seen-*")) == ["seen-0-0", "seen-0-1", "seen-1-0", "seen-1-1"]

@@ -36,31 +36,41 @@ def test_the_first_attempt_is_attempt_0(make_agent):
 
 def test_a_restart_after_a_failure_is_counted_like_torch_counts_it(make_agent):
     run = example("worker 1 exits 1 -> restart -> all succeed", max_restarts=1).run(make_agent)
-    run.assert_trace(["INIT->HEALTHY", "HEALTHY->STOPPED (workers_failed)", "STOPPED->HEALTHY (restart)",
-                      "HEALTHY->SUCCEEDED"])
+    run.assert_trace(
+        ["INIT->HEALTHY", "HEALTHY->STOPPED (workers_failed)", "STOPPED->HEALTHY (restart)", "HEALTHY->SUCCEEDED"]
+    )
     assert attempts(run) == ["0", "1"]
     assert attempts(run, "TORCHELASTIC_RESTART_COUNT") == ["0", "1"]
 
 
 def test_a_restart_after_a_membership_change_is_counted_too(make_agent):
     run = example("node joins -> restart -> all succeed").run(make_agent)
-    run.assert_trace(["INIT->HEALTHY", "HEALTHY->STOPPED (membership_changed)", "STOPPED->HEALTHY (restart)",
-                      "HEALTHY->SUCCEEDED"])
+    run.assert_trace(
+        ["INIT->HEALTHY", "HEALTHY->STOPPED (membership_changed)", "STOPPED->HEALTHY (restart)", "HEALTHY->SUCCEEDED"]
+    )
     assert attempts(run) == ["0", "1"]
     assert attempts(run, "TORCHELASTIC_RESTART_COUNT") == ["0", "0"]  # torch: a membership change is free
 
 
 def test_a_hung_group_is_restarted_and_counted(make_agent):
     run = example("worker 1 hangs -> restart -> all succeed", max_restarts=1, hang_timeout=1).run(make_agent)
-    run.assert_trace(["INIT->HEALTHY", "HEALTHY->UNHEALTHY (workers_hung)", "UNHEALTHY->STOPPED (workers_failed)",
-                      "STOPPED->HEALTHY (restart)", "HEALTHY->SUCCEEDED"])
+    run.assert_trace(
+        [
+            "INIT->HEALTHY",
+            "HEALTHY->UNHEALTHY (workers_hung)",
+            "UNHEALTHY->STOPPED (workers_failed)",
+            "STOPPED->HEALTHY (restart)",
+            "HEALTHY->SUCCEEDED",
+        ]
+    )
     assert attempts(run) == ["0", "1"]
 
 
 @pytest.mark.parametrize("local_world_size", [1, 3])
 def test_every_worker_of_an_attempt_gets_the_same_value(make_agent, local_world_size):
-    run = example("worker 0 exits 1 -> restart -> all succeed", max_restarts=1,
-                  local_world_size=local_world_size).run(make_agent)
+    run = example("worker 0 exits 1 -> restart -> all succeed", max_restarts=1, local_world_size=local_world_size).run(
+        make_agent
+    )
     for attempt, start in enumerate(run.launcher.started):
         assert {env[ATTEMPT_ENV] for env in start.envs.values()} == {str(attempt)}
         assert len(start.envs) == local_world_size
@@ -70,8 +80,10 @@ def test_the_variable_is_computed_while_the_group_starts(make_agent, hook_record
     """The hooks of the first transition, in the order the statechart documents them: the plugin
     answers fsm_agent_worker_env once per worker, before fsm_agent_workers_started."""
     example("all succeed").run(make_agent)
-    hook_recorder.assert_sequence(["rendezvous_completed", "worker_env*2", "workers_started",
-                                   "state_changed", "record_event", "put_metric*3"], transition="INIT->HEALTHY")
+    hook_recorder.assert_sequence(
+        ["rendezvous_completed", "worker_env*2", "workers_started", "state_changed", "record_event", "put_metric*3"],
+        transition="INIT->HEALTHY",
+    )
 
 
 def test_the_counter_leaves_with_its_agent(make_agent):

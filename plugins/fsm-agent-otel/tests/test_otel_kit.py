@@ -10,8 +10,9 @@ testing = pytest.importorskip("fsm_agent.testing", reason="fsm-agent's test kit 
 
 
 def test_spans_follow_the_statechart_of_a_scripted_crash_and_restart(make_agent, memory_spans):
-    scenario = testing.Scenario("worker 1 exits 1 -> restart -> all succeed", max_restarts=1,
-                                plugins={"otel": fsm_agent_otel})
+    scenario = testing.Scenario(
+        "worker 1 exits 1 -> restart -> all succeed", max_restarts=1, plugins={"otel": fsm_agent_otel}
+    )
     result = scenario.run(make_agent)
     result.assert_trace(["INIT->HEALTHY", "HEALTHY->STOPPED", "STOPPED->HEALTHY", "HEALTHY->SUCCEEDED"])
 

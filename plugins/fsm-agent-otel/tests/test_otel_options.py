@@ -30,10 +30,16 @@ def test_options_are_flags_env_vars_and_file_keys(tmp_path, monkeypatch, capsys)
     with pytest.raises(SystemExit) as done:
         cli.main(["config", "--json", "--config", str(tmp_path / "fsm.toml"), "--otel-exporter", "jsonl,Console"])
     assert done.value.code == 0
-    shown = {key.removeprefix("plugins.otel."): (row["value"], row["source"].split()[0])
-             for key, row in json.loads(capsys.readouterr().out)["values"].items() if key.startswith("plugins.otel.")}
-    assert shown == {"exporter": ("jsonl,Console", "cli"), "jsonl_file": ("/x/spans.jsonl", "file"),
-                     "service_name": ("from-env", "env")}
+    shown = {
+        key.removeprefix("plugins.otel."): (row["value"], row["source"].split()[0])
+        for key, row in json.loads(capsys.readouterr().out)["values"].items()
+        if key.startswith("plugins.otel.")
+    }
+    assert shown == {
+        "exporter": ("jsonl,Console", "cli"),
+        "jsonl_file": ("/x/spans.jsonl", "file"),
+        "service_name": ("from-env", "env"),
+    }
     config = LaunchConfig(plugins={"otel": {"exporter": "jsonl,Console", "jsonl_file": None, "service_name": None}})
     assert run_options(config) == {"exporters": ("jsonl", "console"), "jsonl_file": None, "service_name": "fsm-agent"}
     with pytest.raises(SystemExit) as done:

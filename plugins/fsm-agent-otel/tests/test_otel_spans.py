@@ -19,8 +19,15 @@ STATE_TRACE = ["INIT", "HEALTHY", "STOPPED", "HEALTHY", "SUCCEEDED"]
 
 
 def test_one_span_per_state_visit_with_a_crash_and_a_restart(tmp_path, memory_spans, worker_script):
-    config = LaunchConfig(nproc_per_node=2, max_restarts=1, rdzv_backend="c10d", rdzv_endpoint="localhost:0",
-                          run_id="otel-crash", role="trainer", log_dir=str(tmp_path / "logs"))
+    config = LaunchConfig(
+        nproc_per_node=2,
+        max_restarts=1,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        run_id="otel-crash",
+        role="trainer",
+        log_dir=str(tmp_path / "logs"),
+    )
     result = run_agent(config, sys.executable, (worker_script,))
     assert result.exit_code == 0 and result.restart_count == 1
 
@@ -41,11 +48,20 @@ def test_one_span_per_state_visit_with_a_crash_and_a_restart(tmp_path, memory_sp
     attrs = [dict(s.attributes) for s in states]
     assert {a["fsm_agent.role"] for a in attrs} == {"trainer"}
     assert {a["fsm_agent.run_id"] for a in attrs} == {"otel-crash"}
-    assert [a.get("fsm_agent.trigger") for a in attrs] == [None, "start", "workers_failed", "restart",
-                                                           "workers_succeeded"]
+    assert [a.get("fsm_agent.trigger") for a in attrs] == [
+        None,
+        "start",
+        "workers_failed",
+        "restart",
+        "workers_succeeded",
+    ]
     assert [a["fsm_agent.restart_count"] for a in attrs] == [0, 0, 1, 1, 1]
-    assert [a.get("fsm_agent.exit_trigger") for a in attrs[:-1]] == ["start", "workers_failed", "restart",
-                                                                      "workers_succeeded"]
+    assert [a.get("fsm_agent.exit_trigger") for a in attrs[:-1]] == [
+        "start",
+        "workers_failed",
+        "restart",
+        "workers_succeeded",
+    ]
     assert attrs[-1]["fsm_agent.exit_code"] == 0 and attrs[-1]["fsm_agent.final_state"] == "SUCCEEDED"
     assert [a.get("fsm_agent.group_world_size") for a in attrs] == [None, 1, 1, 1, 1]
     assert attrs[1]["fsm_agent.group_rank"] == 0
@@ -58,8 +74,14 @@ def test_one_span_per_state_visit_with_a_crash_and_a_restart(tmp_path, memory_sp
 
 
 def test_a_failed_run_marks_the_run_span_as_an_error(tmp_path, memory_spans, worker_script):
-    config = LaunchConfig(nproc_per_node=2, max_restarts=0, rdzv_backend="c10d", rdzv_endpoint="localhost:0",
-                          run_id="otel-fail", log_dir=str(tmp_path / "logs"))
+    config = LaunchConfig(
+        nproc_per_node=2,
+        max_restarts=0,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        run_id="otel-fail",
+        log_dir=str(tmp_path / "logs"),
+    )
     result = run_agent(config, sys.executable, (worker_script,))
     assert result.exit_code == 7
     spans = {s.name: s for s in memory_spans.get_finished_spans()}
@@ -70,9 +92,19 @@ def test_a_failed_run_marks_the_run_span_as_an_error(tmp_path, memory_spans, wor
 
 def test_jsonl_exporter_from_the_cli(tmp_path, agents, worker_script):
     out_file = tmp_path / "spans" / "run.jsonl"
-    proc = agents.start("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", worker_script,
-                        env={"FSM_AGENT_OTEL_EXPORTER": "jsonl", "FSM_AGENT_OTEL_JSONL_FILE": str(out_file),
-                             "FSM_AGENT_OTEL_SERVICE_NAME": "trainer-42"})
+    proc = agents.start(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        worker_script,
+        env={
+            "FSM_AGENT_OTEL_EXPORTER": "jsonl",
+            "FSM_AGENT_OTEL_JSONL_FILE": str(out_file),
+            "FSM_AGENT_OTEL_SERVICE_NAME": "trainer-42",
+        },
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     spans = [json.loads(line) for line in out_file.read_text().splitlines()]
@@ -85,8 +117,17 @@ def test_jsonl_exporter_from_the_cli(tmp_path, agents, worker_script):
 
 def test_jsonl_exporter_defaults_to_the_events_file_directory(tmp_path, agents, worker_script):
     events = tmp_path / "out" / "events.jsonl"
-    proc = agents.start("--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                        "--events-file", str(events), worker_script, env={"FSM_AGENT_OTEL_EXPORTER": "jsonl"})
+    proc = agents.start(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--events-file",
+        str(events),
+        worker_script,
+        env={"FSM_AGENT_OTEL_EXPORTER": "jsonl"},
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     names = [json.loads(line)["name"] for line in (tmp_path / "out" / "spans.jsonl").read_text().splitlines()]
@@ -96,8 +137,9 @@ def test_jsonl_exporter_defaults_to_the_events_file_directory(tmp_path, agents, 
 def test_console_exporter_prints_the_spans(tmp_path, agents):
     script = tmp_path / "ok.py"
     script.write_text("print('ok')\n")
-    proc = agents.start("--standalone", "--nproc-per-node", "1", str(script),
-                        env={"FSM_AGENT_OTEL_EXPORTER": "console"})
+    proc = agents.start(
+        "--standalone", "--nproc-per-node", "1", str(script), env={"FSM_AGENT_OTEL_EXPORTER": "console"}
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     for name in ("INIT", "HEALTHY", "SUCCEEDED", "fsm-agent run"):
@@ -132,8 +174,13 @@ class FakeOtlpCollector:
         self.thread.start()
 
     def span_names(self) -> list[str]:
-        return [span.name for _, request in self.requests for rs in request.resource_spans
-                for ss in rs.scope_spans for span in ss.spans]
+        return [
+            span.name
+            for _, request in self.requests
+            for rs in request.resource_spans
+            for ss in rs.scope_spans
+            for span in ss.spans
+        ]
 
     def close(self):
         self.server.shutdown()
@@ -141,13 +188,21 @@ class FakeOtlpCollector:
 
 
 def test_otlp_exporter_sends_to_a_collector(tmp_path, agents, worker_script):
-    pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter",
-                        reason="install fsm-agent-otel[otlp] (.ci/install-plugins.sh does)")
+    pytest.importorskip(
+        "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+        reason="install fsm-agent-otel[otlp] (.ci/install-plugins.sh does)",
+    )
     collector = FakeOtlpCollector()
     try:
-        proc = agents.start("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", worker_script,
-                            env={"FSM_AGENT_OTEL_EXPORTER": "otlp",
-                                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": collector.url})
+        proc = agents.start(
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            worker_script,
+            env={"FSM_AGENT_OTEL_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": collector.url},
+        )
         out, err = proc.communicate(timeout=120)
     finally:
         collector.close()
@@ -156,14 +211,21 @@ def test_otlp_exporter_sends_to_a_collector(tmp_path, agents, worker_script):
     assert sorted(collector.span_names()) == sorted(STATE_TRACE + ["fsm-agent run"])
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"FSM_AGENT_OTEL_EXPORTER": "zipkin"},
-     "FSM_AGENT_OTEL_EXPORTER='zipkin': unknown exporter 'zipkin'; use a comma-separated list of "
-     'console, otlp, jsonl, none (or unset it for the global provider), got "zipkin"'),
-    ({"FSM_AGENT_OTEL_EXPORTER": "jsonl", "FSM_AGENT_OTEL_JSONL_FILE": "/proc/no-such-dir/spans.jsonl"},
-     "plugin otel: cannot write spans to /proc/no-such-dir: No such file or directory; "
-     "fix --otel-jsonl-file (FSM_AGENT_OTEL_JSONL_FILE)"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            {"FSM_AGENT_OTEL_EXPORTER": "zipkin"},
+            "FSM_AGENT_OTEL_EXPORTER='zipkin': unknown exporter 'zipkin'; use a comma-separated list of "
+            'console, otlp, jsonl, none (or unset it for the global provider), got "zipkin"',
+        ),
+        (
+            {"FSM_AGENT_OTEL_EXPORTER": "jsonl", "FSM_AGENT_OTEL_JSONL_FILE": "/proc/no-such-dir/spans.jsonl"},
+            "plugin otel: cannot write spans to /proc/no-such-dir: No such file or directory; "
+            "fix --otel-jsonl-file (FSM_AGENT_OTEL_JSONL_FILE)",
+        ),
+    ],
+)
 def test_bad_options_are_a_one_line_error(tmp_path, agents, env, message):
     script = tmp_path / "ok.py"
     script.write_text("print('ok')\n")

@@ -26,7 +26,9 @@ WAIT_FOR_RELEASE = """
         time.sleep(max(0.0, at_least - (time.time() - started)))
 """
 
-CRASH_THEN_RUN = WAIT_FOR_RELEASE + """
+CRASH_THEN_RUN = (
+    WAIT_FOR_RELEASE
+    + """
     import sys
     if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         if os.environ["LOCAL_RANK"] == "1":
@@ -35,6 +37,7 @@ CRASH_THEN_RUN = WAIT_FOR_RELEASE + """
         time.sleep(60)
     run_until_released()         # attempt 1: both ranks run >= 2 s and succeed
 """
+)
 
 
 def scrape_until_exit(proc, scraper, release, running, interval=0.1, timeout=120):
@@ -56,12 +59,26 @@ def test_metrics_scraped_during_a_run_with_a_crash_and_a_restart(tmp_path, agent
     v = prom.value
 
     def restarted_and_healthy(s) -> bool:
-        return (v(s, "fsm_agent_worker_group_state", role="trainer", state="HEALTHY") == 1
-                and v(s, "fsm_agent_restart_count", role="trainer") == 1)
+        return (
+            v(s, "fsm_agent_worker_group_state", role="trainer", state="HEALTHY") == 1
+            and v(s, "fsm_agent_restart_count", role="trainer") == 1
+        )
 
-    proc = agents.start("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--role", "trainer",
-                        str(script), env={"FSM_AGENT_PROMETHEUS_PORT": str(port), "RELEASE_FILE": str(release),
-                                          "FSM_AGENT_PROMETHEUS_LINGER_S": "30"})
+    proc = agents.start(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--role",
+        "trainer",
+        str(script),
+        env={
+            "FSM_AGENT_PROMETHEUS_PORT": str(port),
+            "RELEASE_FILE": str(release),
+            "FSM_AGENT_PROMETHEUS_LINGER_S": "30",
+        },
+    )
     out, err = scrape_until_exit(proc, scraper, release, restarted_and_healthy)
     assert proc.returncode == 0, err
     assert f"prometheus metrics at http://127.0.0.1:{port}/metrics" in err
@@ -88,13 +105,24 @@ def test_metrics_scraped_during_a_run_with_a_crash_and_a_restart(tmp_path, agent
     assert v(final, "torchelastic_workers_state_total", role="trainer", state="SUCCEEDED") == 1
 
     # Per-state durations: one INIT, two HEALTHY visits (the second ~2 s), one STOPPED.
-    count = {st: v(final, "fsm_agent_state_duration_seconds_count", role="trainer", state=st)
-             for st in ("INIT", "HEALTHY", "STOPPED")}
+    count = {
+        st: v(final, "fsm_agent_state_duration_seconds_count", role="trainer", state=st)
+        for st in ("INIT", "HEALTHY", "STOPPED")
+    }
     assert count == {"INIT": 1, "HEALTHY": 2, "STOPPED": 1}
     assert v(final, "fsm_agent_state_duration_seconds_sum", role="trainer", state="HEALTHY") >= 2.0
     assert v(final, "fsm_agent_state_duration_seconds_bucket", role="trainer", state="HEALTHY", le="+Inf") == 2
-    assert v(final, "fsm_agent_transitions_total", role="trainer", source="HEALTHY", dest="STOPPED",
-             trigger="workers_failed") == 1
+    assert (
+        v(
+            final,
+            "fsm_agent_transitions_total",
+            role="trainer",
+            source="HEALTHY",
+            dest="STOPPED",
+            trigger="workers_failed",
+        )
+        == 1
+    )
     assert v(final, "fsm_agent_worker_exits_total", role="trainer", exit_code="1") == 1
     assert v(final, "fsm_agent_rendezvous_duration_seconds_count", role="trainer") == 2
     assert v(final, "fsm_agent_group_world_size", role="trainer") == 1
@@ -127,15 +155,23 @@ def test_python_api_run_is_scraped_too(tmp_path, monkeypatch, prom):
     thread = threading.Thread(target=scrape_loop, daemon=True)
     thread.start()
     try:
-        config = LaunchConfig(nproc_per_node=1, rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id="prom-api",
-                              log_dir=str(tmp_path / "logs"))
+        config = LaunchConfig(
+            nproc_per_node=1,
+            rdzv_backend="c10d",
+            rdzv_endpoint="localhost:0",
+            run_id="prom-api",
+            log_dir=str(tmp_path / "logs"),
+        )
         result = run_agent(config, sys.executable, (str(script),))
     finally:
         done.set()
         thread.join(timeout=10)
     assert result.exit_code == 0
-    healthy = [s for s in scraper.snapshots if prom.value(s, "fsm_agent_worker_group_state", role="default",
-                                                         state="HEALTHY") == 1]
+    healthy = [
+        s
+        for s in scraper.snapshots
+        if prom.value(s, "fsm_agent_worker_group_state", role="default", state="HEALTHY") == 1
+    ]
     assert healthy, "no scrape while the worker ran"
     final = scraper.snapshots[-1]
     assert prom.value(final, "torchelastic_workers_run_success_no_retries_total", role="default") == 1
@@ -154,8 +190,14 @@ def test_a_busy_port_warns_and_the_job_still_runs(tmp_path, agents, prom, given)
         port = busy.getsockname()[1]
         (tmp_path / "fsm.toml").write_text(f"[plugins.prometheus]\nport = {port}\n")
         flags = {"env": [], "flag": ["--prometheus-port", str(port)], "file": ["--config", "fsm.toml"]}[given]
-        proc = agents.start("--standalone", "--nproc-per-node", "1", *flags, str(script),
-                            env={"FSM_AGENT_PROMETHEUS_PORT": str(port) if given == "env" else ""})
+        proc = agents.start(
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            *flags,
+            str(script),
+            env={"FSM_AGENT_PROMETHEUS_PORT": str(port) if given == "env" else ""},
+        )
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert f"prometheus: cannot serve on 127.0.0.1:{port}" in err
@@ -164,8 +206,7 @@ def test_a_busy_port_warns_and_the_job_still_runs(tmp_path, agents, prom, given)
 def test_off_unless_a_port_is_set(tmp_path, agents):
     script = tmp_path / "ok.py"
     script.write_text("print('ok')\n")
-    proc = agents.start("--standalone", "--nproc-per-node", "1", str(script),
-                        env={"FSM_AGENT_PROMETHEUS_PORT": ""})
+    proc = agents.start("--standalone", "--nproc-per-node", "1", str(script), env={"FSM_AGENT_PROMETHEUS_PORT": ""})
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "prometheus" not in err
@@ -176,8 +217,13 @@ def test_endpoint_answers_with_plain_http_get(tmp_path, agents, prom):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(WAIT_FOR_RELEASE + "\n    run_until_released(at_least=0)\n"))
     port, release = prom.free_port(), tmp_path / "release"
-    proc = agents.start("--standalone", "--nproc-per-node", "1", str(script),
-                        env={"FSM_AGENT_PROMETHEUS_PORT": str(port), "RELEASE_FILE": str(release)})
+    proc = agents.start(
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        str(script),
+        env={"FSM_AGENT_PROMETHEUS_PORT": str(port), "RELEASE_FILE": str(release)},
+    )
     healthy = 'fsm_agent_worker_group_state{role="default",state="HEALTHY"} 1.0'
     histogram = "# TYPE fsm_agent_state_duration_seconds histogram"
     deadline, body = time.monotonic() + 60, ""
@@ -203,5 +249,6 @@ def test_a_malformed_port_is_a_one_line_error(tmp_path, agents):
     proc = agents.start("--standalone", str(script), env={"FSM_AGENT_PROMETHEUS_PORT": "http"})
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
-    assert err.strip().splitlines() == ["fsm-agent: error: FSM_AGENT_PROMETHEUS_PORT='http': expected an integer, "
-                                        'got "http"']
+    assert err.strip().splitlines() == [
+        "fsm-agent: error: FSM_AGENT_PROMETHEUS_PORT='http': expected an integer, got \"http\""
+    ]

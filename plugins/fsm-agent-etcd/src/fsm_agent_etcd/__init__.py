@@ -24,8 +24,15 @@ from fsm_agent.plugins.rendezvous_c10d import DYNAMIC_HANDLER_CONF_KEYS, FreshSt
 BACKEND_NAME = "etcd-v3"
 DEFAULT_PORT = 2379
 
-__all__ = ["BACKEND_NAME", "EtcdV3RendezvousBackend", "EtcdV3Store", "create_backend", "create_etcd_v3_handler",
-           "parse_endpoints", "read_options"]
+__all__ = [
+    "BACKEND_NAME",
+    "EtcdV3RendezvousBackend",
+    "EtcdV3Store",
+    "create_backend",
+    "create_etcd_v3_handler",
+    "parse_endpoints",
+    "read_options",
+]
 
 
 def __getattr__(name):  # torch is imported when a handler is built, not when fsm-agent loads plugins
@@ -81,15 +88,17 @@ def read_options(params) -> dict[str, Any]:
         "poll_interval": float(option("poll_interval", 0.2)),
     }
     if options["read_timeout"] <= 0:
-        raise ValueError(f"read_timeout={options['read_timeout']}: must be > 0 seconds "
-                         "(e.g. --rdzv-conf read_timeout=60)")
+        raise ValueError(
+            f"read_timeout={options['read_timeout']}: must be > 0 seconds (e.g. --rdzv-conf read_timeout=60)"
+        )
     if options["protocol"] not in ("http", "https"):
         raise ValueError(f"protocol={options['protocol']!r}: use http or https (e.g. --rdzv-conf protocol=https)")
     if options["ttl"] < 0:
         raise ValueError(f"ttl={options['ttl']}: must be >= 0 seconds (0 = keys never expire)")
     if not options["key_prefix"].startswith("/"):
-        raise ValueError(f"key_prefix={options['key_prefix']!r}: must start with '/' "
-                         "(e.g. --rdzv-conf key_prefix=/torch/elastic)")
+        raise ValueError(
+            f"key_prefix={options['key_prefix']!r}: must start with '/' (e.g. --rdzv-conf key_prefix=/torch/elastic)"
+        )
     return options
 
 
@@ -108,8 +117,10 @@ def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
     members = []
     for part in endpoint.split(","):
         if not part.strip():
-            raise ValueError(f"--rdzv-endpoint {endpoint!r}: an empty etcd member; list the members as "
-                             "HOST:PORT,HOST:PORT (e.g. --rdzv-endpoint etcd1:2379,etcd2:2379,etcd3:2379)")
+            raise ValueError(
+                f"--rdzv-endpoint {endpoint!r}: an empty etcd member; list the members as "
+                "HOST:PORT,HOST:PORT (e.g. --rdzv-endpoint etcd1:2379,etcd2:2379,etcd3:2379)"
+            )
         members.append(parse_rendezvous_endpoint(part.strip(), default_port=DEFAULT_PORT))
     return members
 
@@ -132,14 +143,21 @@ def create_backend(params):
     from fsm_agent_etcd.store import EtcdV3Store
 
     options = read_options(params)
-    connection = create_connection(parse_endpoints(params.endpoint), protocol=options["protocol"],
-                                   read_timeout=options["read_timeout"], ca_cert=options["ca_cert"],
-                                   cert=options["ssl_cert"], cert_key=options["ssl_cert_key"], ttl=options["ttl"])
+    connection = create_connection(
+        parse_endpoints(params.endpoint),
+        protocol=options["protocol"],
+        read_timeout=options["read_timeout"],
+        ca_cert=options["ca_cert"],
+        cert=options["ssl_cert"],
+        cert_key=options["ssl_cert_key"],
+        ttl=options["ttl"],
+    )
     try:
         connection.check()  # asks etcd for its version: fail now, not in the middle of a round
     except CONNECTION_ERRORS as exc:
         raise RendezvousConnectionError(
-            f"etcd at {', '.join(connection.urls)} does not answer: {describe(exc)}") from None
+            f"etcd at {', '.join(connection.urls)} does not answer: {describe(exc)}"
+        ) from None
     prefix = options["key_prefix"].rstrip("/")
     backend = EtcdV3RendezvousBackend(connection, params.run_id, key_prefix=prefix)
     store = EtcdV3Store(connection, f"{prefix}/store/{params.run_id}", poll_interval=options["poll_interval"])

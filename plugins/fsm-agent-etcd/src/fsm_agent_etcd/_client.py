@@ -26,8 +26,10 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (etcd_exceptions.Etcd3Excep
 
 #: Errors after which the next member is tried: no connection (refused, reset: the member is down),
 #: HTTP 503 (etcd3gw maps it to ConnectionFailedError: e.g. a member without a leader) and timeouts.
-FAILOVER_ERRORS: tuple[type[BaseException], ...] = (etcd_exceptions.ConnectionFailedError,
-                                                   etcd_exceptions.ConnectionTimeoutError)
+FAILOVER_ERRORS: tuple[type[BaseException], ...] = (
+    etcd_exceptions.ConnectionFailedError,
+    etcd_exceptions.ConnectionTimeoutError,
+)
 
 
 def describe(exc: BaseException) -> str:
@@ -239,9 +241,16 @@ class _Session(requests.Session):
         return settings
 
 
-def create_connection(members: Sequence[tuple[str, int]], *, protocol: str = "http", read_timeout: float = 60,
-                      ca_cert: str | None = None, cert: str | None = None, cert_key: str | None = None,
-                      ttl: int = 7200) -> EtcdConnection:
+def create_connection(
+    members: Sequence[tuple[str, int]],
+    *,
+    protocol: str = "http",
+    read_timeout: float = 60,
+    ca_cert: str | None = None,
+    cert: str | None = None,
+    cert_key: str | None = None,
+    ttl: int = 7200,
+) -> EtcdConnection:
     """A connection to the etcd cluster whose members' client URLs are ``members`` (``(host, port)``,
     default port 2379): the same TLS files for every member, as etcdctl takes them (``ca_cert``: the
     CA to verify the members with; ``cert``/``cert_key``: this client's certificate and key).

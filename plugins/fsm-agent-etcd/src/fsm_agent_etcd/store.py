@@ -36,8 +36,13 @@ class EtcdV3Store(Store):
         poll_interval: longest pause between two reads of a blocking ``get``/``wait``, seconds.
     """
 
-    def __init__(self, connection: EtcdConnection, prefix: str, timeout: datetime.timedelta | None = None,
-                 poll_interval: float = 0.2):
+    def __init__(
+        self,
+        connection: EtcdConnection,
+        prefix: str,
+        timeout: datetime.timedelta | None = None,
+        poll_interval: float = 0.2,
+    ):
         super().__init__()  # the pybind trampoline needs it
         self._conn = connection
         self.prefix = (prefix if prefix.endswith("/") else prefix + "/").encode()
@@ -142,8 +147,11 @@ class EtcdV3Store(Store):
 
     def _swap(self, key: bytes, seen: dict | None, value: bytes) -> bool:
         """Write ``value`` if ``key`` is still as ``seen`` (None: absent)."""
-        compare = (self._conn.compare_absent(key) if seen is None
-                   else self._conn.compare_mod_revision(key, int(seen["mod_revision"])))
+        compare = (
+            self._conn.compare_absent(key)
+            if seen is None
+            else self._conn.compare_mod_revision(key, int(seen["mod_revision"]))
+        )
         answer = self._call(lambda: self._conn.txn([compare], [self._conn.put_op(key, value)]))
         return bool(answer["succeeded"])
 
@@ -157,7 +165,8 @@ class EtcdV3Store(Store):
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = [k.decode(errors="replace") for k in keys if k not in found]
-                raise DistStoreError(f"etcd store: timed out after {timeout.total_seconds():g}s waiting for "
-                                     f"keys {missing}")
+                raise DistStoreError(
+                    f"etcd store: timed out after {timeout.total_seconds():g}s waiting for keys {missing}"
+                )
             time.sleep(min(pause, left))
             pause = min(pause * 2, self.poll_interval)

@@ -52,9 +52,13 @@ def fsm_agent_register_backends(registry):
 
 @hookimpl
 def fsm_agent_addoption(options):
-    options.add("attempt_env", type=bool, default=False,
-                help=f"give every worker {ATTEMPT_ENV}: how many times this node's workers were started "
-                     f"before (failures and membership changes alike)")
+    options.add(
+        "attempt_env",
+        type=bool,
+        default=False,
+        help=f"give every worker {ATTEMPT_ENV}: how many times this node's workers were started "
+        f"before (failures and membership changes alike)",
+    )
 
 
 @hookimpl

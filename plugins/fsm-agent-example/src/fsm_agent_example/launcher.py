@@ -51,8 +51,14 @@ class ExampleLauncher:
             args = [spec.entrypoint, *(str(a).replace("${local_rank}", str(rank)) for a in spec.args)]
             streams = [open(path, "ab") if path else None for path in (logs[rank].stdout, logs[rank].stderr)]
             try:
-                popen = subprocess.Popen(args, env=envs[rank], stdout=streams[0], stderr=streams[1],
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                popen = subprocess.Popen(
+                    args,
+                    env=envs[rank],
+                    stdout=streams[0],
+                    stderr=streams[1],
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
             finally:
                 for stream in streams:
                     if stream is not None:

@@ -49,8 +49,9 @@ def read_options(environ: dict[str, str] | None = None) -> dict[str, Any]:
         exporters = parse_exporters(raw)
     except ValueError as exc:
         raise ValueError(f"FSM_AGENT_OTEL_EXPORTER={raw!r}: {exc}") from None
-    return _options(exporters, env.get("FSM_AGENT_OTEL_JSONL_FILE", ""), env.get("FSM_AGENT_OTEL_SERVICE_NAME", ""),
-                    env)
+    return _options(
+        exporters, env.get("FSM_AGENT_OTEL_JSONL_FILE", ""), env.get("FSM_AGENT_OTEL_SERVICE_NAME", ""), env
+    )
 
 
 def parse_exporters(raw: str) -> tuple[str, ...]:
@@ -58,13 +59,16 @@ def parse_exporters(raw: str) -> tuple[str, ...]:
     exporters = tuple(dict.fromkeys(e.strip().lower() for e in raw.split(",") if e.strip()))
     unknown = [e for e in exporters if e not in EXPORTERS]
     if unknown:
-        raise ValueError(f"unknown exporter {unknown[0]!r}; use a comma-separated list of {', '.join(EXPORTERS)} "
-                         f"(or unset it for the global provider)")
+        raise ValueError(
+            f"unknown exporter {unknown[0]!r}; use a comma-separated list of {', '.join(EXPORTERS)} "
+            f"(or unset it for the global provider)"
+        )
     return exporters
 
 
-def _options(exporters: tuple[str, ...], jsonl_file: str | None, service_name: str | None,
-             environ: Any) -> dict[str, Any]:
+def _options(
+    exporters: tuple[str, ...], jsonl_file: str | None, service_name: str | None, environ: Any
+) -> dict[str, Any]:
     return {
         "exporters": exporters,
         "jsonl_file": (jsonl_file or "").strip() or None,
@@ -92,13 +96,26 @@ def _check_exporters(value: str) -> None:
 @hookimpl
 def fsm_agent_addoption(options):
     """``--otel-exporter`` / ``FSM_AGENT_OTEL_EXPORTER`` / ``[plugins.otel] exporter``, and so on."""
-    options.add("exporter", type=str, default="", check=_check_exporters,
-                help=f"where spans go: a comma-separated list of {', '.join(EXPORTERS)}; "
-                     f"unset: the application's global TracerProvider")
-    options.add("jsonl_file", type=str, default=None,
-                help="the file the jsonl exporter writes; unset: spans.jsonl next to the events file")
-    options.add("service_name", type=str, default=None,
-                help="service.name of the plugin's own TracerProvider; unset: $OTEL_SERVICE_NAME, else fsm-agent")
+    options.add(
+        "exporter",
+        type=str,
+        default="",
+        check=_check_exporters,
+        help=f"where spans go: a comma-separated list of {', '.join(EXPORTERS)}; "
+        f"unset: the application's global TracerProvider",
+    )
+    options.add(
+        "jsonl_file",
+        type=str,
+        default=None,
+        help="the file the jsonl exporter writes; unset: spans.jsonl next to the events file",
+    )
+    options.add(
+        "service_name",
+        type=str,
+        default=None,
+        help="service.name of the plugin's own TracerProvider; unset: $OTEL_SERVICE_NAME, else fsm-agent",
+    )
 
 
 #: What `fsm-agent plugins` lists as this plugin's kind(s).
@@ -130,8 +147,10 @@ def fsm_agent_configure(config, agent):
         except ValueError as exc:
             raise ConfigError(f"plugin otel: {exc}") from None
         except OSError as exc:  # the jsonl file cannot be opened
-            raise ConfigError(f"plugin otel: cannot write spans to {exc.filename or options['jsonl_file']}: "
-                              f"{exc.strerror or exc}; fix --otel-jsonl-file (FSM_AGENT_OTEL_JSONL_FILE)") from None
+            raise ConfigError(
+                f"plugin otel: cannot write spans to {exc.filename or options['jsonl_file']}: "
+                f"{exc.strerror or exc}; fix --otel-jsonl-file (FSM_AGENT_OTEL_JSONL_FILE)"
+            ) from None
     agent.plugin_manager.register(StateSpans.for_agent(agent, config, provider), "otel-state-spans")
 
 

@@ -95,9 +95,15 @@ class StateSpans:
             self._span.set_attribute("fsm_agent.next_state", transition.dest)
             self._span.set_attribute("fsm_agent.duration_s", float(transition.duration_s))
             self._span.end(end_time=ts)
-        self._open(transition.dest, ts, {"fsm_agent.restart_count": transition.restart_count,
-                                         "fsm_agent.trigger": transition.trigger,
-                                         "fsm_agent.source": transition.source})
+        self._open(
+            transition.dest,
+            ts,
+            {
+                "fsm_agent.restart_count": transition.restart_count,
+                "fsm_agent.trigger": transition.trigger,
+                "fsm_agent.source": transition.source,
+            },
+        )
         if transition.error:
             self._span.set_status(Status(StatusCode.ERROR, transition.error))
 
@@ -105,13 +111,19 @@ class StateSpans:
     def fsm_agent_rendezvous_completed(self, worker_group, duration_s):
         if self._span is None:
             return
-        attributes = {"group_rank": worker_group.group_rank, "group_world_size": worker_group.group_world_size,
-                      "duration_s": float(duration_s)}
+        attributes = {
+            "group_rank": worker_group.group_rank,
+            "group_world_size": worker_group.group_world_size,
+            "duration_s": float(duration_s),
+        }
         # The rendezvous runs inside the transition out of INIT/STOPPED: the event goes on that span,
         # the membership it produced on the spans of the states that follow.
         self._span.add_event("rendezvous_completed", {k: v for k, v in attributes.items() if v is not None})
-        self._membership = {f"fsm_agent.{key}": int(attributes[key]) for key in ("group_rank", "group_world_size")
-                            if attributes[key] is not None}
+        self._membership = {
+            f"fsm_agent.{key}": int(attributes[key])
+            for key in ("group_rank", "group_world_size")
+            if attributes[key] is not None
+        }
 
     @hookimpl
     def fsm_agent_worker_exited(self, worker, worker_group, exitcode):
@@ -126,8 +138,11 @@ class StateSpans:
     def fsm_agent_unconfigure(self, result):
         now = time.time_ns()
         failed = result.is_failed()
-        outcome = {"fsm_agent.final_state": result.state.value, "fsm_agent.exit_code": int(result.exit_code),
-                   "fsm_agent.restart_count": int(result.restart_count)}
+        outcome = {
+            "fsm_agent.final_state": result.state.value,
+            "fsm_agent.exit_code": int(result.exit_code),
+            "fsm_agent.restart_count": int(result.restart_count),
+        }
         if self._span is not None:
             self._span.set_attributes(outcome)
             self._span.end(end_time=now)
@@ -149,9 +164,12 @@ class StateSpans:
     def _open(self, state: str, start_ns: int, attributes: dict[str, Any]) -> None:
         context = trace.set_span_in_context(self._run_span) if self._run_span is not None else None
         self._state = state
-        self._span = self._tracer.start_span(state, context=context, start_time=start_ns,
-                                             attributes={**self._attributes, "fsm_agent.state": state,
-                                                         **self._membership, **attributes})
+        self._span = self._tracer.start_span(
+            state,
+            context=context,
+            start_time=start_ns,
+            attributes={**self._attributes, "fsm_agent.state": state, **self._membership, **attributes},
+        )
 
 
 class JsonlSpanExporter(SpanExporter):
@@ -197,18 +215,22 @@ def build_provider(options: dict[str, Any], default_jsonl_dir: str | None = None
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
-    resource = Resource.create({"service.name": options["service_name"], "host.name": socket.getfqdn(),
-                                "process.pid": os.getpid()})
+    resource = Resource.create(
+        {"service.name": options["service_name"], "host.name": socket.getfqdn(), "process.pid": os.getpid()}
+    )
     provider = TracerProvider(resource=resource)
     for name in options["exporters"]:
         if name == "console":
             provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
         elif name == "jsonl":
-            path = options.get("jsonl_file") or (os.path.join(default_jsonl_dir, "spans.jsonl")
-                                                 if default_jsonl_dir else None)
+            path = options.get("jsonl_file") or (
+                os.path.join(default_jsonl_dir, "spans.jsonl") if default_jsonl_dir else None
+            )
             if not path:
-                raise ValueError("FSM_AGENT_OTEL_EXPORTER=jsonl needs FSM_AGENT_OTEL_JSONL_FILE=PATH "
-                                 "(there is no events file to put spans.jsonl beside)")
+                raise ValueError(
+                    "FSM_AGENT_OTEL_EXPORTER=jsonl needs FSM_AGENT_OTEL_JSONL_FILE=PATH "
+                    "(there is no events file to put spans.jsonl beside)"
+                )
             provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(path)))
         elif name == "otlp":
             provider.add_span_processor(BatchSpanProcessor(_otlp_exporter()))
@@ -222,8 +244,10 @@ def _otlp_exporter():
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         except ImportError:
-            raise ValueError("FSM_AGENT_OTEL_EXPORTER=otlp needs an OTLP exporter: "
-                             "pip install 'fsm-agent-otel[otlp]' (opentelemetry-exporter-otlp-proto-http)") from None
+            raise ValueError(
+                "FSM_AGENT_OTEL_EXPORTER=otlp needs an OTLP exporter: "
+                "pip install 'fsm-agent-otel[otlp]' (opentelemetry-exporter-otlp-proto-http)"
+            ) from None
     return OTLPSpanExporter()
 
 

@@ -45,8 +45,10 @@ def read_options(environ: dict[str, str] | None = None) -> dict[str, Any]:
         try:
             return kind(raw)
         except ValueError:
-            raise ValueError(f"FSM_AGENT_PROMETHEUS_{name}={raw!r}: expected a number "
-                             f"(e.g. FSM_AGENT_PROMETHEUS_{name}={default or 0})") from None
+            raise ValueError(
+                f"FSM_AGENT_PROMETHEUS_{name}={raw!r}: expected a number "
+                f"(e.g. FSM_AGENT_PROMETHEUS_{name}={default or 0})"
+            ) from None
 
     options = {
         "port": number("PORT", "0"),
@@ -85,13 +87,27 @@ def _check_seconds(seconds: float) -> None:
 @hookimpl
 def fsm_agent_addoption(options):
     """``--prometheus-port`` / ``FSM_AGENT_PROMETHEUS_PORT`` / ``[plugins.prometheus] port``, and so on."""
-    options.add("port", type=int, default=0, check=_check_port,
-                help="serve the agent's metrics on http://ADDR:PORT/metrics while it runs; 0: off")
-    options.add("addr", type=str, default="127.0.0.1",
-                help="the address the metrics server binds; 0.0.0.0 exposes it to the network")
-    options.add("linger_s", type=float, default=0.0, check=_check_seconds,
-                help="after the run, serve until one more scrape read the final metrics, at most this many "
-                     "seconds; 0: stop at once")
+    options.add(
+        "port",
+        type=int,
+        default=0,
+        check=_check_port,
+        help="serve the agent's metrics on http://ADDR:PORT/metrics while it runs; 0: off",
+    )
+    options.add(
+        "addr",
+        type=str,
+        default="127.0.0.1",
+        help="the address the metrics server binds; 0.0.0.0 exposes it to the network",
+    )
+    options.add(
+        "linger_s",
+        type=float,
+        default=0.0,
+        check=_check_seconds,
+        help="after the run, serve until one more scrape read the final metrics, at most this many "
+        "seconds; 0: stop at once",
+    )
 
 
 def run_options(config: Any) -> dict[str, Any]:
@@ -128,7 +144,11 @@ def fsm_agent_configure(config, agent):
     try:
         exporter.serve(options["addr"], options["port"])
     except OSError as exc:  # a busy port must not stop the training job
-        log.warning("prometheus: cannot serve on %s:%s (%s); metrics are not exported for this run",
-                    options["addr"], options["port"], exc)
+        log.warning(
+            "prometheus: cannot serve on %s:%s (%s); metrics are not exported for this run",
+            options["addr"],
+            options["port"],
+            exc,
+        )
         return
     agent.plugin_manager.register(exporter, EXPORTER_NAME)

@@ -49,8 +49,13 @@ log = logging.getLogger(__name__)
 
 STATES = [s.value for s in WorkerState]
 WORKER_STATE_NAMES = {s.lower() for s in STATES}
-RUN_OUTCOMES = ("run_success_with_retries", "run_success_no_retries", "run_failed_with_retries",
-                "run_failed_no_retries", "run_drained")
+RUN_OUTCOMES = (
+    "run_success_with_retries",
+    "run_success_no_retries",
+    "run_failed_with_retries",
+    "run_failed_no_retries",
+    "run_drained",
+)
 #: seconds; from a fast INIT to a multi-day HEALTHY
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 24 * 3600, float("inf"))
 
@@ -124,24 +129,46 @@ class PrometheusExporter:
         self._final = False
         self._final_scrape = threading.Event()
         r = self.registry
-        self.state = Gauge("fsm_agent_worker_group_state", "1 for the worker group's current state, 0 for the others",
-                           ["role", "state"], registry=r)
+        self.state = Gauge(
+            "fsm_agent_worker_group_state",
+            "1 for the worker group's current state, 0 for the others",
+            ["role", "state"],
+            registry=r,
+        )
         for state in STATES:
             self.state.labels(role, state).set(1 if state == "INIT" else 0)
-        self.restart_count = Gauge("fsm_agent_restart_count", "Restarts used so far (TORCHELASTIC_RESTART_COUNT)",
-                                   ["role"], registry=r)
+        self.restart_count = Gauge(
+            "fsm_agent_restart_count", "Restarts used so far (TORCHELASTIC_RESTART_COUNT)", ["role"], registry=r
+        )
         self.restart_count.labels(role).set(0)
-        self.transitions = Counter("fsm_agent_transitions", "State changes of the worker group",
-                                   ["role", "source", "dest", "trigger"], registry=r)
-        self.worker_exits = Counter("fsm_agent_worker_exits", "Worker process exits, by exit code (-N: signal N)",
-                                    ["role", "exit_code"], registry=r)
-        self.rendezvous_duration = Histogram("fsm_agent_rendezvous_duration_seconds",
-                                             "Seconds spent in each completed rendezvous round", ["role"],
-                                             buckets=DURATION_BUCKETS, registry=r)
-        self.group_world_size = Gauge("fsm_agent_group_world_size", "Agents in the current rendezvous round",
-                                      ["role"], registry=r)
-        self.info = Gauge("fsm_agent_info", "The run this agent belongs to (always 1)",
-                          ["role", "run_id", "node", "rdzv_backend"], registry=r)
+        self.transitions = Counter(
+            "fsm_agent_transitions",
+            "State changes of the worker group",
+            ["role", "source", "dest", "trigger"],
+            registry=r,
+        )
+        self.worker_exits = Counter(
+            "fsm_agent_worker_exits",
+            "Worker process exits, by exit code (-N: signal N)",
+            ["role", "exit_code"],
+            registry=r,
+        )
+        self.rendezvous_duration = Histogram(
+            "fsm_agent_rendezvous_duration_seconds",
+            "Seconds spent in each completed rendezvous round",
+            ["role"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.group_world_size = Gauge(
+            "fsm_agent_group_world_size", "Agents in the current rendezvous round", ["role"], registry=r
+        )
+        self.info = Gauge(
+            "fsm_agent_info",
+            "The run this agent belongs to (always 1)",
+            ["role", "run_id", "node", "rdzv_backend"],
+            registry=r,
+        )
 
     # -- serving ----------------------------------------------------------------------------------
     @property
