@@ -3,7 +3,7 @@
 # package puts the binary at /usr/bin/etcd. The tests start their own etcd on free 127.0.0.1
 # ports; stop the service the package may enable, if a service manager started it.
 set -euo pipefail
-# openssl: tests/test_etcd_cluster.py makes a test CA and certificate for its https members.
+# openssl: plugins/fsm-agent-etcd/tests/test_etcd_cluster.py makes a test CA and certificate for its https members.
 if [ -x /usr/bin/etcd ] && command -v openssl >/dev/null 2>&1; then
     exit 0
 fi

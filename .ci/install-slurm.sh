@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install Debian's Slurm (slurm-wlm: slurmctld, slurmd, srun/sbatch/salloc/scontrol) and munge, for
-# tests/slurm (idempotent). Nothing is started here: .ci/slurm-up.sh starts a private cluster and
+# tests/schedulers/slurm (idempotent). Nothing is started here: .ci/slurm-up.sh starts a private cluster and
 # .ci/slurm-down.sh removes it. The packages' own services are not started by a fresh install on a
 # machine without systemd; where a service manager did start them, they are stopped.
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the SPIN model checker (Debian's spin, 6.5) for tests/model, which checks the fsm
+# Install the SPIN model checker (Debian's spin, 6.5) for tests/rendezvous/test_rendezvous_model.py, which checks the fsm
 # rendezvous protocol's Promela model; the model's verifier is compiled with gcc. Idempotent.
 set -euo pipefail
 if command -v spin >/dev/null 2>&1 && command -v gcc >/dev/null 2>&1; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start a private Slurm cluster on this machine for tests/slurm: munge (unless one answers already),
+# Start a private Slurm cluster on this machine for tests/schedulers/slurm: munge (unless one answers already),
 # slurmctld, and N slurmd compute nodes node1..nodeN, each in its own network namespace with its own
 # address (10.77.0.1I/24 on a bridge in the root namespace, the controller at .1) and hostname.
 #

@@ -4,7 +4,7 @@
     python -m fsm_agent.docgen --check   # exit 1, naming each one that is out of date
 
 Each document is the output of one renderer over the code it describes (the table, the
-hookspecs, the settings); nobody edits them by hand. ``tests/test_generated_docs.py`` fails when
+hookspecs, the settings); nobody edits them by hand. ``tests/architecture/test_generated_docs.py`` fails when
 any of them differs from its renderer, byte for byte. Each renderer also has its own way in
 (``fsm-agent statechart --format markdown``, ``python -m fsm_agent.plugins.docs``,
 ``fsm-agent config --reference``), which prints the same bytes.

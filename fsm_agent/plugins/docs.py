@@ -259,7 +259,7 @@ def render_conformance() -> list[str]:
         "A plugin that contributes a rendezvous backend or a launcher subclasses the matching suite "
         "of `fsm_agent.testing.conformance` in its own tests and supplies its implementation; every test "
         "of the suite then runs against it, with real stores and real processes on 127.0.0.1 (the "
-        "built-ins pass them, in `tests/conformance/`). The suites do not start with `Test`, so pytest "
+        "built-ins pass them, in `tests/plugins/test_builtin_backends.py`). The suites do not start with `Test`, so pytest "
         "collects only your subclass. Capability flags switch off what a backend legitimately does not "
         "do; override a test (and mark it `xfail`) to record a known gap.",
         "",

@@ -2,7 +2,7 @@
 
 A plugin package that contributes a backend subclasses the suite in its own tests and supplies
 its implementation; every test of the suite then runs against it (the built-ins pass them, in
-``tests/conformance``)::
+``tests/plugins/test_builtin_backends.py``)::
 
     from fsm_agent.testing.conformance import LauncherConformance, RendezvousConformance
 

@@ -68,7 +68,7 @@ def test_malformed_file_prints_all_three_errors_with_paths_and_exits_non_zero(tm
 
 def test_a_key_with_a_control_character_is_quoted_in_its_error_line(write_toml, capsys):
     """A key such as "\\r" is shown as TOML writes it, so the error stays on its own line (found by
-    tests/fuzz/test_config_fuzz.py: a raw carriage return split the message in two)."""
+    tests/config/test_config_fuzz.py: a raw carriage return split the message in two)."""
     path = write_toml('"\\u000d" = 0\n0 = 0\n')
     with pytest.raises(SystemExit) as exc:
         cli.main(["config", "--config", path])

@@ -1,7 +1,7 @@
 """Helpers for torchrun-parity tests: run one scenario under ``torchrun`` and under ``fsm-agent run``.
 
 A parity test writes its scenario once, as a function of a ``Tool`` (which command starts the
-agent) and a ``Launcher`` of the e2e kit (tests/e2e/conftest.py: each process in its own session,
+agent) and a ``Launcher`` of the e2e kit (tests/conftest.py: each process in its own session,
 a private token in its environment, ``TMPDIR`` removed at teardown). ``parity.both(scenario)``
 runs it under each tool, each in a fresh Launcher of its own, one after the other, and returns an
 ``Outcome`` per tool: the exit code and its class (``exit_class``: "killed by N" and "exit 128+N"
@@ -33,9 +33,8 @@ from pathlib import Path
 import pytest
 
 from fsm_agent.testing.processes import wait_until
-from tests.e2e import conftest as e2e
-from tests.e2e.conftest import Launcher, Proc, Result, free_port, write_script
-from tests.multihost.conftest import netns_hosts  # noqa: F401 (a fixture of the multi-host parity tests)
+from tests import conftest as e2e
+from tests.conftest import Launcher, Proc, Result, free_port, write_script
 
 TORCHRUN, FSM_AGENT = "torchrun", "fsm-agent"
 TOOLS = (TORCHRUN, FSM_AGENT)

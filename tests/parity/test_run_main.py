@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import one_error_line, write_script
+from tests.conftest import one_error_line, write_script
 from tests.parity.conftest import FSM_AGENT, TORCHRUN
 
 pytestmark = pytest.mark.slow

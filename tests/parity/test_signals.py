@@ -25,8 +25,8 @@ import psutil
 import pytest
 
 from fsm_agent.testing.processes import wait_until
-from tests.e2e.conftest import Result, free_port
-from tests.multihost.conftest import NetnsHosts
+from tests.conftest import Result, free_port
+from tests.netns import NetnsHosts
 from tests.parity.conftest import (
     FSM_AGENT,
     TORCHRUN,

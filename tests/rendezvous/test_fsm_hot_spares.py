@@ -2,7 +2,7 @@
 redundancy list) and take the seat of a lost node in the next round.
 
 The planner (``planner.Rendezvous``) alone, then real handlers on 127.0.0.1 (their store in one of
-them). Agents end to end: ``tests/e2e/test_hot_spares.py`` and ``tests/multihost``.
+them). Agents end to end: ``tests/agent/test_hot_spares.py`` and ``tests/agent/test_netns.py``.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def test_node_beyond_max_waits_as_a_standby_without_waking_the_round(nodes):
 
 def test_standby_takes_the_seat_of_a_lost_node(nodes):
     a, b, c, t, box, _ = _standby(nodes)
-    b.shutdown()  # b is gone (a kill is the same for the planner: tests/e2e/test_hot_spares.py)
+    b.shutdown()  # b is gone (a kill is the same for the planner: tests/agent/test_hot_spares.py)
     assert readable(a.membership_fd(), 10) and a.num_nodes_lost() == 1
     info = a.next_rendezvous()
     t.join(10)

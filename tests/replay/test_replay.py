@@ -203,7 +203,7 @@ def test_an_events_file_appended_to_by_a_rerun_holds_two_runs(crash_and_restart,
 
 
 class ReachesTheRendezvous:
-    """A restart policy that asks the rendezvous and finds it gone (see tests/coverage/test_rare_edges.py)."""
+    """A restart policy that asks the rendezvous and finds it gone (see tests/agent/test_rare_edges.py)."""
 
     @hookimpl
     def fsm_agent_restart_policy(self, failures, worker_group, restart_count):

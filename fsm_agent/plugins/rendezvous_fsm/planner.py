@@ -1,8 +1,8 @@
 """The ``fsm`` rendezvous's planner: one run's rendezvous state and the operations on it
 (``Rendezvous``), with no I/O, no clock and no threads. The store server holds one per run and
 applies each client's request to it in its single serving thread, so every operation is atomic;
-``tests/property`` drives it through random interleavings and ``tests/model`` checks the same
-protocol as a Promela model.
+``tests/rendezvous/test_planner_properties.py`` drives it through random interleavings and
+``tests/rendezvous/test_rendezvous_model.py`` checks the same protocol as a Promela model.
 
 Cost: ``join``, ``leave``, ``lose`` and ``membership`` are O(1) (amortised) in the number of
 nodes; completing a round is O(N log N) once (the rank sort) and hands each participant O(1) bytes.

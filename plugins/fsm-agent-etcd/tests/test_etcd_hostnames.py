@@ -1,7 +1,7 @@
 """etcd-v3 on hosts whose hostnames do not resolve, or resolve to a wrong address (as in clusters).
 
-The same two namespaced hosts as tests/multihost/test_hostnames.py (its helpers, and the
-``netns_hosts`` fixture of tests/multihost/conftest.py), each agent in a UTS namespace of its own
+The same two namespaced hosts as tests/schedulers/test_hostnames.py (its helpers, and the
+``netns_hosts`` fixture of tests/netns.py), each agent in a UTS namespace of its own
 with an unresolvable or wrongly resolving hostname and no ``--local-addr``; a real etcd (Debian's
 ``etcd-server``, .ci/install-etcd.sh) listens in host 0 on the switch address. The job forms one
 gloo world of 2 whose MASTER_ADDR is group rank 0's address on the switch (fsm-agent's address
@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from tests.multihost.conftest import netns_hosts  # noqa: F401  (the fixture)
-from tests.multihost.test_hostnames import HOSTNAME_MODES, check_cluster_world, cluster_hosts
-from tests.multihost.test_netns import JOB_TIMEOUT_S
+from tests.netns import netns_hosts  # noqa: F401  (the fixture)
+from tests.schedulers.test_hostnames import HOSTNAME_MODES, check_cluster_world, cluster_hosts
+from tests.agent.test_netns import JOB_TIMEOUT_S
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """Stragglers on the etcd-v3 backend: the step times go through the round's store in etcd
-(the shared job of ``fsm_agent.testing.stragglers``; fsm and c10d: tests/integration/test_stragglers.py)."""
+(the shared job of ``fsm_agent.testing.stragglers``; fsm and c10d: tests/agent/test_stragglers.py)."""
 
 from __future__ import annotations
 

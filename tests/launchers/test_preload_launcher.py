@@ -1,0 +1,166 @@
+"""The preload launcher: workers forked from a zygote that imported the heavy modules once."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from tests.conftest import transitions
+
+pytestmark = pytest.mark.slow
+
+
+def write(path, body: str) -> str:
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def test_script_sees_what_python_u_script_would(tmp_path, agents):
+    script = write(
+        tmp_path / "w.py",
+        """
+        import json, os, sys
+        import json as again  # modules the zygote preloaded are importable as usual
+        if __name__ == "__main__":
+            with open(f"seen_{os.environ['RANK']}.json", "w") as f:
+                json.dump({"argv": sys.argv, "cwd": os.getcwd(), "sid": os.getsid(0) == os.getpid(),
+                           "rank": os.environ["RANK"], "preloaded": "json" in sys.modules}, f)
+    """,
+    )
+    proc = agents.start(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--launcher",
+        "preload",
+        "--preload-modules",
+        "json",
+        script,
+        "--flag",
+        "x${local_rank}",
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    seen = [json.loads((tmp_path / f"seen_{r}.json").read_text()) for r in "01"]
+    assert [s["argv"] for s in seen] == [[script, "--flag", "x0"], [script, "--flag", "x1"]]
+    assert all(s["cwd"] == str(tmp_path) and s["sid"] and s["preloaded"] for s in seen)
+
+
+@pytest.mark.parametrize(
+    "body, code",
+    [
+        ("import sys; sys.exit(7)", 7),
+        ("raise ValueError('boom')", 1),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 137),
+    ],
+)
+def test_exit_codes_reach_the_agent(tmp_path, agents, body, code):
+    script = write(tmp_path / "w.py", body + "\n")
+    proc = agents.start("--standalone", "--launcher", "preload", "--preload-modules", "json", script)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+
+
+def test_restart_skips_the_import(tmp_path, agents):
+    """Attempt 0's rank 1 fails; attempt 1 runs from the same zygote and succeeds."""
+    script = write(
+        tmp_path / "w.py",
+        """
+        import os, sys
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+            sys.exit(3)
+        open(f"done_{os.environ['RANK']}_{os.environ['TORCHELASTIC_RESTART_COUNT']}", "w").close()
+    """,
+    )
+    events = tmp_path / "e.jsonl"
+    proc = agents.start(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--launcher",
+        "preload",
+        "--preload-modules",
+        "json",
+        "--events-file",
+        str(events),
+        script,
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert {p.name for p in tmp_path.glob("done_*_1")} == {"done_0_1", "done_1_1"}
+    assert [t[2] for t in transitions(events)] == ["start", "workers_failed", "restart", "workers_succeeded"]
+
+
+def test_module_and_binary_entrypoints(tmp_path, agents):
+    (tmp_path / "mymod.py").write_text("import os\nopen('module_ran', 'w').close()\n")
+    proc = agents.start(
+        "--standalone",
+        "--launcher",
+        "preload",
+        "--preload-modules",
+        "json",
+        "-m",
+        "mymod",
+        env={"PYTHONPATH": str(tmp_path)},
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and (tmp_path / "module_ran").exists(), err
+    proc = agents.start(
+        "--standalone", "--launcher", "preload", "--preload-modules", "json", "--no-python", "touch", "binary_ran"
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and (tmp_path / "binary_ran").exists(), err
+
+
+def test_python_with_interpreter_options_runs_as_given(tmp_path, agents):
+    """``--no-python python -c CODE``: the interpreter's own options are not mistaken for a script."""
+    import sys
+
+    proc = agents.start(
+        "--standalone",
+        "--launcher",
+        "preload",
+        "--preload-modules",
+        "json",
+        "--no-python",
+        sys.executable,
+        "-c",
+        "open('c_ran', 'w').close()",
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and (tmp_path / "c_ran").exists(), err
+
+
+def test_the_import_is_reported_apart_from_the_agent(tmp_path, agents):
+    """The zygote's import time: one ``launcher_timings`` event (after the first start, before HEALTHY)
+    and the metrics ``fsm_agent.launcher.preload_import_s`` / ``preload_wait_s``."""
+    script = write(
+        tmp_path / "w.py", "import os, sys\nsys.exit(3 if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' else 0)\n"
+    )
+    events = tmp_path / "e.jsonl"
+    proc = agents.start(
+        "--standalone",
+        "--max-restarts",
+        "1",
+        "--launcher",
+        "preload",
+        "--preload-modules",
+        "json",
+        "--events-file",
+        str(events),
+        script,
+        env={"LOGLEVEL": "INFO"},
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    records = [json.loads(line) for line in events.read_text().splitlines()]
+    timings = [r for r in records if r["kind"] == "launcher_timings"]
+    assert len(timings) == 1, "one zygote, one import: a restart reports nothing new"
+    assert timings[0]["preload_import_s"] >= 0 and timings[0]["preload_wait_s"] >= 0
+    assert timings[0]["restart_count"] == 0 and timings[0]["state"] == "INIT"
+    assert "[metric][fsm_agent]: launcher.preload_import_s=" in err
+    assert "[metric][fsm_agent]: launcher.preload_wait_s=" in err
