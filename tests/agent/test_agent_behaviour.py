@@ -13,7 +13,7 @@ from fsm_agent.launch import WorkerGroupFailedError
 
 from tests.conftest import free_port, read_events, transitions
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def write(path, body: str):

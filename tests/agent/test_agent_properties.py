@@ -40,6 +40,7 @@ import shutil
 import signal
 import tempfile
 
+import pytest
 from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -59,6 +60,8 @@ from fsm_agent.testing import FakeRendezvous, Round, build_agent, send_signal
 from fsm_agent.testing.coverage import Edge, table_edges
 
 from .manual_launcher import ManualLauncher
+
+pytestmark = pytest.mark.property
 
 SEED = 20251130
 MAX_EXAMPLES = 100

@@ -58,7 +58,7 @@ import pytest
 
 from fsm_agent.testing.processes import remove_worker_cgroups, tmpdir_env, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
 TRIALS = int(os.environ.get("CHAOS_TRIALS", "12"))  # two rounds of FAULTS: both node_loss victims
 SEED = int(os.environ.get("CHAOS_SEED", "20261130"))

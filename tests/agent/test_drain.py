@@ -20,6 +20,8 @@ from fsm_agent.testing.processes import wait_until
 from fsm_agent.worker import DRAIN_EXIT_CODE
 from tests.conftest import free_port, read_events, transitions
 
+pytestmark = pytest.mark.integration
+
 #: argv: OUT_DIR. Records its start, then waits; SIGUSR1 (the checkpoint signal) writes
 #: ckpt_<rank>.json and exits 0.
 WORKER = r"""

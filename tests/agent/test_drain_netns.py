@@ -13,8 +13,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from fsm_agent.worker import DRAIN_EXIT_CODE
 from tests.netns import NetnsHosts
+
+pytestmark = pytest.mark.multihost
 
 #: argv: OUT_DIR HOST FINAL_WORLD (as the conftest's WORKER).
 WORKER = r"""

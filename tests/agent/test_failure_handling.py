@@ -18,7 +18,7 @@ from fsm_agent.testing.processes import wait_until
 
 from tests.conftest import assert_excluded_node_left, free_port, read_events, transitions
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def write(path, body: str) -> str:

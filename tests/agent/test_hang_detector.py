@@ -10,6 +10,8 @@ import pytest
 from fsm_agent.hang import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV, HangDetector
 from fsm_agent.heartbeat import HEARTBEAT_FILE_ENV
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def scratch(tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ from fsm_agent.testing.node_loss import NodeLossJob
 from fsm_agent.testing.processes import wait_until
 from tests.conftest import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 AFTER_LOSS = [
     ("HEALTHY", "STOPPED", "membership_changed"),

@@ -7,8 +7,12 @@ records the change as ``agent_errored`` (the table's edge from every live state 
 
 from __future__ import annotations
 
+import pytest
+
 from fsm_agent.testing import Scenario
 from fsm_agent.testing.coverage import Edge, table_edges
+
+pytestmark = pytest.mark.property
 
 
 def store_lost_and_stop_fails_once():

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import write_script
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 #: torch's @record; local rank 1 raises on the first attempt, everything else succeeds.
 RECORD_FAIL_ONCE = r"""

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from fsm_agent.logs import ALL, LogsLayout
+
+pytestmark = pytest.mark.unit
 
 
 def write_round(layout: LogsLayout, restart_count: int, text: str) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import free_port, write_script
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ALL_REDUCE = r"""
 import datetime, json, os, sys

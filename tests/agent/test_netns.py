@@ -19,7 +19,7 @@ import pytest
 
 from tests.netns import NetnsHosts
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
 #: Kill -> survivors' workers running again, seconds. Measured ~0.5 s here (see the test's output).
 RECOVERY_BOUND_S = 30.0

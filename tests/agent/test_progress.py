@@ -22,6 +22,8 @@ from fsm_agent.worker import DO_NOT_REQUEUE_EXIT_CODE
 
 from tests.conftest import read_events, transitions
 
+pytestmark = pytest.mark.integration
+
 TRAIN = """
     import os, sys, time, fsm_agent
     ckpt, rank = os.environ["CKPT"], int(os.environ["RANK"])

@@ -12,6 +12,8 @@ from fsm_agent.heartbeat import HEARTBEAT_FILE_ENV, read_step
 from fsm_agent.progress import next_cycle, read_progress_file, write_finished_file
 from fsm_agent.worker import DO_NOT_REQUEUE_EXIT_CODE, RunResult, WorkerFailure, WorkerState
 
+pytestmark = pytest.mark.unit
+
 
 def cycles(*reports):
     """Cycles from (last_step, checkpoint_step, failure_class) reports, oldest first."""

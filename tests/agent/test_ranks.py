@@ -12,6 +12,8 @@ from torch.distributed.elastic.agent.server.api import WorkerSpec as TorchWorker
 
 from fsm_agent.ranks import assign_ranks, compute_assignments
 
+pytestmark = pytest.mark.unit
+
 CASES = {
     "one role": [("trainer", 2), ("trainer", 2), ("trainer", 2)],
     "several roles": [("trainer", 2), ("reader", 1), ("trainer", 3), ("reader", 2)],

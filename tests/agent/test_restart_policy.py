@@ -11,6 +11,8 @@ from fsm_agent.plugins.restart_policy import RestartPolicy, backoff_delay, parse
 from fsm_agent.testing import Scenario
 from fsm_agent.worker import RendezvousSpec, RestartDecision, WorkerFailure, WorkerGroup, WorkerSpec, first_failure
 
+pytestmark = pytest.mark.unit
+
 
 def group(max_restarts: int) -> WorkerGroup:
     return WorkerGroup(

@@ -7,6 +7,8 @@ import pytest
 from fsm_agent.stragglers import RankTime, StepClock, StragglerJudge, ratio
 from fsm_agent.worker import FailureClass, NodeProblem
 
+pytestmark = pytest.mark.unit
+
 
 def test_step_clock_divides_the_time_by_the_steps_done():
     clock = StepClock()

@@ -18,7 +18,7 @@ from fsm_agent.testing.stragglers import FACTOR, WINDOWS, check_found, events, s
 
 from tests.conftest import assert_excluded_node_left, free_port, read_events
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _common(backend: str, port: int, run_id: str, *extra: str, host: bool) -> list[str]:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import free_port, fsm_agent_cmd, fsmrun_cmd, one_error_line, write_script
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 #: id -> (arguments before the script (None: no script at all), extra env, text the line must contain)
 BAD = {

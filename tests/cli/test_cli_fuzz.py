@@ -28,6 +28,8 @@ from hypothesis import strategies as st
 from fsm_agent import cli
 from fsm_agent.errors import FsmAgentError
 
+pytestmark = pytest.mark.fuzz
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MISSING_SCRIPT = "/nonexistent/fsm-agent-fuzz/train.py"
 

@@ -40,6 +40,8 @@ from fsm_agent import settings as schema
 from fsm_agent.errors import ConfigError, FsmAgentError
 from fsm_agent.plugins.manager import collect_options, get_plugin_manager
 
+pytestmark = pytest.mark.fuzz
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MISSING_SCRIPT = "/nonexistent/fsm-agent-fuzz/train.py"
 

@@ -28,7 +28,7 @@ from fsm_agent.plugins.launcher_subprocess import is_subreaper
 from tests.conftest import free_port
 from tests.agent.test_agent_behaviour import _fail_on_rank_one, _square_rank
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def write(path, body: str) -> str:

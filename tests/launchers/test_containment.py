@@ -31,7 +31,10 @@ from fsm_agent.testing.processes import wait_until
 from tests.conftest import write_script
 
 UNAVAILABLE = cgroup_unavailable()
-pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no writable cgroup v2: {UNAVAILABLE}")
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no writable cgroup v2: {UNAVAILABLE}"),
+]
 
 #: Each worker double-forks a daemon (its own session) that records its pid and cgroup, then sleeps.
 DAEMON_WORKER = r"""

@@ -14,6 +14,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 #: Run as ``python -c CODE`` with sys.argv/orig_argv made to look like ``python -m fsm_agent run ARGS``.
 CHECK = textwrap.dedent("""
     import json, sys

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import transitions
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def write(path, body: str) -> str:

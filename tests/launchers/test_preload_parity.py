@@ -24,7 +24,7 @@ import pytest
 
 from tests.conftest import write_script
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 LAUNCHERS = {"subprocess": ["--launcher", "subprocess"], "preload": ["--launcher", "preload"]}
 #: Keys whose values differ between the two runs: exactly these.

@@ -37,7 +37,7 @@ import pytest
 
 from tests.conftest import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 STANDALONE = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID", SIGNALS}

@@ -23,7 +23,7 @@ import pytest
 
 from tests.conftest import free_port, one_error_line, write_script
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 FAIL_ONCE = r"""
 import os, sys

@@ -385,6 +385,7 @@ def _static_flags(hosts: NetnsHosts, node_rank: int) -> list[str]:
     ]
 
 
+@pytest.mark.multihost
 @pytest.mark.parametrize("node_rank,sig", [(0, signal.SIGINT), (1, signal.SIGTERM)], ids=["store-host", "other-node"])
 def test_netns_static_node_alone_stops_at_once(netns_hosts, node_rank, sig):
     """One static node on its own host waits for the other; a stop signal ends it with 128+N."""
@@ -400,6 +401,7 @@ def test_netns_static_node_alone_stops_at_once(netns_hosts, node_rank, sig):
     assert not netns_hosts.pids_in(netns_hosts.names[node_rank]), "processes left in the host"
 
 
+@pytest.mark.multihost
 def test_netns_static_job_stops_with_the_signal(netns_hosts):
     """Both static nodes run their workers; SIGINT to one and SIGHUP to the other end each with 128+N."""
     agents = [netns_hosts.start_agent(r, *_static_flags(netns_hosts, r), final_world=99) for r in (0, 1)]

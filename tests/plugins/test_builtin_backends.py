@@ -14,6 +14,8 @@ import pytest
 from fsm_agent.plugins.manager import build_registry, get_plugin_manager
 from fsm_agent.testing.conformance import LauncherConformance, RendezvousConformance
 
+pytestmark = pytest.mark.conformance
+
 
 def backend(kind: str, name: str):
     return build_registry(get_plugin_manager(load_entry_points=False)).get(kind, name)

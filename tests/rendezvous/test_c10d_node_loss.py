@@ -26,7 +26,7 @@ from fsm_agent.testing.node_loss import NodeLossJob
 from fsm_agent.testing.processes import wait_until
 from tests.conftest import free_port, torchrun_cmd
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 #: What a survivor does after losing its peer: one re-rendezvous (not a restart), then success.
 AFTER_LOSS = [

@@ -19,7 +19,7 @@ import pytest
 
 from fsm_agent.testing.node_loss import NodeLossJob
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture

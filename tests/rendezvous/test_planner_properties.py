@@ -5,10 +5,13 @@ join until the store answers them."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fsm_agent.plugins.rendezvous_fsm.planner import Node, Rendezvous
+
+pytestmark = pytest.mark.property
 
 MAX_NODES = 64
 OPS = ("join", "join", "join", "restart", "leave", "lose", "tick")

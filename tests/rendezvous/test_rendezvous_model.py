@@ -19,6 +19,7 @@ MODEL = Path(__file__).with_name("rendezvous.pml")
 SPIN, GCC = shutil.which("spin"), shutil.which("gcc")
 
 pytestmark = [
+    pytest.mark.model,
     pytest.mark.timeout(900),
     pytest.mark.skipif(not (SPIN and GCC), reason="needs spin and gcc: bash .ci/install-spin.sh"),
 ]

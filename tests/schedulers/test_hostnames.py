@@ -18,7 +18,7 @@ import pytest
 from tests.netns import RDZV_PORT, NetnsHosts
 from tests.agent.test_netns import JOB_TIMEOUT_S, check_world, fsm_flags
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
 HOSTNAME_MODES = ("unresolvable", "wrong-address")
 

@@ -9,6 +9,8 @@ import pytest
 
 from fsm_agent import hosts
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     "endpoint, expected",

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.conformance
+
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "testing.md"
 QUOTE = re.compile(r"<!-- file: (?P<path>[^ ]+) -->\n```[a-z]*\n(?P<body>.*?)```\n", re.DOTALL)

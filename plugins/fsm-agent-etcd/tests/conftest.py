@@ -266,6 +266,17 @@ class EtcdCluster:
             shutil.rmtree(member.data_dir / member.name, ignore_errors=True)
 
 
+#: The fixtures that start a real etcd; a test that asks for one (itself or through another
+#: fixture) is marked ``etcd``, so ``-m "not etcd"`` runs the rest without Debian's etcd-server.
+ETCD_FIXTURES = frozenset({"etcd_server", "etcd_cluster", "etcd_tls_cluster"})
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if ETCD_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.etcd)
+
+
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory):
     """A real one-member etcd for the whole session; tests keep apart by using their own run ids."""

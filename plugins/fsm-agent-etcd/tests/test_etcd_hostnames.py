@@ -20,7 +20,7 @@ from tests.netns import netns_hosts  # noqa: F401  (the fixture)
 from tests.schedulers.test_hostnames import HOSTNAME_MODES, check_cluster_world, cluster_hosts
 from tests.agent.test_netns import JOB_TIMEOUT_S
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
 ETCD_PORT = 2379
 HEALTH = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=1)"

@@ -23,7 +23,7 @@ import pytest
 from tests.netns import NetnsHosts
 from tests.agent.test_netns import JOB_TIMEOUT_S, check_world
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
 POD_ENV = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443", "PYTHONUNBUFFERED": "1"}
 

@@ -22,7 +22,7 @@ from fsm_agent.testing.processes import wait_until
 
 from .conftest import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 ACCURACY = 0.95  # what the example reaches (tests/agent/test_train_example.py)
 
