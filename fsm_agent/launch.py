@@ -105,8 +105,8 @@ def create_agent(
     """Build (but do not run) the agent for ``config``.
 
     ``plugins``: the process's loaded plugins when the caller loaded them already (the CLI did, to
-    read their options; their backend registry comes with them); None loads them here, without
-    ``config.disabled_plugins``.
+    read their options; their backend registry comes with them); None loads them here, leaving
+    out ``config.disabled_plugins``.
 
     Raises:
         ConfigError: unknown backend name, bad log flags.
