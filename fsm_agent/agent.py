@@ -20,8 +20,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -203,15 +204,16 @@ class ElasticAgent:
         self.spec = spec
         self.plugin_manager = plugin_manager
         self.config = config
-        self.hostname = socket.getfqdn()
+        self._hostname = socket.getfqdn()
         self._rdzv_handler = rdzv_handler
-        #: the rendezvous's message while this node waits as a hot spare (None: not a standby)
-        self.standby: str | None = None
+        self._standby: str | None = None
         if hasattr(rdzv_handler, "on_standby"):  # a backend that keeps nodes beyond MAX as standbys (fsm)
             rdzv_handler.on_standby = self._on_standby
         self._launcher = launcher
         self._logs = logs
-        self.events_path = events_path or (os.path.join(logs.run_log_dir, "events.jsonl") if logs.run_log_dir else None)
+        self._events_path = events_path or (
+            os.path.join(logs.run_log_dir, "events.jsonl") if logs.run_log_dir else None
+        )
         self._signals = [getattr(signal, n.strip()) for n in signals_to_handle.split(",") if n.strip()]
         self._forwarded = [getattr(signal, n.strip()) for n in forward_signals.split(",") if n.strip()]
         self._worker_group = WorkerGroup(spec)
@@ -223,14 +225,11 @@ class ElasticAgent:
         self._worker_logs: dict[int, WorkerLogs] = {}
         self._worker_store = None
         self._hang = HangDetector(spec.hang_timeout)
-        #: Every restart cycle so far, oldest first (``fsm_agent.progress.Cycle``).
-        self.cycles: list[Cycle] = []
+        self._cycles: list[Cycle] = []
         self._cycle_start: float | None = None
         self._progress_file: str | None = None
         self._no_progress_limit = 0
-        #: The ``straggler`` plugin's latest view of step times (``fsm_agent.stragglers``), for
-        #: ``/status``; None while it is off or has no window yet.
-        self.step_times: dict[str, Any] | None = None
+        self._step_times: dict[str, Any] | None = None
         # What made the group UNHEALTHY (the data of workers_hung / health_check_failed): the
         # workers UNHEALTHY's way out counts as failed.
         self._hung: dict[int, str] = {}
@@ -255,9 +254,7 @@ class ElasticAgent:
         self._drain_interruptible = False  # the call running now may be cut short by a drain
         self._drain_request: dict[str, str] | None = None  # set by any thread, fired by the run loop
         self._next_drain_check = 0.0
-        #: The drain that ended (or is ending) the run: scope, source, by, and once the workers are
-        #: stopped checkpoint_signal, timeout_s, exits, checkpointed, duration_s; else None.
-        self.drain: dict[str, Any] | None = None
+        self._drain: dict[str, Any] | None = None
         self._state_since = time.monotonic()
         self._next_tick = 0.0
         self._wake_r, self._wake_w = os.pipe()
@@ -309,6 +306,48 @@ class ElasticAgent:
     @property
     def remaining_restarts(self) -> int:
         return self.spec.max_restarts - self.restart_count
+
+    # -- what plugins read (read-only; the agent alone changes it) ------------------------------
+    @property
+    def hostname(self) -> str:
+        """This node's name as its events, metrics and ``/status`` say it (``socket.getfqdn()``)."""
+        return self._hostname
+
+    @property
+    def events_path(self) -> str | None:
+        """The events file the built-in recorder writes (``--events-file``, else ``events.jsonl`` in
+        the run's log directory), or None without a log directory."""
+        return self._events_path
+
+    @property
+    def standby(self) -> str | None:
+        """The rendezvous's message while this node waits as a hot spare (a node beyond
+        ``max_nodes`` that the ``fsm`` backend keeps), or None: not a standby (any more)."""
+        return self._standby
+
+    @property
+    def cycles(self) -> tuple[Cycle, ...]:
+        """Every restart cycle so far, oldest first (``fsm_agent.progress.Cycle``): what the
+        progress-aware restart policy decides on and ``/status`` shows."""
+        return tuple(self._cycles)
+
+    @property
+    def step_times(self) -> Mapping[str, Any] | None:
+        """The step-time view last reported with ``report_step_times`` (the ``straggler`` plugin's:
+        window_s, factor, windows, basis, median_s, stragglers, ranks), for ``/status``; None while
+        nobody reports one (no straggler detection, or no full window yet this attempt)."""
+        return None if self._step_times is None else MappingProxyType(self._step_times)
+
+    def report_step_times(self, view: Mapping[str, Any] | None) -> None:
+        """Publish ``view`` as ``step_times`` (None clears it, as at each attempt's start)."""
+        self._step_times = None if view is None else dict(view)
+
+    @property
+    def drain(self) -> Mapping[str, Any] | None:
+        """The drain that ended (or is ending) the run: scope, source, by, ts, and once the workers
+        are stopped checkpoint_signal, timeout_s (seconds), exits, checkpointed, duration_s
+        (seconds); None when no drain was taken. ``drain_request`` is one not taken yet."""
+        return None if self._drain is None else MappingProxyType(self._drain)
 
     def run(self) -> RunResult:
         """Drive the statechart from INIT to a terminal state and return the RunResult.
@@ -630,7 +669,7 @@ class ElasticAgent:
         scope = str(event.kwargs.get("scope") or self._drain_settings.scope)
         if scope not in DRAIN_SCOPES:
             raise ValueError(f"drain_requested: scope {scope!r} is not one of {', '.join(DRAIN_SCOPES)}")
-        self.drain = {
+        self._drain = {
             "scope": scope,
             "source": str(event.kwargs.get("source") or "api"),
             "by": str(event.kwargs.get("by") or ""),
@@ -770,7 +809,7 @@ class ElasticAgent:
         """The orderly stop: the checkpoint signal to every live worker, up to ``timeout_s`` seconds
         for them to exit by themselves, then the usual stop (SIGTERM, SIGKILL after shutdown_timeout
         s). A stop signal meanwhile cuts the wait short. Records the ``drain`` event."""
-        settings, drain = self._drain_settings, self.drain
+        settings, drain = self._drain_settings, self._drain
         started = time.monotonic()
         exits = dict(self._launcher.poll())
         live = [r for r in self._launcher.pids() if r not in exits]
@@ -893,7 +932,7 @@ class ElasticAgent:
             }
         now = time.time()
         cycle = next_cycle(
-            self.cycles,
+            self._cycles,
             attempt=self.restart_count,
             start=self._cycle_start if self._cycle_start is not None else now,
             end=now,
@@ -901,7 +940,7 @@ class ElasticAgent:
             checkpoint_step=progress.get("checkpoint_step"),
             failure_class=failure_class,
         )
-        self.cycles.append(cycle)
+        self._cycles.append(cycle)
         limit = {"max_no_progress_restarts": self._no_progress_limit} if self._no_progress_limit else {}
         self._broadcast("fsm_agent_record_event", event=self._event("cycle", **attrs.asdict(cycle), **limit))
 
@@ -931,7 +970,7 @@ class ElasticAgent:
         info, ((base_global, world, base_role, role_world), job_restart_count) = self._interruptible_call(
             "rendezvous", join, drainable=True
         )
-        self.standby = None  # ranked: a standby's seat, or it never was one
+        self._standby = None  # ranked: a standby's seat, or it never was one
         if job_restart_count is not None:  # one job, one count: adopt the highest of the round
             self.restart_count = max(self.restart_count, job_restart_count)
         group.store, group.group_rank, group.group_world_size = info.store, info.rank, info.world_size
@@ -964,7 +1003,7 @@ class ElasticAgent:
         """The rendezvous made this node a hot spare (called from inside ``next_rendezvous``; the
         group stays in INIT, or STOPPED after a restart, running no workers): log it, record a
         ``standby`` event and show it in ``/status`` until the node takes a seat."""
-        self.standby = message
+        self._standby = message
         log.warning("[%s] %s", self.spec.role, message)
         self._broadcast("fsm_agent_record_event", event=self._event("standby", message=message))
 

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from fsm_agent.config import ConfigFile, LaunchConfig
 from fsm_agent.errors import FsmAgentError
@@ -49,6 +49,9 @@ from fsm_agent.settings import (
     parse_nnodes,
     parse_rdzv_conf,
 )
+
+if TYPE_CHECKING:
+    from fsm_agent.plugins.manager import LoadedPlugins
 
 __all__ = [
     "DEFAULT_MASTER_PORT",
@@ -110,7 +113,7 @@ def config_command(argv: list[str]) -> int:
         sys.stdout.write(configuration_reference())
         return 0
     resolved = resolve_run_args(argv, "fsm-agent config", for_config=True)
-    config, _, _ = config_from_args(resolved.args, set_omp_num_threads=False, registry=resolved.registry)
+    config, _, _ = config_from_args(resolved.args, set_omp_num_threads=False, registry=resolved.plugins.registry)
     check_rdzv_conf(resolved, config)
     rows = effective_rows(resolved, config)
     if resolved.args.json:
@@ -198,34 +201,34 @@ def run_main(argv: Sequence[str] | None = None) -> None:
         AgentFailedError, SignalException, ConfigError, PluginError: as ``fsm_agent.launch_agent``.
     """
     try:
-        config, entrypoint, entrypoint_args, pm = _parse_run(list(sys.argv[1:] if argv is None else argv))
+        config, entrypoint, entrypoint_args, plugins = _parse_run(list(sys.argv[1:] if argv is None else argv))
     except FsmAgentError as exc:
         raise SystemExit(_report(exc, "fsm-agent run")) from None
     from fsm_agent.launch import launch_agent  # lazy: the CLI must answer --help without the agent
 
-    launch_agent(config, entrypoint, entrypoint_args, plugin_manager=pm)
+    launch_agent(config, entrypoint, entrypoint_args, plugins=plugins)
 
 
 def _parse_run(
     argv: list[str], prog: str = "fsm-agent run"
-) -> tuple[LaunchConfig, str | Callable[..., Any], tuple[str, ...], Any]:
+) -> tuple[LaunchConfig, str | Callable[..., Any], tuple[str, ...], LoadedPlugins]:
     """``argv`` parsed like torchrun (plus env vars, the config file and plugin options): the config,
-    the entrypoint, its arguments and the plugin manager that was loaded to read the plugins'
-    options (handed down, so the plugins load once per process). Raises ConfigError / PluginError
-    for bad input."""
+    the entrypoint, its arguments and the plugins that were loaded to read their options, with the
+    backend registry built to check the rendezvous flags (handed down, so both are built once per
+    process). Raises ConfigError / PluginError for bad input."""
     resolved = resolve_run_args(argv, prog)
-    config, entrypoint, entrypoint_args = config_from_args(resolved.args, registry=resolved.registry)
+    config, entrypoint, entrypoint_args = config_from_args(resolved.args, registry=resolved.plugins.registry)
     check_rdzv_conf(resolved, config)
-    return config, entrypoint, entrypoint_args, resolved.plugin_manager
+    return config, entrypoint, entrypoint_args, resolved.plugins
 
 
 def run_command(argv: list[str], prog: str = "fsm-agent run") -> int:
     """Parse ``argv`` like torchrun (plus env vars, the config file and plugin options), launch
     this node's agent and return its exit code."""
-    config, entrypoint, entrypoint_args, pm = _parse_run(argv, prog)
+    config, entrypoint, entrypoint_args, plugins = _parse_run(argv, prog)
     from fsm_agent.launch import run_agent  # lazy: the CLI must answer --help without the agent
 
-    return run_agent(config, entrypoint, entrypoint_args, plugin_manager=pm).exit_code
+    return run_agent(config, entrypoint, entrypoint_args, plugins=plugins).exit_code
 
 
 def _dispatch(argv: list[str]) -> int:

@@ -16,10 +16,11 @@ Values come from, highest precedence first: command-line flags, the environment
 
       fsm.toml: 3 errors: max_restarts: expected an integer >= 0, got "three"; ...
 
-- ``OptionRegistry`` / ``PluginOption``: options a plugin declares in ``fsm_agent_addoption``;
-  each becomes a flag, an ``FSM_AGENT_<PLUGIN>_<NAME>`` env var and a ``[plugins.<plugin>]`` key,
-  checked with the settings' ``Kind`` machinery; the plugin reads it back with
-  ``config.plugin_options("<plugin>")``.
+- ``OptionRegistry``: what ``fsm_agent_addoption(options)`` receives; ``options.add(...)`` checks
+  the declaration and makes the option a ``Setting`` (``fsm_agent.settings.plugin_option``): a flag,
+  an ``FSM_AGENT_<PLUGIN>_<NAME>`` variable and a ``[plugins.<plugin>]`` key, parsed, read from the
+  environment, loaded from the file and shown by ``fsm-agent config`` by the same code as every
+  other setting; the plugin reads its values back with ``config.plugin_options("<plugin>")``.
 """
 
 from __future__ import annotations
@@ -38,15 +39,16 @@ from fsm_agent.errors import ConfigError, PluginError
 from fsm_agent.settings import (
     CONFIG_DESTS,
     KEYS,
+    PLUGINS_SECTION,
     RAW,
     RENDEZVOUS_OPTIONS,
     SECTIONS,
     START_METHODS,
     TYPE_KINDS,
     Kind,
-    bool_word,
-    choice_kind,
+    Setting,
     env_name,
+    plugin_option,
     show,
 )
 
@@ -59,7 +61,7 @@ __all__ = [
     "FileValues",
     "LaunchConfig",
     "OptionRegistry",
-    "PluginOption",
+    "PLUGINS_SECTION",
     "env_name",
     "find_config_file",
     "load_file_values",
@@ -265,7 +267,6 @@ class LaunchConfig:
         return MappingProxyType(dict(self.plugins.get(plugin, {})))
 
 
-PLUGINS_SECTION = "plugins"
 #: Where a pyproject.toml keeps fsm-agent's settings.
 PYPROJECT_TABLE = ("tool", "fsm_agent")
 
@@ -277,78 +278,6 @@ PYPROJECT_TABLE = ("tool", "fsm_agent")
 _OPTION_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
-@attrs.frozen
-class PluginOption:
-    """One option declared by a plugin.
-
-    Attributes:
-        plugin: the declaring plugin's name (as ``--disable-plugin`` knows it).
-        name: snake_case name; the TOML key ``[plugins.<plugin>] <name>``.
-        type: ``str``, ``int``, ``float`` or ``bool``.
-        default: the value when no source sets it (may be None: "unset").
-        help: one line for ``--help`` and docs/configuration.md.
-        flag: the command-line flag (``--<plugin>-<name>`` unless declared); it takes one value,
-            booleans too (``--x true``).
-        env: the environment variable (``FSM_AGENT_<PLUGIN>_<NAME>`` unless declared).
-        choices: allowed values, or None.
-        check: extra validation: called with the typed value, raises ValueError("expected ...").
-    """
-
-    plugin: str
-    name: str
-    type: type
-    default: Any
-    help: str
-    flag: str
-    env: str
-    choices: tuple[Any, ...] | None = None
-    check: Callable[[Any], None] | None = attrs.field(default=None, eq=False)
-
-    @property
-    def key(self) -> str:
-        return f"{PLUGINS_SECTION}.{self.plugin}.{self.name}"
-
-    @property
-    def dest(self) -> str:
-        """The argparse dest of the flag (not an identifier: it cannot clash with torchrun's)."""
-        return f"plugin:{self.plugin}:{self.name}"
-
-    @property
-    def kind(self) -> Kind:
-        base = choice_kind(self.choices) if self.choices else TYPE_KINDS[self.type]
-        if self.check is None:
-            return base
-        check = self.check
-
-        def convert(value: Any) -> Any:
-            value = base.structure(value)
-            try:
-                check(value)
-            except ValueError as exc:  # a check that names the value already says "got ..."
-                text = str(exc)
-                raise ValueError(text if ", got " in text else f"{text}, got {show(value)}") from None
-            return value
-
-        return Kind(base.describe, base.toml, convert)
-
-    def from_string(self, raw: str) -> Any:
-        """A flag or env var value -> the typed value; raises ValueError("expected ..., got ...")."""
-        text = raw.strip()
-        value: Any = raw
-        try:
-            if self.type is bool:
-                value = bool_word(text)
-                if value is None:
-                    raise ValueError
-            elif self.type is int:
-                value = int(text)
-            elif self.type is float:
-                value = float(text)
-        except ValueError:
-            raise ValueError(f"expected {TYPE_KINDS[self.type].describe}, got {show(raw)}") from None
-        return self.kind.structure(value)
-
-
 @attrs.define
 class OptionRegistry:
     """What ``fsm_agent_addoption(options)`` receives: ``options.add(...)`` declares one option.
@@ -357,7 +286,7 @@ class OptionRegistry:
     by the plugin that declared them (``collect_options`` in ``fsm_agent.plugins.manager``).
     """
 
-    _options: dict[tuple[str, str], PluginOption] = attrs.Factory(dict)
+    _options: dict[tuple[str, str], Setting] = attrs.Factory(dict)
     current_plugin: str = "?"
 
     def add(
@@ -371,7 +300,7 @@ class OptionRegistry:
         env: str | None = None,
         choices: Iterable[Any] | None = None,
         check: Callable[[Any], None] | None = None,
-    ) -> PluginOption:
+    ) -> Setting:
         """Declare option ``name`` of the current plugin.
 
         Args:
@@ -385,7 +314,8 @@ class OptionRegistry:
             check: called with the typed value; raise ValueError("expected ...") to reject it.
 
         Returns:
-            The PluginOption.
+            The option's ``Setting`` (``fsm_agent.settings.plugin_option``): its flag, variable and
+            file key are read like every other setting's.
 
         Raises:
             PluginError: a bad name or type, or a name/flag/env var already declared.
@@ -400,19 +330,20 @@ class OptionRegistry:
                 f"plugin {plugin!r} option {name!r}: type must be str, int, float or bool, "
                 f"not {getattr(type, '__name__', type)!r}"
             )
-        option = PluginOption(
-            plugin=plugin,
-            name=name,
-            type=type,
+        flag = flag or f"--{plugin}-{name}".replace("_", "-")
+        if not flag.startswith("--"):
+            raise PluginError(f"plugin {plugin!r} option {name!r}: flag {flag!r} must start with '--'")
+        option = plugin_option(
+            plugin,
+            name,
+            value_type=type,
             default=default,
             help=help,
-            flag=flag or f"--{plugin}-{name}".replace("_", "-"),
+            flag=flag,
             env=env or env_name(plugin, name),
             choices=tuple(choices) if choices is not None else None,
             check=check,
         )
-        if not option.flag.startswith("--"):
-            raise PluginError(f"plugin {plugin!r} option {name!r}: flag {option.flag!r} must start with '--'")
         for other in self._options.values():
             for attr in ("key", "flag", "env"):
                 if getattr(other, attr) == getattr(option, attr):
@@ -423,22 +354,22 @@ class OptionRegistry:
         self._options[(plugin, name)] = option
         return option
 
-    def __iter__(self) -> Iterator[PluginOption]:
+    def __iter__(self) -> Iterator[Setting]:
         return iter(self._options.values())
 
     def __len__(self) -> int:
         return len(self._options)
 
     def plugins(self) -> list[str]:
-        return list(dict.fromkeys(o.plugin for o in self))
+        return list(dict.fromkeys(o.plugin for o in self if o.plugin is not None))
 
-    def of(self, plugin: str) -> list[PluginOption]:
+    def of(self, plugin: str) -> list[Setting]:
         return [o for o in self if o.plugin == plugin]
 
     def defaults(self) -> dict[str, dict[str, Any]]:
         result: dict[str, dict[str, Any]] = {}
         for option in self:
-            result.setdefault(option.plugin, {})[option.name] = option.default
+            result.setdefault(cast(str, option.plugin), {})[option.name] = option.default
         return result
 
 
@@ -548,14 +479,16 @@ def _optional_fields(pairs: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     return {name: attrs.field(type=typ | None, default=None) for name, typ in pairs}
 
 
+def _table_class(name: str, settings: Iterable[Setting]) -> type:
+    """The attrs class of one file table: an optional field per setting, typed by its ``Kind``."""
+    fields = _optional_fields((s.name, cast(Kind, s.kind).type) for s in settings)  # a file key has a kind
+    return attrs.make_class(name, fields, frozen=True)
+
+
 def _schema() -> type:
     """The file's attrs class, generated from ``KEYS``: top-level keys plus one class per section."""
     sections = {
-        section: attrs.make_class(
-            f"{section.capitalize()}Section",
-            _optional_fields((k.name, cast(Kind, k.kind).type) for k in KEYS if k.section == section),
-            frozen=True,
-        )
+        section: _table_class(f"{section.capitalize()}Section", (k for k in KEYS if k.section == section))
         for section in SECTIONS
     }
     top = [(k.name, cast(Kind, k.kind).type) for k in KEYS if not k.section]  # every file key has a kind
@@ -681,9 +614,15 @@ class FileValues:
     values: dict[str, Any]
     plugins: dict[str, dict[str, Any]]
 
+    def get(self, setting: Setting, default: Any = None) -> Any:
+        """The file's value of ``setting`` (a ``KEYS`` key or a plugin option), or ``default``."""
+        if setting.plugin is not None:
+            return self.plugins.get(setting.plugin, {}).get(setting.name, default)
+        return self.values.get(cast(str, setting.key), default)
+
 
 def load_file_values(
-    config_file: ConfigFile, options: OptionRegistry | Iterable[PluginOption] = (), disabled: Iterable[str] = ()
+    config_file: ConfigFile, options: OptionRegistry | Iterable[Setting] = (), disabled: Iterable[str] = ()
 ) -> FileValues:
     """Check a file against the schema (``KEYS`` plus the declared plugin options), all at once.
 
@@ -726,7 +665,7 @@ def load_file_values(
 
 
 def _load_plugin_tables(
-    tables: Any, options: list[PluginOption], disabled: set[str], converter: Any, errors: list[str]
+    tables: Any, options: list[Setting], disabled: set[str], converter: Any, errors: list[str]
 ) -> dict[str, dict[str, Any]]:
     from cattrs.errors import BaseValidationError
 
@@ -735,7 +674,7 @@ def _load_plugin_tables(
     if not isinstance(tables, dict):
         errors.append(f"{PLUGINS_SECTION}: expected a table of plugin tables, got {show(tables)}")
         return {}
-    declared = list(dict.fromkeys(o.plugin for o in options))
+    declared = list(dict.fromkeys(o.plugin for o in options if o.plugin is not None))
     result: dict[str, dict[str, Any]] = {}
     for plugin, table in tables.items():
         path = f"{PLUGINS_SECTION}.{plugin}"
@@ -745,11 +684,7 @@ def _load_plugin_tables(
             known = ", ".join(declared) or "none"
             errors.append(f"{path}: no loaded plugin named {plugin!r} declares options (plugins with options: {known})")
             continue
-        schema = attrs.make_class(
-            f"PluginSection_{len(result)}",
-            _optional_fields((o.name, o.kind.type) for o in options if o.plugin == plugin),
-            frozen=True,
-        )
+        schema = _table_class(f"PluginSection_{len(result)}", (o for o in options if o.plugin == plugin))
         try:
             parsed = converter.structure(table, schema)
         except BaseValidationError as exc:

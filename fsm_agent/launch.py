@@ -25,7 +25,7 @@ from fsm_agent.config import LaunchConfig
 from fsm_agent.errorfile import format_summary, propagate_to_parent
 from fsm_agent.errors import ConfigError, FsmAgentError
 from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, load_logs_specs, parse_std
-from fsm_agent.plugins.manager import build_registry, get_plugin_manager
+from fsm_agent.plugins.manager import LoadedPlugins, load_plugins
 from fsm_agent.states.worker_state import WorkerState
 from fsm_agent.worker import RendezvousSpec, RunResult, WorkerFailure, WorkerSpec
 
@@ -96,19 +96,25 @@ def _logs_layout(config: LaunchConfig) -> LogsLayout | TorchLogsSpecsLayout:
 
 
 def create_agent(
-    config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...], *, plugin_manager: Any = None
+    config: LaunchConfig,
+    entrypoint: str | Callable[..., Any],
+    args: tuple[Any, ...],
+    *,
+    plugins: LoadedPlugins | None = None,
 ) -> ElasticAgent:
     """Build (but do not run) the agent for ``config``.
 
-    ``plugin_manager``: the process's plugin manager when the caller built one already (the CLI
-    loaded the plugins to read their options); None builds it from ``config.disabled_plugins``.
+    ``plugins``: the process's loaded plugins when the caller loaded them already (the CLI did, to
+    read their options; their backend registry comes with them); None loads them here, leaving
+    out ``config.disabled_plugins``.
 
     Raises:
         ConfigError: unknown backend name, bad log flags.
-        PluginError: a plugin failed to load.
+        PluginError: a plugin failed to load or to register its backends.
     """
-    pm = plugin_manager if plugin_manager is not None else get_plugin_manager(disabled=config.disabled_plugins)
-    registry = build_registry(pm)
+    if plugins is None:
+        plugins = load_plugins(disabled=config.disabled_plugins)
+    registry = plugins.registry
     rdzv_creator = registry.get("rendezvous", config.rdzv_backend)
     launcher_factory = registry.get("launcher", config.launcher)
     spec = build_spec(config, entrypoint, args, registry.conf_keys(config.rdzv_backend))
@@ -125,7 +131,7 @@ def create_agent(
             ) from None
         return ElasticAgent(
             spec,
-            pm,
+            plugins.pm,
             handler,
             launcher_factory(_LauncherOwner(config)),
             logs,
@@ -152,7 +158,7 @@ def run_agent(
     entrypoint: str | Callable[..., Any],
     args: tuple[Any, ...] = (),
     *,
-    plugin_manager: Any = None,
+    plugins: LoadedPlugins | None = None,
 ) -> RunResult:
     """Run one agent to the end; on failure print the summary and copy the root cause's error file
     to an outer launcher's ``TORCHELASTIC_ERROR_FILE``. What ``fsm-agent run`` does.
@@ -161,7 +167,8 @@ def run_agent(
         config: fsm-agent's ``LaunchConfig`` or torch's (``LaunchConfig.coerce``).
         entrypoint: a program path (``sys.executable`` for Python) or a picklable callable.
         args: the entrypoint's arguments (``${local_rank}`` is substituted).
-        plugin_manager: the plugins already loaded for this run (the CLI's), or None to load them.
+        plugins: the plugins already loaded for this run (the CLI's: ``resolve_run_args(...).plugins``),
+            or None to load them.
 
     Returns:
         The RunResult (``result.exit_code`` is what the CLI exits with); never raises for worker,
@@ -170,7 +177,7 @@ def run_agent(
     Raises:
         ConfigError / PluginError: before any worker started (bad backend name, plugin import error).
     """
-    result, name = _launch_in_scope(config, entrypoint, args, plugin_manager)
+    result, name = _launch_in_scope(config, entrypoint, args, plugins)
     if result.is_failed():
         print(format_summary(name, result), file=sys.stderr, flush=True)
         propagate_to_parent(result, name)
@@ -183,7 +190,7 @@ def launch_agent(
     args: tuple[Any, ...] | list[Any] = (),
     health_check_server: Any = None,
     *,
-    plugin_manager: Any = None,
+    plugins: LoadedPlugins | None = None,
 ) -> dict[int, Any]:
     """Run one agent to the end. Mirrors ``torch.distributed.launcher.api.launch_agent``.
 
@@ -193,7 +200,7 @@ def launch_agent(
         args: the entrypoint's arguments.
         health_check_server: accepted for torch's signature and not used (torch's open-source
             ``HealthCheckServer`` starts nothing; fsm-agent's liveness is ``--status-port``'s ``/healthz``).
-        plugin_manager: the plugins already loaded for this run (``run_main``'s), or None to load them.
+        plugins: the plugins already loaded for this run (``run_main``'s), or None to load them.
 
     Returns:
         ``{global_rank: return value}`` of this node's workers (callable entrypoints; ``{}``
@@ -206,7 +213,7 @@ def launch_agent(
         SignalException: torch's, when a stop signal ended the run (torch raises it too).
         ConfigError / PluginError: before any worker started.
     """
-    result, name = _launch_in_scope(config, entrypoint, tuple(args), plugin_manager)
+    result, name = _launch_in_scope(config, entrypoint, tuple(args), plugins)
     if not result.is_failed():
         return result.return_values
     if result.failures:
@@ -221,7 +228,10 @@ def launch_agent(
 
 
 def _launch_in_scope(
-    config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...], plugin_manager: Any = None
+    config: LaunchConfig,
+    entrypoint: str | Callable[..., Any],
+    args: tuple[Any, ...],
+    plugins: LoadedPlugins | None = None,
 ) -> tuple[RunResult, str]:
     config = LaunchConfig.coerce(config)
     _configure_logging()
@@ -237,7 +247,7 @@ def _launch_in_scope(
         {sig: signal.signal(sig, _drop_signal) for sig in _signals(config.forward_signals) if sig not in original}
     )
     try:
-        return _launch(config, entrypoint, args, stop, plugin_manager)
+        return _launch(config, entrypoint, args, stop, plugins)
     except _SignalBeforeRun as exc:
         return RunResult(state=WorkerState.FAILED, signal=exc.signum), build_spec(
             config, entrypoint, args
@@ -261,9 +271,9 @@ def _launch(
     entrypoint: str | Callable[..., Any],
     args: tuple[Any, ...],
     stop: _StopBeforeRun,
-    plugin_manager: Any = None,
+    plugins: LoadedPlugins | None = None,
 ) -> tuple[RunResult, str]:
-    agent = create_agent(config, entrypoint, args, plugin_manager=plugin_manager)
+    agent = create_agent(config, entrypoint, args, plugins=plugins)
     try:
         if agent.run_log_dir:
             log.info("logs in %s, events in %s", agent.run_log_dir, agent.events_path)

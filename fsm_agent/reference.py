@@ -1,13 +1,13 @@
 """docs/configuration.md, generated from the settings (``fsm_agent.settings``) and the built-in
-plugins' options; ``python -m fsm_agent.docgen`` (or ``fsm-agent config --reference``) writes it and
-``tests/config`` fails when it is stale."""
+plugins' options (settings too: one row function renders both tables); ``python -m fsm_agent.docgen``
+(or ``fsm-agent config --reference``) writes it and ``tests/test_generated_docs.py`` fails when it is stale."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
-from fsm_agent.settings import BY_DEST, KEYS, Setting
+from fsm_agent.settings import BY_DEST, KEYS, Kind, Setting
 
 
 def configuration_reference() -> str:
@@ -16,26 +16,9 @@ def configuration_reference() -> str:
     Generated from the settings' ``KEYS`` and the built-in plugins' options; regenerate with
     ``python -m fsm_agent.docgen`` (``tests/config`` checks it).
     """
-    from fsm_agent.plugins.manager import BUILTIN_PLUGINS, collect_options, get_plugin_manager
+    from fsm_agent.plugins.manager import BUILTIN_PLUGINS, load_plugins
 
-    pm = get_plugin_manager(load_entry_points=False)
-    options = [o for o in collect_options(pm) if o.plugin in BUILTIN_PLUGINS]
-
-    def code(text: Any) -> str:
-        return f"`{text}`"
-
-    def cell(text: str) -> str:
-        return " ".join(text.split()).replace("|", "\\|")
-
-    def default_of(setting: Setting) -> str:
-        if setting.doc_default is not None:
-            return setting.doc_default
-        value = setting.default
-        if value is None:
-            return "unset"
-        if isinstance(value, (list, tuple)):
-            value = list(value)
-        return code(json.dumps(value))
+    options = [o for o in load_plugins(load_entry_points=False).options if o.plugin in BUILTIN_PLUGINS]
 
     lines = [
         "# Configuration",
@@ -126,21 +109,7 @@ def configuration_reference() -> str:
             "| Key | Type | Flag | Environment | Default | LaunchConfig | Description |",
             "|---|---|---|---|---|---|---|",
         ]
-        for key in KEYS:
-            if key.section != section:
-                continue
-            if key.dest is None:  # a typed rendezvous option: set through --rdzv-conf
-                flag = code(f"--rdzv-conf {key.name}=V")
-                envs = ", ".join(code(f"{v} ({key.name}=V)") for v in BY_DEST["rdzv_conf"].envs)
-            else:
-                flag = ", ".join(code(s) for s in key.flags)
-                envs = ", ".join(code(v) for v in (*key.envs, *filter(None, [key.fallback_env])))
-            default, description = default_of(key), cell(key.help)
-            lines.append(
-                "| "
-                + " | ".join([code(key.name), cell(key.kind.toml), flag, envs, default, code(key.field), description])
-                + " |"
-            )
+        lines += [_row(key, code(key.name), with_field=True) for key in KEYS if key.section == section]
     lines += [
         "",
         "### Not configurable in the file",
@@ -178,15 +147,7 @@ def configuration_reference() -> str:
         "| Key | Type | Flag | Environment | Default | Description |",
         "|---|---|---|---|---|---|",
     ]
-    for option in options:
-        default = "unset" if option.default is None else code(json.dumps(option.default))
-        lines.append(
-            "| "
-            + " | ".join(
-                [code(option.key), option.kind.toml, code(option.flag), code(option.env), default, cell(option.help)]
-            )
-            + " |"
-        )
+    lines += [_row(option, code(option.key), with_field=False) for option in options]
     lines += [
         "",
         "### `status-http`: live status",
@@ -199,3 +160,37 @@ def configuration_reference() -> str:
         "prints `/status` as tables (`--json` for the raw document).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def code(text: Any) -> str:
+    return f"`{text}`"
+
+
+def cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _row(setting: Setting, key: str, *, with_field: bool) -> str:
+    """One table row of ``setting`` (fsm-agent's, torchrun's or a plugin's): ``key`` (as the table
+    names it), its TOML type, flags, variables, default, ``LaunchConfig`` field (``with_field``) and help."""
+    if setting.dest is None:  # a typed rendezvous option: set through --rdzv-conf
+        flag = code(f"--rdzv-conf {setting.name}=V")
+        envs = ", ".join(code(f"{v} ({setting.name}=V)") for v in BY_DEST["rdzv_conf"].envs)
+    else:
+        flag = ", ".join(code(s) for s in setting.flags)
+        envs = ", ".join(code(v) for v in (*setting.envs, *filter(None, [setting.fallback_env])))
+    kind = cast(Kind, setting.kind)  # every setting with a key has a kind
+    cells = [key, cell(kind.toml), flag, envs, _default(setting), *([code(setting.field)] if with_field else [])]
+    return "| " + " | ".join([*cells, cell(setting.help)]) + " |"
+
+
+def _default(setting: Setting) -> str:
+    """The default as the reference says it: ``doc_default``, ``unset`` for None, else the JSON value."""
+    if setting.doc_default is not None:
+        return setting.doc_default
+    value = setting.default
+    if value is None:
+        return "unset"
+    if isinstance(value, (list, tuple)):
+        value = list(value)
+    return code(json.dumps(value))

@@ -22,7 +22,7 @@ import shutil
 import sys
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 
@@ -30,7 +30,6 @@ from fsm_agent.config import (
     ConfigFile,
     FileValues,
     LaunchConfig,
-    OptionRegistry,
     find_config_file,
     load_file_values,
     raw_disabled_plugins,
@@ -53,6 +52,9 @@ from fsm_agent.settings import (
     parse_rdzv_conf,
     port_number,
 )
+
+if TYPE_CHECKING:
+    from fsm_agent.plugins.manager import LoadedPlugins
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +143,11 @@ def _warn_missing_local_ranks(shown: frozenset[int] | None, nproc_per_node: int)
 
 @functools.cache
 def _builtin_registry() -> BackendRegistry:
-    """The built-in backends' registry, for a namespace parsed without ``resolve_run_args``."""
-    from fsm_agent.plugins.manager import build_registry, get_plugin_manager
+    """The built-in backends' registry, for a namespace parsed without ``resolve_run_args`` (a
+    Python caller of ``config_from_args``; ``fsm-agent run`` hands down the run's own)."""
+    from fsm_agent.plugins.manager import load_plugins
 
-    return build_registry(get_plugin_manager(load_entry_points=False))
+    return load_plugins(load_entry_points=False).registry
 
 
 def config_from_args(
@@ -158,8 +161,8 @@ def config_from_args(
     ``resolve_run_args`` adds what the file and plugins set: ``args.rdzv_conf_file`` (rendezvous
     options from the file; ``--rdzv-conf`` wins per option) and ``args.plugin_options``.
     ``set_omp_num_threads=False`` skips the OMP_NUM_THREADS side effect below (``fsm-agent config``).
-    ``registry``: the loaded backends (``ResolvedRun.registry``), which declare what they do with
-    ``--node-rank`` and their endpoint; None: the built-in backends.
+    ``registry``: the loaded backends (``ResolvedRun.plugins.registry``), which declare what they do
+    with ``--node-rank`` and their endpoint; None: the built-in backends.
 
     Returns:
         (config, entrypoint, entrypoint_args): the entrypoint is the Python interpreter
@@ -414,17 +417,14 @@ class ResolvedRun:
         sources: ``{key: Source}`` for every file key that applies (``KEYS``, rendezvous options
             that are set, ``plugins.<plugin>.<name>``).
         config_file: the file that was read, or None.
-        options: every plugin option declared by the loaded plugins.
-        plugin_manager: the loaded plugins (handed down to the launch: they load once per process).
-        registry: their backends.
+        plugins: the loaded plugins, their options and backends (handed down to the launch: they
+            load once per process).
     """
 
     args: argparse.Namespace
     sources: dict[str, Source]
     config_file: ConfigFile | None
-    options: OptionRegistry
-    plugin_manager: Any = None
-    registry: BackendRegistry | None = None
+    plugins: LoadedPlugins
 
 
 def resolve_run_args(
@@ -443,7 +443,7 @@ def resolve_run_args(
         ConfigError: a bad flag, env var or file value (the file's errors all in one message).
         PluginError: a plugin failed to load or declared a clashing option.
     """
-    from fsm_agent.plugins.manager import build_registry, check_disabled, collect_options, disabled_from_env
+    from fsm_agent.plugins.manager import check_disabled, disabled_from_env
 
     argv = list(argv)
     core = get_run_parser(prog, for_config=for_config)
@@ -458,8 +458,8 @@ def resolve_run_args(
     cli_disabled = tuple(n for value in pre["disabled_plugins"] for n in parse_names(value))
     check_disabled(cli_disabled, file_disabled, config_file.label if config_file else "")
     disabled = tuple(dict.fromkeys((*file_disabled, *disabled_from_env(), *cli_disabled)))
-    pm = _plugins_for(argv, core, disabled, load_entry_points)
-    options = collect_options(pm)
+    plugins = _plugins_for(argv, core, disabled, load_entry_points)
+    options = plugins.options
 
     parser = get_run_parser(prog, options, for_config=for_config)
     parser.defer_env_errors = True  # type: ignore[attr-defined]
@@ -480,28 +480,30 @@ def resolve_run_args(
             file_failed = True
     label = config_file.label if config_file else ""
 
+    # Per setting, fsm-agent's and the plugins' alike: flag > variable > file > default.
     sources: dict[str, Source] = {}
-    for key in KEYS:
-        if key.dest is None:
+    for setting in (*KEYS, *options):
+        if setting.dest is None:  # a typed rendezvous option: merged with --rdzv-conf below
             continue
-        if key.dest in given:
-            sources[key.key] = Source("cli", flags[key.dest])
-        elif key.dest in env_sources:
-            sources[key.key] = Source("env", env_sources[key.dest])
-        elif key.fallback_env and os.environ.get(key.fallback_env):
-            sources[key.key] = Source("env", key.fallback_env)  # torch's env var, above the file
-        elif key.key in file_values.values and key.dest != "rdzv_conf":
-            setattr(args, key.dest, file_values.values[key.key])
-            sources[key.key] = Source("file", label)
-        elif key.key in file_values.values:
-            sources[key.key] = Source("file", label)
+        key = cast(str, setting.key)
+        from_file = file_values.get(setting, _NOT_IN_FILE)
+        if setting.dest in given:
+            sources[key] = Source("cli", flags[setting.dest])
+        elif setting.dest in env_sources:
+            sources[key] = Source("env", env_sources[setting.dest])
+        elif setting.fallback_env and os.environ.get(setting.fallback_env):
+            sources[key] = Source("env", setting.fallback_env)  # torch's env var, above the file
+        elif from_file is not _NOT_IN_FILE:
+            if setting.dest != "rdzv_conf":  # merged per option below
+                setattr(args, setting.dest, from_file)
+            sources[key] = Source("file", label)
         else:
-            sources[key.key] = Source("default")
+            sources[key] = Source("default")
 
     # Defaults the batch scheduler's job step gives (Slurm, ...): below flags, env vars and the file.
-    registry = build_registry(pm)
+    registry = plugins.registry
     apply_discovery(
-        discover(pm, args.scheduler, os.environ),
+        discover(plugins.pm, args.scheduler, os.environ),
         args,
         sources,
         BY_KEY,
@@ -531,33 +533,18 @@ def resolve_run_args(
         for name in parse_rdzv_conf(args.rdzv_conf):
             sources[f"rendezvous.{name}"] = conf_source
 
-    # Plugin options: flag > env var > file > default.
+    if errors:  # the file's and the env vars' errors, all at once
+        raise ConfigError("; ".join(errors), details=details if file_failed else ())
+    # What the plugins read back with config.plugin_options(NAME).
     plugin_values: dict[str, dict[str, Any]] = {}
     for option in options:
-        if option.plugin in disabled:
-            continue
-        values = plugin_values.setdefault(option.plugin, {})
-        raw = os.environ.get(option.env, "")
-        if hasattr(args, option.dest):
-            values[option.name], source = getattr(args, option.dest), Source("cli", option.flag)
-        elif raw:
-            try:
-                values[option.name] = option.from_string(raw)
-            except ValueError as exc:
-                errors.append(f"{option.env}={raw!r}: {exc}")
-                details.append(errors[-1])
-            source = Source("env", option.env)
-        elif option.name in file_values.plugins.get(option.plugin, {}):
-            values[option.name], source = file_values.plugins[option.plugin][option.name], Source("file", label)
-        else:
-            values[option.name], source = option.default, Source("default")
-        sources[option.key] = source
-    if errors:  # the file's, the env vars' and the plugin env vars' errors, all at once
-        raise ConfigError("; ".join(errors), details=details if file_failed else ())
+        plugin_values.setdefault(cast(str, option.plugin), {})[option.name] = getattr(args, cast(str, option.dest))
     args.plugin_options = plugin_values
-    return ResolvedRun(
-        args=args, sources=sources, config_file=config_file, options=options, plugin_manager=pm, registry=registry
-    )
+    return ResolvedRun(args=args, sources=sources, config_file=config_file, plugins=plugins)
+
+
+#: ``FileValues.get``'s answer for a setting the file does not set.
+_NOT_IN_FILE = object()
 
 
 def check_rdzv_conf(resolved: ResolvedRun, config: LaunchConfig) -> None:
@@ -574,21 +561,15 @@ def check_rdzv_conf(resolved: ResolvedRun, config: LaunchConfig) -> None:
         label = source.detail if source.kind in ("cli", "env") else f"{source.detail} rendezvous"
         return f"{label} {key}={config.rdzv_configs[key]}"
 
-    if resolved.registry is not None:
-        registry = resolved.registry
-    else:
-        from fsm_agent.plugins.manager import build_registry
-
-        registry = build_registry(resolved.plugin_manager)
-    for warning in registry.check_rdzv_conf(config.rdzv_backend, config.rdzv_configs, where):
+    for warning in resolved.plugins.registry.check_rdzv_conf(config.rdzv_backend, config.rdzv_configs, where):
         log.warning("%s", warning)
 
 
 def _plugins_for(
     argv: Sequence[str], core: argparse.ArgumentParser, disabled: tuple[str, ...], load_entry_points: bool
-) -> Any:
-    """The plugin manager; for ``--help``, a plugin that fails to load is a warning, left out."""
-    from fsm_agent.plugins.manager import get_plugin_manager
+) -> LoadedPlugins:
+    """The run's plugins; for ``--help``, a plugin that fails to load is a warning, left out."""
+    from fsm_agent.plugins.manager import load_plugins
 
     asks_for_help = any(
         action is not None and action.dest == "help"
@@ -596,7 +577,7 @@ def _plugins_for(
     )
     while True:
         try:
-            return get_plugin_manager(disabled=disabled, load_entry_points=load_entry_points)
+            return load_plugins(disabled=disabled, load_entry_points=load_entry_points)
         except PluginError as exc:
             if not asks_for_help or exc.plugin is None or exc.plugin in disabled:
                 raise
@@ -633,7 +614,7 @@ def effective_rows(resolved: ResolvedRun, config: LaunchConfig) -> list[tuple[st
         conf_rows.append((f"rendezvous.{name}", value, sources.get(f"rendezvous.{name}", default)))
     after = max(i for i, row in enumerate(rows) if row[0].startswith("rendezvous.")) + 1
     rows[after:after] = conf_rows
-    for option in resolved.options:
+    for option in resolved.plugins.options:
         if option.key in sources:
             rows.append((option.key, config.plugins.get(option.plugin, {}).get(option.name), sources[option.key]))
     return rows

@@ -2,9 +2,10 @@
 
 ``get_run_parser()`` accepts every torchrun 2.13 flag with torchrun's spellings, defaults and
 ``PET_<DEST>`` environment fallbacks, plus fsm-agent's own flags (marked "fsm-agent:") and the
-plugins' options. Each flag is a ``Setting`` turned into an argparse action; the parser reads the
-environment at parse time (``settings.read_environment``), so the command line wins over a
-variable, which wins over the default. The file and the merge of every source live in
+plugins' options (marked with the plugin's name). Each flag is a ``Setting`` turned into an
+argparse action by one function, a plugin's option too; the parser reads every setting's variables
+at parse time (``settings.read_environment``), so the command line wins over a variable, which wins
+over the default. The file and the merge of every source live in
 ``fsm_agent.resolve``.
 
 ``cli_given`` (what the command line itself set) and ``launcher_flags`` (the launcher's words up to
@@ -16,12 +17,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from fsm_agent.argparsing import OneLineParser
-from fsm_agent.config import PluginOption
 from fsm_agent.errors import ConfigError, PluginError
-from fsm_agent.settings import BY_DEST, SETTINGS, Setting, read_environment
+from fsm_agent.settings import BY_DEST, SETTINGS, Rejected, Setting, read_environment
 
 
 def env_vars(action: argparse.Action) -> list[str]:
@@ -34,6 +34,7 @@ class _Parser(OneLineParser):
     """ArgumentParser whose errors are ConfigErrors (one line) and whose env fallbacks apply at parse time.
 
     Attributes:
+        settings: ``{dest: Setting}`` of every flag added from a setting (``_add_setting``).
         read_env: read the environment at all (off for ``cli_given``'s command-line-only parse).
         defer_env_errors: keep bad env vars in ``env_errors`` instead of raising (the caller
             reports them with the config file's errors).
@@ -44,12 +45,16 @@ class _Parser(OneLineParser):
     read_env = True
     defer_env_errors = False
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.settings: dict[str, Setting] = {}
+
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         # A value set on the namespace beforehand is kept by argparse unless the flag is given,
         # so the command line wins over the env var, which wins over the default.
         namespace = argparse.Namespace() if namespace is None else namespace
-        settings = [BY_DEST[a.dest] for a in self._actions if a.option_strings and a.dest in BY_DEST]
-        values, self.env_sources, errors = read_environment(settings if self.read_env else (), skip=vars(namespace))
+        settings = self.settings.values() if self.read_env else ()
+        values, self.env_sources, errors = read_environment(settings, skip=vars(namespace))
         for dest, value in values.items():
             setattr(namespace, dest, value)
         self.env_errors = errors
@@ -106,17 +111,6 @@ class _EnvExtend(_EnvAction):
 _ACTION_CLASSES: dict[str, type[_EnvAction]] = {"store": _EnvStore, "flag": _EnvFlag, "extend": _EnvExtend}
 
 
-class _PluginOptionAction(argparse.Action):
-    """A plugin option's flag: one value, checked like the option's env var and file key."""
-
-    def __init__(self, option_strings, dest, option: PluginOption, **kwargs):
-        self.option = option
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-
-
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """torchrun's ``(default: X)`` after each flag's help, except where the help already says what
     happens by default (``(default: none)``, ``unset: ...``) or there is no value to show
@@ -136,7 +130,7 @@ def _spellings(*names: str) -> list[str]:
 
 
 def get_run_parser(
-    prog: str = "fsm-agent run", options: Iterable[PluginOption] = (), *, for_config: bool = False
+    prog: str = "fsm-agent run", options: Iterable[Setting] = (), *, for_config: bool = False
 ) -> argparse.ArgumentParser:
     """The ``fsm-agent run`` / ``fsmrun`` parser: torchrun 2.13's flags, fsm-agent's own, plugins' options.
 
@@ -146,8 +140,8 @@ def get_run_parser(
 
     Args:
         prog: the program name in messages.
-        options: plugin options (``fsm_agent_addoption``), each added as a flag that takes one
-            value; absent from the namespace unless given (the default applies later).
+        options: the plugins' options (``fsm_agent_addoption``; ``Setting``s of
+            ``settings.plugin_option``), each added as a flag that takes one value.
         for_config: the ``fsm-agent config`` variant: the training script is optional, and
             ``--json``/``--reference`` are added.
 
@@ -166,12 +160,19 @@ def get_run_parser(
     flags = [setting for setting in SETTINGS if setting.dest is not None]
     for setting in flags:  # torchrun's first, then fsm-agent's own: the usage line keeps them apart
         if not setting.own:
-            _add_setting(parser, setting)
+            _add_setting(parser, parser, setting)
     own = parser.add_argument_group("fsm-agent options (not in torchrun)")
     for setting in flags:
         if setting.own:
-            _add_setting(own, setting)
-    _add_plugin_options(parser, options)
+            _add_setting(parser, own, setting)
+    options = list(options)
+    if options:
+        plugins = parser.add_argument_group("plugin options (fsm_agent_addoption)")
+        for option in options:
+            try:
+                _add_setting(parser, plugins, option)
+            except argparse.ArgumentError as exc:
+                raise PluginError(f"plugin {option.plugin!r} option {option.name!r}: {exc}") from None
     if for_config:
         shown = parser.add_argument_group("fsm-agent config")
         shown.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -190,62 +191,58 @@ def get_run_parser(
     return parser
 
 
-def _add_setting(group: Any, setting: Setting) -> None:
-    """``setting`` as a flag: an ``_EnvAction`` where torchrun's flag reads ``PET_<DEST>`` (and for
-    fsm-agent's own flags), else a plain ``store`` as torchrun's (its ``FSM_AGENT_*`` variable is
-    still read, by the parser's environment pass)."""
-    kwargs: dict[str, Any] = {
-        "dest": setting.dest,
-        "default": setting.default,
-        "help": f"{'fsm-agent: ' if setting.own else ''}{setting.help} [env {', '.join(setting.envs)}]",
-    }
+def _add_setting(parser: _Parser, group: Any, setting: Setting) -> None:
+    """``setting`` as a flag of ``parser`` (in ``group``), its variables read by the parser's
+    environment pass: an ``_EnvAction`` where the flag reads a variable of its own (torchrun's
+    ``PET_<DEST>``, an ``FSM_AGENT_*``), else a plain ``store`` as torchrun's.
+
+    Raises:
+        argparse.ArgumentError: the flag is already a flag (a plugin option's clash).
+    """
+    kwargs: dict[str, Any] = {"dest": setting.dest, "default": setting.default, "help": _help(setting)}
     if setting.action != "flag":
-        kwargs.update(type=setting.parse, choices=setting.choices, metavar=setting.metavar)
-    if setting.torch_env or setting.own:
+        kwargs.update(type=_value_parser(setting), choices=setting.choices, metavar=setting.metavar)
+    if setting.torch_env or setting.env is not None:
         kwargs.update(action=_ACTION_CLASSES[setting.action], env_var=setting.env)
     else:
         kwargs.update(action="store_true" if setting.action == "flag" else "store")
     group.add_argument(*_spellings(*setting.flags), **kwargs)
+    parser.settings[cast(str, setting.dest)] = setting
 
 
-def _add_plugin_options(parser: argparse.ArgumentParser, options: Iterable[PluginOption]) -> None:
-    options = list(options)
-    if not options:
-        return
-    group = parser.add_argument_group("plugin options (fsm_agent_addoption)")
-    for option in options:
-        said = "default:" in option.help or "unset" in option.help  # the plugin's help says it already
-        default = (
-            "" if said else " (default: unset)" if option.default in (None, "") else f" (default: {option.default!r})"
-        )
+def _help(setting: Setting) -> str:
+    """The flag's ``--help`` line: whose it is (``fsm-agent:``, the plugin's name; torchrun's
+    unmarked), the help, and the variables it reads. A plugin option's default is said here (as
+    its ``repr``), the others' by ``_HelpFormatter``."""
+    envs = f" [env {', '.join(setting.envs)}]"
+    if setting.plugin is None:
+        return f"{'fsm-agent: ' if setting.own else ''}{setting.help}{envs}"
+    if "default:" in setting.help or "unset" in setting.help:  # the plugin's help says it already
+        default = ""
+    else:
+        default = " (default: unset)" if setting.default in (None, "") else f" (default: {setting.default!r})"
+    return f"{setting.plugin}: {setting.help}{default}{envs}"
+
+
+def _value_parser(setting: Setting) -> Callable[[str], Any] | None:
+    """The argparse ``type`` of ``setting``: its ``parse``, a ``Rejected`` value reported as
+    ``argument --FLAG: expected ..., got ...``."""
+    parse = setting.parse
+    if parse is None:
+        return None
+
+    def value(raw: str) -> Any:
         try:
-            group.add_argument(
-                *_spellings(option.flag),
-                action=_PluginOptionAction,
-                option=option,
-                dest=option.dest,
-                default=argparse.SUPPRESS,
-                type=_option_parser(option),
-                metavar=option.name.upper(),
-                help=f"{option.plugin}: {option.help}{default} [env {option.env}]",
-            )
-        except argparse.ArgumentError as exc:
-            raise PluginError(f"plugin {option.plugin!r} option {option.name!r}: {exc}") from None
-
-
-def _option_parser(option: PluginOption) -> Callable[[str], Any]:
-    def parse(raw: str) -> Any:
-        try:
-            return option.from_string(raw)
-        except ValueError as exc:
+            return parse(raw)
+        except Rejected as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
-    parse.__name__ = option.type.__name__
-    return parse
+    value.__name__ = getattr(parse, "__name__", "value")  # argparse's "invalid int value: 'x'"
+    return value
 
 
 def cli_given(
-    argv: Sequence[str], prog: str = "fsm-agent run", options: Iterable[PluginOption] = (), *, for_config: bool = False
+    argv: Sequence[str], prog: str = "fsm-agent run", options: Iterable[Setting] = (), *, for_config: bool = False
 ) -> set[str]:
     """The dests set on the command line itself: ``argv`` parsed without env vars or defaults."""
     parser = get_run_parser(prog, options, for_config=for_config)

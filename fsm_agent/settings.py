@@ -9,9 +9,10 @@ and its strict TOML ``Kind``, the ``LaunchConfig`` field and the help line.
 
 Built from ``SETTINGS``: the run parser (``fsm_agent.run_parser.get_run_parser``), the environment
 reader (``read_environment`` here), the TOML loader (``fsm_agent.config.load_file_values``, through
-``KEYS``), ``fsm-agent config`` and ``docs/configuration.md`` (``fsm_agent.reference``). Plugin
-options (``fsm_agent.config.PluginOption``) are checked with the same ``Kind`` machinery and read
-booleans with the same words (``parse_bool``).
+``KEYS``), the merge (``fsm_agent.resolve``), ``fsm-agent config`` and ``docs/configuration.md``
+(``fsm_agent.reference``). A plugin's option is a ``Setting`` too (``plugin_option``, what
+``options.add(...)`` returns): those same functions read it, its kind checks its values, its flag and
+variable say booleans with the same words (``bool_word``).
 
 This module imports nothing of fsm-agent but its errors.
 """
@@ -245,6 +246,14 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+class Rejected(ValueError):
+    """A value failed its check; the text is the reason as the user reads it ("expected ..., got ...").
+
+    ``Kind.structure`` and a plugin option's ``parse`` raise it; ``Setting.from_env`` and the run
+    parser show its text after the variable or the flag that gave the value.
+    """
+
+
 class _Invalid(ValueError):
     """A value failed its kind's check; the kind turns it into "expected ..., got ..."."""
 
@@ -275,12 +284,12 @@ class Kind:
         object.__setattr__(self, "type", type(f"Kind[{self.describe}]", (), {"fsm_agent_kind": self}))
 
     def structure(self, value: Any) -> Any:
-        """Check and convert a TOML value; raises ValueError("expected ..., got ...")."""
+        """Check and convert a TOML value; raises Rejected("expected ..., got ...")."""
         try:
             return self.convert(value)
         except _Invalid as exc:
             detail = f" ({exc.args[0]})" if exc.args else ""
-            raise ValueError(f"expected {self.describe}, got {show(value)}{detail}") from None
+            raise Rejected(f"expected {self.describe}, got {show(value)}{detail}") from None
 
 
 def _string(value: Any) -> str:
@@ -419,13 +428,54 @@ NAMES = Kind("a list of plugin names", "array of strings", _names)
 #: Passed through unchecked (``[plugins]`` is checked against the declared options separately).
 RAW = Kind("anything", "table", lambda value: value)
 CONF = Kind("a table of backend options (strings, numbers or booleans)", "table", _conf)
-#: The kind of a plugin option of each Python type (``fsm_agent.config.PluginOption``).
+#: The kind of a plugin option of each Python type (``plugin_option``).
 TYPE_KINDS: dict[type, Kind] = {
     str: STRING,
     bool: BOOL,
     int: Kind("an integer", "integer", _int),
     float: Kind("a number", "number", _number),
 }
+
+
+def _checked_kind(base: Kind, check: Callable[[Any], None] | None) -> Kind:
+    """``base``, then a plugin's own ``check`` of the value (it raises ValueError("expected ..."))."""
+    if check is None:
+        return base
+
+    def convert(value: Any) -> Any:
+        value = base.structure(value)
+        try:
+            check(value)
+        except ValueError as exc:  # a check that names the value already says "got ..."
+            text = str(exc)
+            raise Rejected(text if ", got " in text else f"{text}, got {show(value)}") from None
+        return value
+
+    return Kind(base.describe, base.toml, convert)
+
+
+def _text_parser(value_type: type, kind: Kind) -> Callable[[str], Any]:
+    """A plugin option's flag or variable text -> its typed value, then checked by ``kind`` (as the
+    file's value): a boolean is one of the boolean words, a number as Python reads it; raises Rejected."""
+
+    def parse(raw: str) -> Any:
+        text = raw.strip()
+        value: Any = raw
+        try:
+            if value_type is bool:
+                value = bool_word(text)
+                if value is None:
+                    raise ValueError(raw)
+            elif value_type is int:
+                value = int(text)
+            elif value_type is float:
+                value = float(text)
+        except ValueError:
+            raise Rejected(f"expected {TYPE_KINDS[value_type].describe}, got {show(raw)}") from None
+        return kind.structure(value)
+
+    parse.__name__ = value_type.__name__
+    return parse
 
 
 # ------------------------------------------------------------------------------------------------
@@ -462,6 +512,10 @@ class Setting:
         fallback_env: torch's own variable, read below the others and above the file
             (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``).
         metavar: the value's name in ``--help``.
+        plugin: the plugin that declared it in ``fsm_agent_addoption`` (``plugin_option``), or None
+            for fsm-agent's and torchrun's settings.
+        type: a plugin option's Python type (``str``, ``int``, ``float``, ``bool``); None for the
+            others, whose ``parse`` and ``kind`` say what they hold.
     """
 
     dest: str | None
@@ -479,11 +533,18 @@ class Setting:
     doc_default: str | None = None
     fallback_env: str | None = None
     metavar: str | None = None
+    plugin: str | None = None
+    type: type | None = None
 
     @property
     def own(self) -> bool:
-        """fsm-agent's flag, not torchrun's."""
-        return self.env is not None
+        """fsm-agent's flag, not torchrun's nor a plugin's."""
+        return self.env is not None and self.plugin is None
+
+    @property
+    def flag(self) -> str:
+        """The spelling messages name: the first long flag (``--redirects`` of ``-r``/``--redirects``)."""
+        return next((f for f in self.flags if f.startswith("--")), self.flags[0])
 
     @property
     def section(self) -> str:
@@ -506,6 +567,16 @@ class Setting:
         names = [env_name(self.dest)] if self.key else []
         return (*names, f"PET_{self.dest.upper()}") if self.torch_env else tuple(names)
 
+    def from_string(self, raw: str) -> Any:
+        """A flag's or a variable's text -> what the namespace holds: ``parse(raw)``, or ``raw`` itself.
+
+        Raises:
+            ConfigError: the value is bad (its text names the flag).
+            Rejected: the value is bad (a plugin option's: "expected ..., got ...").
+            ValueError: the value is bad (from a plain ``int``/``float`` parse).
+        """
+        return self.parse(raw) if self.parse else raw
+
     def from_env(self, var: str, raw: str) -> Any:
         """The value of env var ``var`` set to ``raw``, checked like the flag's.
 
@@ -515,7 +586,9 @@ class Setting:
         if self.action == "flag":
             return parse_bool(raw, var)
         try:
-            value = self.parse(raw) if self.parse else raw
+            value = self.from_string(raw)
+        except Rejected as exc:  # it says what was expected
+            raise ConfigError(f"{var}={raw!r}: {exc}") from None
         except FsmAgentError as exc:  # its text names the flag; the value came from ``var``
             text = str(exc).removeprefix(f"{self.flags[0]} {raw!r}: ")
             raise ConfigError(f"{var}={raw!r}: {text}") from None
@@ -562,6 +635,47 @@ def _rendezvous_option(name: str, kind: Kind, help: str) -> Setting:  # noqa: A0
         kind=kind,
         field="rdzv_configs",
         doc_default="unset (the backend's)",
+    )
+
+
+#: The file table of the plugins' options (``[plugins.<plugin>]``) and their ``LaunchConfig`` field.
+PLUGINS_SECTION = "plugins"
+
+
+def plugin_option(
+    plugin: str,
+    name: str,
+    *,
+    value_type: type,
+    default: Any,
+    help: str,  # noqa: A002
+    flag: str,
+    env: str,
+    choices: tuple[Any, ...] | None = None,
+    check: Callable[[Any], None] | None = None,
+) -> Setting:
+    """The ``Setting`` of option ``name`` of plugin ``plugin`` (``options.add(...)`` in its
+    ``fsm_agent_addoption``; ``fsm_agent.config.OptionRegistry.add`` checks the declaration).
+
+    The flag ``flag`` takes one value, booleans too (``--x true``); the one variable is ``env``; the
+    file key is ``plugins.<plugin>.<name>``; the value lands in ``LaunchConfig.plugins``. Its
+    ``kind`` checks a file value strictly against ``value_type`` (or ``choices``), then ``check``;
+    its ``parse`` reads a flag's or variable's text into that type and checks it with the same kind.
+    """
+    kind = _checked_kind(choice_kind(choices) if choices else TYPE_KINDS[value_type], check)
+    return Setting(
+        dest=f"plugin:{plugin}:{name}",  # not an identifier: it cannot clash with torchrun's
+        flags=(flag,),
+        help=help,
+        default=default,
+        parse=_text_parser(value_type, kind),
+        env=env,
+        key=f"{PLUGINS_SECTION}.{plugin}.{name}",
+        kind=kind,
+        field=PLUGINS_SECTION,
+        metavar=name.upper(),
+        plugin=plugin,
+        type=value_type,
     )
 
 

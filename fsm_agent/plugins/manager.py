@@ -1,15 +1,19 @@
-"""get_plugin_manager(): hookspecs + built-in plugins + entry points, with disable-by-name.
+"""The plugins of a run: ``load_plugins()`` -> ``LoadedPlugins`` (the plugin manager, its backend
+registry and its plugins' options, each built once), ``get_plugin_manager()`` (hookspecs + built-in
+plugins + entry points, with disable-by-name) and ``fsm-agent plugins``.
 
 Built-ins are registered with the same ``pm.register`` call that entry-point plugins reach.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
 from typing import Iterable
 
+import attrs
 import pluggy
 
 from fsm_agent.config import OptionRegistry
@@ -140,6 +144,45 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"plugin {ep.name!r} from {dist} is invalid: {exc}") from None
         pm._plugin_distinfo.append((plugin, ep.dist))  # what load_setuptools_entrypoints records
+
+
+@attrs.frozen
+class LoadedPlugins:
+    """The loaded plugins of one run, built once per process and handed down: ``fsm-agent run``
+    loads them to read their options and gives them to the launch (``run_agent(plugins=...)``).
+
+    ``registry`` and ``options`` are asked of the plugins on first use and then kept, so each
+    plugin's ``fsm_agent_register_backends`` and ``fsm_agent_addoption`` run once per run, at the
+    moment they are first needed (a plugin whose backends fail still lets ``--help`` answer).
+
+    Attributes:
+        pm: the plugin manager (``get_plugin_manager``).
+    """
+
+    pm: pluggy.PluginManager
+
+    @functools.cached_property
+    def registry(self) -> BackendRegistry:
+        """The backends the plugins registered (``build_registry``).
+
+        Raises:
+            PluginError: a plugin's ``fsm_agent_register_backends`` failed.
+        """
+        return build_registry(self.pm)
+
+    @functools.cached_property
+    def options(self) -> OptionRegistry:
+        """The options the plugins declared (``collect_options``).
+
+        Raises:
+            PluginError: a plugin's ``fsm_agent_addoption`` failed or declared a bad option.
+        """
+        return collect_options(self.pm)
+
+
+def load_plugins(disabled: Iterable[str] = (), load_entry_points: bool = True) -> LoadedPlugins:
+    """``LoadedPlugins`` of ``get_plugin_manager(disabled, load_entry_points)`` (its errors)."""
+    return LoadedPlugins(get_plugin_manager(disabled=disabled, load_entry_points=load_entry_points))
 
 
 def build_registry(pm: pluggy.PluginManager) -> BackendRegistry:
@@ -280,8 +323,8 @@ def cli_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     disabled = [n.strip() for value in args.disable_plugin for n in value.split(",") if n.strip()]
     check_disabled(disabled)
-    pm = get_plugin_manager(disabled=disabled)
-    rows = plugin_rows(pm)
+    plugins = load_plugins(disabled=disabled)
+    rows = plugin_rows(plugins.pm, plugins.registry)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

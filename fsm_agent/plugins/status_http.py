@@ -160,7 +160,7 @@ class LiveStatus:
         self._agent = agent
         self._token = token
         self._lock = threading.Lock()
-        self._state = _state_name(getattr(agent, "state", "INIT"))
+        self._state = _state_name(agent.state)
         self._since = time.monotonic()
         self._since_wall = time.time()
         self._started = time.monotonic()
@@ -295,7 +295,7 @@ class LiveStatus:
 
     def _drain_doc(self) -> dict[str, Any] | None:
         agent = self._agent
-        drain = getattr(agent, "drain", None) or getattr(agent, "drain_request", None)
+        drain = agent.drain or agent.drain_request
         return dict(drain) if drain else None
 
     def snapshot(self, transitions: int = TRANSITIONS_SHOWN) -> dict[str, Any]:
@@ -314,7 +314,7 @@ class LiveStatus:
                 "remaining_restarts": max(0, spec.max_restarts - restart_count),
                 "rendezvous_round": self._round,
                 # a hot spare waiting for a seat (the rendezvous's message), else None
-                "standby": getattr(agent, "standby", None),
+                "standby": agent.standby,
                 "membership": {
                     "run_id": _run_id(agent),
                     "role": spec.role,
@@ -328,14 +328,14 @@ class LiveStatus:
                 "workers": [dict(self._workers[r]) for r in sorted(self._workers)],
                 "transitions": shown,
                 "transitions_total": self._transition_count,
-                "cycles": [attrs.asdict(cycle) for cycle in list(getattr(agent, "cycles", ()))[-CYCLES_SHOWN:]],
-                "step_times": getattr(agent, "step_times", None),
+                "cycles": [attrs.asdict(cycle) for cycle in agent.cycles[-CYCLES_SHOWN:]],
+                "step_times": None if agent.step_times is None else dict(agent.step_times),
                 # A drain is not a failure: apart from restart_count, with its own count.
                 "drain": self._drain_doc(),
-                "drains": int(getattr(agent, "drain", None) is not None),
+                "drains": int(agent.drain is not None),
                 "agent": {
                     "pid": os.getpid(),
-                    "node": getattr(agent, "hostname", None),
+                    "node": agent.hostname,
                     "entrypoint": spec.get_entrypoint_name(),
                     "uptime_s": round(time.monotonic() - self._started, 3),
                 },

@@ -125,7 +125,7 @@ class StepTimes:
         self._known: set[str] = set()
         self._seen: dict[int, int] = {}
         self._seq = 0
-        self._agent.step_times = None
+        self._agent.report_step_times(None)
 
     @hookimpl
     def fsm_agent_health_check(self, worker_group):
@@ -248,7 +248,7 @@ class StepTimes:
             "stragglers": verdict.get("stragglers", []),
             "ranks": rows,
         }
-        self._agent.step_times = view
+        self._agent.report_step_times(view)
         agent = self._agent
         if median is not None:
             agent.put_metric("fsm_agent", "step_time.median_s", median)

@@ -87,14 +87,14 @@ def test_the_statechart_shows_which_hook_decides_each_row():
 
 
 def _private_agent_accesses(path: pathlib.Path) -> list[str]:
-    """``agent._x`` / ``self.agent._x`` / ``run.agent._x`` attribute reads in one module."""
+    """``agent._x`` / ``self.agent._x`` / ``self._agent._x`` / ``run.agent._x`` attribute reads in one module."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
             continue
         owner = node.value
         name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
-        if name == "agent":
+        if name in ("agent", "_agent"):
             found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: agent.{node.attr}")
     return found
 

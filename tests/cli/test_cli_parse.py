@@ -705,7 +705,7 @@ class FakeLaunch:
     def __init__(self, exit_code=0, error=None):
         self.exit_code, self.error, self.calls = exit_code, error, []
 
-    def run_agent(self, config, entrypoint, args, plugin_manager=None):
+    def run_agent(self, config, entrypoint, args, plugins=None):
         self.calls.append((config, entrypoint, args))
         if self.error is not None:
             raise self.error

@@ -143,8 +143,8 @@ def test_the_cli_hands_its_plugin_manager_down(monkeypatch, script):
     monkeypatch.setattr(manager, "get_plugin_manager", counting)
     calls = []
     fake = types.SimpleNamespace(
-        run_agent=lambda config, entrypoint, args, plugin_manager=None: (
-            calls.append(plugin_manager) or types.SimpleNamespace(exit_code=0)
+        run_agent=lambda config, entrypoint, args, plugins=None: (
+            calls.append(plugins.pm) or types.SimpleNamespace(exit_code=0)
         )
     )
     monkeypatch.setitem(sys.modules, "fsm_agent.launch", fake)

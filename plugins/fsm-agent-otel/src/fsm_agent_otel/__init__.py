@@ -155,7 +155,7 @@ def fsm_agent_configure(config, agent):
 
 
 def _default_jsonl_dir(agent) -> str | None:
-    events_path = getattr(agent, "events_path", None)
+    events_path = agent.events_path
     if events_path and events_path != os.devnull:
         return os.path.dirname(os.path.abspath(events_path))
     return None

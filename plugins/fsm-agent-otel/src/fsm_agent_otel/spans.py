@@ -73,7 +73,7 @@ class StateSpans:
         attributes = {
             "fsm_agent.role": getattr(config, "role", None) or agent.spec.role,
             "fsm_agent.run_id": run_id,
-            "fsm_agent.node": getattr(agent, "hostname", None) or socket.getfqdn(),
+            "fsm_agent.node": agent.hostname,
             "fsm_agent.max_restarts": int(agent.spec.max_restarts),
             "fsm_agent.rdzv_backend": str(getattr(config, "rdzv_backend", "") or ""),
         }

@@ -204,7 +204,7 @@ class PrometheusExporter:
             run_id = agent.run_id
         except Exception:  # the handler may not know it yet
             run_id = getattr(config, "run_id", "")
-        node = getattr(agent, "hostname", "") or socket.getfqdn()
+        node = agent.hostname
         backend = getattr(config, "rdzv_backend", "") or ""
         self.info.labels(self.role, str(run_id), node, backend).set(1)
 
