@@ -16,7 +16,6 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import launcher  # noqa: F401 (the fixture: processes stopped by group, none left)
 
 COUNTING_PLUGIN = """\
 import os
