@@ -401,7 +401,10 @@ class FsmRendezvousHandler:
 
     def num_nodes_lost(self) -> int:
         """Participants of this node's round that are gone (lease expired or left); this node
-        counts itself when its own lease lapsed, and the store counts when it became unreachable."""
+        counts itself when its own lease lapsed, and the store counts when it became unreachable.
+
+        Non-zero as soon as the first is lost; the count itself is brought up to date every
+        ``keep_alive_interval`` (the store wakes watchers once per round, not once per lost node)."""
         with self._cv:
             lost = self._lost + (1 if self._self_lost else 0)
             return max(lost, 1) if self._store_error else lost

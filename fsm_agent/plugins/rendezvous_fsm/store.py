@@ -781,7 +781,7 @@ class StoreServer:
             lost, waiting, _ = run.rdzv.membership(node, int(req["round"]), now)
             if not leased:  # it lapsed: the node renews it at once, then watches again
                 self._reply(conn, {"ok": True, "lost": lost, "waiting": waiting, "leased": False})
-            elif (lost, waiting > 0) != (int(req["lost"]), int(req["waiting"]) > 0):
+            elif self._rdzv_news(lost, waiting, req):
                 self._reply(conn, {"ok": True, "lost": lost, "waiting": waiting})
             else:
                 self._rdzv_block(conn, run, "rdzv_watch", req, run.watchers)
@@ -793,6 +793,12 @@ class StoreServer:
                 self._rdzv_block(conn, run, "rdzv_linger", req, None)
         else:
             self._reply(conn, {"ok": False, "error": "bad_request", "message": f"unknown op {op!r}"})
+
+    @staticmethod
+    def _rdzv_news(lost: int, waiting: int, req: dict) -> bool:
+        """A watch is answered when whether nodes are lost or waiting differs from what it saw
+        (the counts ride along; a watch that times out brings them up to date)."""
+        return (lost > 0, waiting > 0) != (int(req["lost"]) > 0, int(req["waiting"]) > 0)
 
     def _rdzv_block(self, conn: _Conn, run: _Run, kind: str, req: dict, table: dict | None) -> None:
         w = _Waiter(conn, kind, [], None, time.monotonic() + min(max(0.0, float(req["timeout"])), 1e6))
@@ -880,10 +886,12 @@ class StoreServer:
         if rdzv.closed and not before[1]:
             for w in list(run.joins.values()):
                 self._finish(w, self._rdzv_joined(rdzv, "closed", w.req["node"]))
-        if (rdzv.round, len(rdzv.lost)) != (before[0], before[2]) or (timer and now >= rdzv.waiting_due_at()):
+        # Watchers hear whether nodes are lost or waiting, not each count: a loss storm wakes each
+        # watcher once per round (O(N)), not once per lost node (O(N^2)).
+        if (rdzv.round, len(rdzv.lost) > 0) != (before[0], before[2] > 0) or (timer and now >= rdzv.waiting_due_at()):
             for w in list(run.watchers.values()):
                 lost, waiting, _ = rdzv.membership(w.req["node"], int(w.req["round"]), now)
-                if (lost, waiting > 0) != (int(w.req["lost"]), int(w.req["waiting"]) > 0):
+                if self._rdzv_news(lost, waiting, w.req):
                     self._finish(w, {"ok": True, "lost": lost, "waiting": waiting})
         if len(rdzv.nodes) != before[3]:
             for w in list(run.lingers):
