@@ -409,9 +409,11 @@ def main() -> int:
     parser.add_argument(
         "--keep-alive-interval",
         type=float,
-        default=5.0,
-        help="fsm keep_alive_interval (s; the product's default is 0.5): thousands of simulated "
-        "nodes share this machine's cores, and a starved keep-alive thread is a silent node",
+        default=15.0,
+        help="fsm keep_alive_interval (s; the product's default is 0.5, stretched to N/2000 s at N nodes): "
+        "thousands of simulated nodes share this machine's cores, and a starved keep-alive thread is a "
+        "silent node; its lease (x3) must outlast the simulated rendezvous (at 5 s a slow 4,096 row "
+        "lapsed leases, re-joined and took 58 s)",
     )
     parser.add_argument(
         "--phases", action="store_true", help="print when each participant's store requests started and ended"
@@ -446,7 +448,8 @@ def main() -> int:
         "stacks: in a real job each node has its own machine, so the simulated nodes should not take the "
         "store's CPU; what the time still includes is thousands of threads waking on a few GILs of 2 cores",
         f"fsm: --rdzv-conf keep_alive_interval={args.keep_alive_interval:g} (x3 attempts) for the simulated nodes, "
-        f"whose keep-alive threads share the machine's cores; every other setting is the default",
+        f"whose keep-alive threads share the machine's cores (a lease must outlast the simulated rendezvous); "
+        f"every other setting is the default",
     ]
     rows = []
     plan = [("fsm", int(n), args.limit) for n in args.sizes.split(",") if n] + [
