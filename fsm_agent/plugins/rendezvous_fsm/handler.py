@@ -281,10 +281,9 @@ class FsmRendezvousHandler:
         # A one-node job has no peer to lose or admit: its lease lives as long as its connection,
         # and no keep-alive or membership thread wakes the idle agent.
         single = self.max_nodes == 1
-        # The lease rides on the join's connection: one connection and no extra round trip before the join.
-        self._client.set(
-            self._alive_key, self.node_id, ttl=None if single else self._keep_alive_timeout, ephemeral=True
-        )
+        #: the lease's ttl, sent with each join, which (re)creates the lease on the join's connection
+        #: (no round trip before the join); None: it lives as long as that connection
+        self._lease_ttl = None if single else self._keep_alive_timeout
         self._started = True
         if not single:
             t = threading.Thread(target=self._keep_alive_loop, name=f"fsm-rdzv-keep-alive-{self.run_id}", daemon=True)
@@ -305,6 +304,7 @@ class FsmRendezvousHandler:
                 run=self.run_id,
                 node=self.node_id,
                 lease=self._alive_key,
+                lease_ttl=self._lease_ttl,
                 info=info,
                 min=self.min_nodes,
                 max=self.max_nodes,
@@ -322,8 +322,7 @@ class FsmRendezvousHandler:
             if status in ("standby", "done") or (status == "timeout" and self.standby):
                 self._standby_reply(reply)
                 continue
-            if status == "no_lease":  # this node's lease lapsed (a long stall): renew it, then join
-                self._client.set(self._alive_key, self.node_id, ttl=self._keep_alive_timeout, ephemeral=True)
+            if status == "no_lease":  # this node's lease lapsed while it waited (a long stall): join again
                 continue
             if status == "not_needed":
                 raise RendezvousNotNeeded(
@@ -512,7 +511,10 @@ class FsmRendezvousHandler:
                 rnd, gen, lost, waiting = self._round, self._gen, self._lost, self._waiting
             try:
                 if rnd is None:
-                    reply, leased = None, c.touch([key], ttl)[0]
+                    # Joining: a lease not there yet (the join not read yet) or lapsed (the store
+                    # then answers the join no_lease) is (re)created by the join itself.
+                    reply, leased = None, True
+                    c.touch([key], ttl)
                 else:
                     reply = c.rendezvous(
                         "watch",

@@ -708,6 +708,11 @@ class StoreServer:
         run = self._runs.get(run_id)
         if op == "rdzv_join":
             lease = str(req["lease"])
+            if "lease_ttl" in req:  # the join (re)creates the node's lease, owned by this connection
+                entry = self._put(lease, node.encode())
+                self._lease(lease, entry, req["lease_ttl"], now, conn)
+                entry.owner = conn
+                conn.owned.add(lease)
             if lease not in self._data:  # the lease lapsed before this join: the node renews it first
                 self._reply(conn, {"ok": True, "status": "no_lease"})
                 return
