@@ -20,9 +20,14 @@ What is real and what is simulated:
   once (one line on each stdin); each participant stamps the moment its ``next_rendezvous``
   returned; the row shows the last stamp minus the go stamp. The processes have created their
   handlers (no connection yet) before go.
-- Every participant holds 3 connections to the store (fsm), so the harness raises
-  ``RLIMIT_NOFILE`` (soft and hard, for itself and the processes it starts) to 262144, and says so
-  in the output. The listen backlog is capped by ``net.core.somaxconn`` (left as it is).
+- Every participant holds 2 connections to the store (fsm: the join's, and the keep-alive's,
+  which carries the membership watch), so the harness raises ``RLIMIT_NOFILE`` (soft and hard,
+  for itself and the processes it starts) as far as it may, and says so in the output. The listen
+  backlog is capped by ``net.core.somaxconn`` (left as it is).
+- Simulation artefacts, said in the output: the participant processes run under ``SCHED_IDLE``
+  with 512 KiB thread stacks, 64 participants per process by default (``--procs 0``).
+  ``--phases`` prints when each kind of request started and ended (median, 90%, max), and the
+  store's request counts by op and its answers by status.
 - c10d runs at the sizes given by ``--c10d-sizes`` with ``--c10d-limit`` seconds each; a size
   that does not finish in time is shown as "not done in N s" (its limit).
 
@@ -47,6 +52,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 NOFILE = 262144
+#: Participants per process when ``--procs`` is 0 (auto): each process's threads share one GIL, and
+#: a few hundred threads waking at once on one GIL is the simulation's cost, not the protocol's.
+PER_PROC = 64
 
 
 # -- a participants process ---------------------------------------------------------------------------
@@ -94,11 +102,41 @@ def c10d_handlers(args) -> list:
     return out
 
 
+def record_phases(handler) -> list:
+    """Stamp every store request of ``handler``'s clients (``--phases``): ``[client, op, start, end]``
+    per request (``time.time()``; op ``connect`` for opening a connection), wrapping the real client's
+    methods on the instance, so the protocol code that runs is the product's own."""
+    from fsm_agent.plugins.rendezvous_fsm.store import StoreClient
+
+    events: list = []
+    for name, client in list(vars(handler).items()):
+        if not isinstance(client, StoreClient):
+            continue
+
+        def wrap(method, label=name.strip("_"), what=None):
+            def stamped(*a, **kw):
+                t0 = time.time()
+                try:
+                    return method(*a, **kw)
+                finally:
+                    events.append([label, what or str(a[0].get("op")), t0, time.time()])
+
+            return stamped
+
+        client._request = wrap(client._request)
+        client._open = wrap(client._open, what="connect")
+    return events
+
+
 def participants_main(args) -> int:
     # The simulated nodes share this machine's cores with the store; in a job each has its own
-    # machine. At nice 10 they do not starve the store, the process being measured.
-    os.nice(10)
+    # machine. Under SCHED_IDLE (inherited by every thread started here) they run only when the
+    # store does not: nice is per thread, and at nice 10 a thousand runnable threads out-weigh it.
+    # Small thread stacks: thousands of threads share this machine's memory.
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    threading.stack_size(512 * 1024)
     handlers = (fsm_handlers if args.backend == "fsm" else c10d_handlers)(args)
+    events = [record_phases(h) if args.phases else None for h in handlers]
     done: list = [None] * len(handlers)
     go = threading.Event()
 
@@ -110,6 +148,8 @@ def participants_main(args) -> int:
             done[i] = {"t": time.time(), "rank": rank}
         except BaseException as exc:  # noqa: BLE001 - reported to the harness
             done[i] = {"t": time.time(), "error": f"{type(exc).__name__}: {exc}"[:300]}
+        if events[i] is not None:
+            done[i]["events"] = list(events[i])
 
     threads = [threading.Thread(target=run, args=(i, h), daemon=True) for i, h in enumerate(handlers)]
     for t in threads:
@@ -161,6 +201,7 @@ def proc_stats(pid: int, backend: str, port: int) -> dict:
         finally:
             c.close()
         io, requests = stats["bytes_in"] + stats["bytes_out"], stats["requests"]
+        return {"cpu": cpu, "io": io, "requests": requests, "hwm": hwm, "ops": stats["ops"]}
     return {"cpu": cpu, "io": io, "requests": requests, "hwm": hwm}
 
 
@@ -186,12 +227,37 @@ def readline(proc: subprocess.Popen, deadline: float) -> str | None:
     return proc.stdout.readline()
 
 
-def one_row(backend: str, n: int, procs: int, limit: float, env: dict, keep_alive_interval: float) -> dict:
+def phase_summary(results: list, t0: float) -> list[str]:
+    """Per (client, op, nth call): when it started and ended after go (median / 90% / max, seconds),
+    and how many participants made it; the wall time's breakdown that ``--phases`` prints."""
+    table: dict = {}
+    for r in results:
+        seen: dict = {}
+        for client, op, start, end in sorted(r.get("events", ()), key=lambda e: e[2]):
+            k = seen[(client, op)] = seen.get((client, op), 0) + 1
+            table.setdefault((client, op, k), []).append((start - t0, end - t0))
+    lines = []
+    for (client, op, k), spans in sorted(table.items(), key=lambda kv: sorted(s for s, _ in kv[1])[len(kv[1]) // 2]):
+        starts, ends = sorted(s for s, _ in spans), sorted(e for _, e in spans)
+
+        def q(xs, f):
+            return xs[min(len(xs) - 1, int(f * len(xs)))]
+
+        lines.append(
+            f"  {client:>9} {op:<12} #{k} x{len(spans):<5} start {q(starts, 0.5):6.2f} {q(starts, 0.9):6.2f} "
+            f"{starts[-1]:6.2f}  end {q(ends, 0.5):6.2f} {q(ends, 0.9):6.2f} {ends[-1]:6.2f}"
+        )
+    return lines
+
+
+def one_row(
+    backend: str, n: int, procs: int, limit: float, env: dict, keep_alive_interval: float, phases: bool = False
+) -> dict:
     port, run_id = free_port(), f"scale-{uuid.uuid4().hex[:8]}"
     store = start_store(backend, port, env)
     workers: list[subprocess.Popen] = []
     try:
-        p = max(1, min(procs, n))
+        p = max(1, min(procs or max(8, -(-n // PER_PROC)), n))
         counts = [n // p + (1 if i < n % p else 0) for i in range(p)]
         for count in counts:
             workers.append(
@@ -213,6 +279,7 @@ def one_row(backend: str, n: int, procs: int, limit: float, env: dict, keep_aliv
                         str(int(limit) + 60),
                         "--keep-alive-interval",
                         str(keep_alive_interval),
+                        *(["--phases"] if phases else []),
                     ],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -249,6 +316,12 @@ def one_row(backend: str, n: int, procs: int, limit: float, env: dict, keep_aliv
             results += out["done"]
             torch_loaded.append(out["torch"])
         after = proc_stats(store.pid, backend, port)
+        if phases:
+            print(f"{backend} N={n}: phases after go (s: median 90% max), client op #nth xparticipants:")
+            print("\n".join(phase_summary(results, t0)), flush=True)
+            if after.get("ops"):
+                ops = {k: v - before["ops"].get(k, 0) for k, v in after["ops"].items()}
+                print(f"  store ops: {dict(sorted(ops.items()))}", flush=True)
         errors = [r["error"] for r in results if "error" in r]
         ranks = sorted(r["rank"] for r in results if "rank" in r)
         return {
@@ -330,13 +403,20 @@ def main() -> int:
     parser.add_argument("--c10d-sizes", default="16,64,256", help="N for torch's c10d ('' for none)")
     parser.add_argument("--c10d-limit", type=float, default=120.0, help="seconds c10d gets per size")
     parser.add_argument("--limit", type=float, default=120.0, help="seconds fsm gets per size")
-    parser.add_argument("--procs", type=int, default=8, help="participant processes per row")
+    parser.add_argument(
+        "--procs", type=int, default=0, help=f"participant processes per row (0: N/{PER_PROC}, at least 8)"
+    )
     parser.add_argument(
         "--keep-alive-interval",
         type=float,
-        default=5.0,
-        help="fsm keep_alive_interval (s; the product's default is 0.5): thousands of simulated "
-        "nodes share this machine's cores, and a starved keep-alive thread is a silent node",
+        default=15.0,
+        help="fsm keep_alive_interval (s; the product's default is 0.5, stretched to N/2000 s at N nodes): "
+        "thousands of simulated nodes share this machine's cores, and a starved keep-alive thread is a "
+        "silent node; its lease (x3) must outlast the simulated rendezvous (at 5 s a slow 4,096 row "
+        "lapsed leases, re-joined and took 58 s)",
+    )
+    parser.add_argument(
+        "--phases", action="store_true", help="print when each participant's store requests started and ended"
     )
     parser.add_argument("--markdown", help="write the table to this file too")
     parser.add_argument("--json", help="write the rows as JSON to this file")
@@ -361,19 +441,22 @@ def main() -> int:
         nofile,
         f"{platform.node()}: {os.cpu_count()} CPUs, load average {load[0]:.1f} at start "
         f"(other work shares the machine: the numbers are pessimistic)",
-        f"participants: threads in {args.procs} processes, each a real rendezvous handler with its own "
-        f"store connections and keep-alive; the store in its own process; loopback only",
-        "participant processes run at nice 10 (the store at 0): in a real job each node has its own "
-        "machine, so the simulated nodes should not take the store's CPU",
+        f"participants: threads in {args.procs or f'N/{PER_PROC} (at least 8)'} processes, each a real "
+        f"rendezvous handler with its own store connections and keep-alive thread; the store in its own process; "
+        f"loopback only",
+        "participant processes run under SCHED_IDLE (the store under the normal policy), with 512 KiB thread "
+        "stacks: in a real job each node has its own machine, so the simulated nodes should not take the "
+        "store's CPU; what the time still includes is thousands of threads waking on a few GILs of 2 cores",
         f"fsm: --rdzv-conf keep_alive_interval={args.keep_alive_interval:g} (x3 attempts) for the simulated nodes, "
-        f"whose keep-alive threads share the machine's cores; every other setting is the default",
+        f"whose keep-alive threads share the machine's cores (a lease must outlast the simulated rendezvous); "
+        f"every other setting is the default",
     ]
     rows = []
     plan = [("fsm", int(n), args.limit) for n in args.sizes.split(",") if n] + [
         ("c10d", int(n), args.c10d_limit) for n in args.c10d_sizes.split(",") if n
     ]
     for backend, n, limit in plan:
-        row = one_row(backend, n, args.procs, limit, env, args.keep_alive_interval)
+        row = one_row(backend, n, args.procs, limit, env, args.keep_alive_interval, args.phases)
         rows.append(row)
         print(" | ".join(fmt_row(row)), flush=True)
     text = markdown(rows, command, notes + [f"load average {os.getloadavg()[0]:.1f} at the end"])

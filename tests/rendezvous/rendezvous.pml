@@ -6,9 +6,11 @@
  * every operation is atomic, as in the server; it may also complete a round with MIN <= n < MAX
  * at any moment once no other live node can join (the settle window passing: timing is
  * abstracted away, which only adds behaviours). N participant processes join, may crash at any step (the store then
- * gets `lose` from the lease, in order with their other requests), leave after being ranked, or
+ * gets `lose` from the lease, in order with their other requests: the lease is owned by the
+ * node's join connection), leave after being ranked, or
  * join again (workers failed, or a membership change was signalled: a participant lost, a
- * round opened by another node, nodes waiting for a round with room).
+ * round opened by another node, nodes waiting for a round with room; the store tells each
+ * watcher once per change of "some lost / some waiting", which the nondeterministic rejoin covers).
  *
  * Checked (assertions and end states):
  *   - no two participants of one round get one rank;

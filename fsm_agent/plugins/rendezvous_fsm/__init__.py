@@ -21,7 +21,8 @@ Protocol (O(1) requests and bytes per node per join, keep-alive and round comple
     and the store answers when the round completes, with the node's rank, the world size and the
     master address; it answers ``closed`` at once when so, ``standby`` once to a hot spare. ``rdzv_watch``
     blocks until this node's round lost a participant, another round opened, or nodes waited
-    ``last_call_timeout`` to join (each event answers each watcher once). ``rdzv_leave``,
+    ``last_call_timeout`` to join (each watcher is answered once per change of "some lost / some
+    waiting", so K lost nodes cost O(N) replies, not O(N*K)). ``rdzv_leave``,
     ``rdzv_close``, ``rdzv_status`` and ``rdzv_linger`` do what they say. All times are the store
     server's monotonic clock, so clock skew between machines is harmless. Each round's store is
     ``PrefixStore("fsm_rdzv/<run_id>/round/<round>")``: every attempt starts with fresh keys.
@@ -29,8 +30,12 @@ Protocol (O(1) requests and bytes per node per join, keep-alive and round comple
 
 Keep-alive
     Each node holds a lease key ``fsm_rdzv/<run_id>/alive/<node id>`` (ttl =
-    ``keep_alive_interval * keep_alive_max_attempt``, renewed every ``keep_alive_interval`` by a
-    daemon thread, and deleted by the server as soon as that thread's connection closes). When
+    ``keep_alive_interval * keep_alive_max_attempt``), created by its ``rdzv_join`` itself and
+    deleted by the server as soon as the join's connection closes; one daemon thread renews it
+    every ``keep_alive_interval`` on a second connection, with ``touch`` while joining and with its
+    ``rdzv_watch`` (which then blocks at most ``keep_alive_interval``) in a round. So a node holds
+    two store connections and one thread whatever N (10k nodes: 20k sockets on the store host).
+    Replies may take ``join_timeout``: a busy store is load, never a dropped lease. When
     it ends the store counts the node lost at once: a killed agent is seen at once, a silent host
     (power off, partition) within ``keep_alive_timeout`` = 1.5 s by default. Above
     ``KEEP_ALIVE_RATE * keep_alive_interval`` nodes the interval grows with ``max_nodes`` so the

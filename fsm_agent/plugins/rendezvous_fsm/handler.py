@@ -117,17 +117,18 @@ class FsmRendezvousHandler:
         # hello counts as load. Only after finding the endpoint port taken (by a store or by some
         # other program) does the short handshake_timeout tell the two apart.
         patience = s.handshake_timeout if fast else max(s.join_timeout, s.handshake_timeout)
-        self._client = StoreClient(
-            self._connect_host,
-            self.port,
+        # Two connections per node, whatever N: the join's (also the round store's, and the lease's
+        # owner, so a killed agent is lost at once), and one for the keep-alive thread, whose
+        # renewals ride on its blocked membership watch. Replies wait join_timeout: a busy store
+        # is load, and a reply given up on would reset the connection and so drop the lease.
+        timeouts = dict(
             timeout=s.read_timeout,
             connect_timeout=patience,
             handshake_timeout=patience,
-            fail_fast_refused=fast,
+            reply_timeout=max(s.join_timeout, s.handshake_timeout),
         )
-        side = dict(timeout=s.read_timeout, connect_timeout=patience, handshake_timeout=patience)
-        self._hb_client = StoreClient(self._connect_host, self.port, **side)
-        self._watch_client = StoreClient(self._connect_host, self.port, **side)
+        self._client = StoreClient(self._connect_host, self.port, fail_fast_refused=fast, **timeouts)
+        self._alive_client = StoreClient(self._connect_host, self.port, **timeouts)
         self._started = False
         self._shut = False
         self._returned_round: int | None = None
@@ -276,16 +277,16 @@ class FsmRendezvousHandler:
         # The first connection may wait join_timeout for a host that starts later; once the store
         # was reached, losing it for read_timeout fails the rendezvous.
         self._client.connect_timeout = min(self._client.connect_timeout, s.read_timeout)
-        self._client.handshake_timeout = self._hb_client.handshake_timeout = s.handshake_timeout
+        self._client.handshake_timeout = s.handshake_timeout
         # A one-node job has no peer to lose or admit: its lease lives as long as its connection,
         # and no keep-alive or membership thread wakes the idle agent.
         single = self.max_nodes == 1
-        self._hb_client.set(
-            self._alive_key, self.node_id, ttl=None if single else self._keep_alive_timeout, ephemeral=True
-        )
+        #: the lease's ttl, sent with each join, which (re)creates the lease on the join's connection
+        #: (no round trip before the join); None: it lives as long as that connection
+        self._lease_ttl = None if single else self._keep_alive_timeout
         self._started = True
-        for name, target in () if single else (("keep-alive", self._heartbeat_loop), ("membership", self._watch_loop)):
-            t = threading.Thread(target=target, name=f"fsm-rdzv-{name}-{self.run_id}", daemon=True)
+        if not single:
+            t = threading.Thread(target=self._keep_alive_loop, name=f"fsm-rdzv-keep-alive-{self.run_id}", daemon=True)
             t.start()
             self._threads.append(t)
 
@@ -303,6 +304,7 @@ class FsmRendezvousHandler:
                 run=self.run_id,
                 node=self.node_id,
                 lease=self._alive_key,
+                lease_ttl=self._lease_ttl,
                 info=info,
                 min=self.min_nodes,
                 max=self.max_nodes,
@@ -320,8 +322,7 @@ class FsmRendezvousHandler:
             if status in ("standby", "done") or (status == "timeout" and self.standby):
                 self._standby_reply(reply)
                 continue
-            if status == "no_lease":  # this node's lease lapsed (a long stall): renew it, then join
-                self._hb_client.set(self._alive_key, self.node_id, ttl=self._keep_alive_timeout, ephemeral=True)
+            if status == "no_lease":  # this node's lease lapsed while it waited (a long stall): join again
                 continue
             if status == "not_needed":
                 raise RendezvousNotNeeded(
@@ -399,7 +400,10 @@ class FsmRendezvousHandler:
 
     def num_nodes_lost(self) -> int:
         """Participants of this node's round that are gone (lease expired or left); this node
-        counts itself when its own lease lapsed, and the store counts when it became unreachable."""
+        counts itself when its own lease lapsed, and the store counts when it became unreachable.
+
+        Non-zero as soon as the first is lost; the count itself is brought up to date every
+        ``keep_alive_interval`` (the store wakes watchers once per round, not once per lost node)."""
         with self._cv:
             lost = self._lost + (1 if self._self_lost else 0)
             return max(lost, 1) if self._store_error else lost
@@ -434,7 +438,7 @@ class FsmRendezvousHandler:
         self._stop.set()
         with self._cv:
             self._cv.notify_all()
-        self._watch_client.abort()
+        self._alive_client.abort()  # wakes the keep-alive thread from its watch
         self._client.connect_timeout = min(self._client.connect_timeout, self.settings.handshake_timeout)
         ok = True
         try:
@@ -444,7 +448,7 @@ class FsmRendezvousHandler:
                     if t.name.startswith("fsm-rdzv-keep-alive"):
                         t.join(timeout=self.settings.handshake_timeout)
                 try:
-                    self._hb_client.delete_key(self._alive_key)
+                    self._client.delete_key(self._alive_key)
                 except StoreError:
                     pass
                 if self._server is not None:
@@ -453,7 +457,7 @@ class FsmRendezvousHandler:
             log.warning("fsm rendezvous %s: could not leave cleanly: %s", self.run_id, exc)
             ok = False
         finally:
-            for c in (self._client, self._hb_client, self._watch_client):
+            for c in (self._client, self._alive_client):
                 c.close()
             if self._server is not None:
                 self._server.close()
@@ -490,58 +494,70 @@ class FsmRendezvousHandler:
         except (BlockingIOError, OSError):
             pass
 
-    def _heartbeat_loop(self) -> None:
-        c = self._hb_client
-        while not self._stop.wait(self._keep_alive_interval):
-            try:
-                if not c.touch([self._alive_key], self._keep_alive_timeout)[0]:
-                    if self._stop.is_set():
-                        return
-                    c.set(self._alive_key, self.node_id, ttl=self._keep_alive_timeout, ephemeral=True)
-                    log.warning(
-                        "fsm rendezvous %s: this node's keep-alive lapsed; the others may count it lost", self.run_id
-                    )
-                    with self._cv:
-                        if self._round is not None:
-                            self._self_lost = True
-                            self._signal()
-            except StoreError as exc:
-                if self._stop.is_set():
-                    return
-                log.warning("fsm rendezvous %s: keep-alive to %s failed: %s", self.run_id, self.endpoint, exc)
-
-    def _watch_loop(self) -> None:
-        """One blocked ``watch`` per node: the store answers when this node's round lost a
-        participant, another round opened, or nodes waited ``last_call_timeout`` to join."""
-        c = self._watch_client
-        while not self._stop.is_set():
+    def _keep_alive_loop(self) -> None:
+        """Renew this node's lease every ``keep_alive_interval`` and watch its round's membership,
+        on one connection: between rounds a ``touch``; in a completed round one ``rdzv_watch`` that
+        renews the lease and blocks at most ``keep_alive_interval`` (the store answers at once when
+        this node's round lost a participant, another round opened, or nodes waited
+        ``last_call_timeout`` to join; each event answers each watcher once)."""
+        c, key, ttl, interval = self._alive_client, self._alive_key, self._keep_alive_timeout, self._keep_alive_interval
+        due = time.monotonic() + interval
+        while True:
             with self._cv:
-                while self._round is None and not self._stop.is_set():
-                    self._cv.wait()
+                while self._round is None and not self._stop.is_set() and time.monotonic() < due:
+                    self._cv.wait(max(0.0, due - time.monotonic()))
                 if self._stop.is_set():
                     return
                 rnd, gen, lost, waiting = self._round, self._gen, self._lost, self._waiting
             try:
-                reply = c.rendezvous(
-                    "watch", 3600.0, run=self.run_id, node=self.node_id, round=rnd.round, lost=lost, waiting=waiting
-                )
-                with self._cv:
-                    if gen != self._gen:
-                        continue
-                    self._lost = max(self._lost, int(reply["lost"]))
-                    self._waiting = int(reply["waiting"])
-                    if self._lost or self._waiting or self._self_lost:
-                        self._signal()
-            except Exception as exc:  # store gone, or a reply this code cannot read: redo the round
+                if rnd is None:
+                    # Joining: a lease not there yet (the join not read yet) or lapsed (the store
+                    # then answers the join no_lease) is (re)created by the join itself.
+                    reply, leased = None, True
+                    c.touch([key], ttl)
+                else:
+                    reply = c.rendezvous(
+                        "watch",
+                        interval,
+                        run=self.run_id,
+                        node=self.node_id,
+                        round=rnd.round,
+                        lost=lost,
+                        waiting=waiting,
+                        lease=key,
+                        ttl=ttl,
+                    )
+                    leased = reply.get("leased", True)
+                due = time.monotonic() + interval
+                if not leased and not self._stop.is_set():
+                    c.set(key, self.node_id, ttl=ttl, ephemeral=True)
+                    log.warning(
+                        "fsm rendezvous %s: this node's keep-alive lapsed; the others may count it lost", self.run_id
+                    )
+            except Exception as exc:  # store gone, or a reply this code cannot read
                 if self._stop.is_set():
                     return
-                log.warning("fsm rendezvous %s: lost the store at %s: %s", self.run_id, self.endpoint, exc)
+                log.warning("fsm rendezvous %s: keep-alive to %s failed: %s", self.run_id, self.endpoint, exc)
                 with self._cv:
-                    if gen == self._gen:
+                    if rnd is None:  # joining: the join itself reports a lost store
+                        due = time.monotonic() + interval
+                        continue
+                    if gen == self._gen:  # in a round: redo it
                         self._store_error = str(exc)
                         self._signal()
                     while self._gen == gen and not self._stop.is_set():
                         self._cv.wait()
+                continue
+            with self._cv:
+                if gen != self._gen:
+                    continue
+                if not leased and self._round is not None:
+                    self._self_lost = True
+                if reply is not None:
+                    self._lost = max(self._lost, int(reply["lost"]))
+                    self._waiting = int(reply["waiting"])
+                if self._lost or self._waiting or self._self_lost:
+                    self._signal()
 
     def __repr__(self) -> str:
         return (

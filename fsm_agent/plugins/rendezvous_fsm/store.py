@@ -140,12 +140,13 @@ def _encode(obj: dict) -> bytes:
 
 # -- server ------------------------------------------------------------------------------------------
 class _Entry:
-    __slots__ = ("value", "version", "expiry", "owner")
+    __slots__ = ("value", "version", "expiry", "owner", "renewer")
 
     def __init__(self, value: bytes, version: int):
         self.value, self.version = value, version
         self.expiry: float | None = None
         self.owner: _Conn | None = None
+        self.renewer: _Conn | None = None  # the connection its lease was last renewed on
 
 
 class _Conn:
@@ -214,6 +215,7 @@ class StoreServer:
         self._leases: dict[str, tuple[str, str]] = {}  # lease key -> (run, node) it keeps alive
         self._timers: list[tuple[float, int, str]] = []  # (when, seq, run): a round may complete then
         self._traffic = {"bytes_in": 0, "bytes_out": 0, "requests": 0}  # for the "stats" op (benchmarks)
+        self._ops: dict[str, int] = {}  # requests by op, and rendezvous answers by status (benchmarks)
         self.port = port
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -413,6 +415,9 @@ class StoreServer:
     def _reply(self, conn: _Conn, obj: dict) -> None:
         if conn.closed:
             return
+        status = obj.get("status") if obj.get("ok") else obj.get("error")
+        if status is not None:
+            self._ops[f"status:{status}"] = self._ops.get(f"status:{status}", 0) + 1
         conn.outbuf += _encode(obj)
         self._flush(conn)
 
@@ -492,9 +497,10 @@ class StoreServer:
         entry = self._data.get(key)
         return entry.version if entry is not None else 0
 
-    def _lease(self, key: str, entry: _Entry, ttl: float | None, now: float) -> None:
+    def _lease(self, key: str, entry: _Entry, ttl: float | None, now: float, conn: _Conn | None = None) -> None:
         if ttl is None:
             return
+        entry.renewer = conn
         entry.expiry = now + min(max(0.0, float(ttl)), 1e6)
         heapq.heappush(self._expiries, (entry.expiry, next(self._seq), key))
 
@@ -504,7 +510,7 @@ class StoreServer:
             when, _, key = heapq.heappop(self._expiries)
             entry = self._data.get(key)
             if entry is not None and entry.expiry is not None and entry.expiry <= now:
-                if entry.owner is not None and _unread(entry.owner.sock):
+                if any(c is not None and not c.closed and _unread(c.sock) for c in (entry.owner, entry.renewer)):
                     # A busy store, not a silent node: its renewal may be in the socket, unread.
                     # Read first (select answers at once), then decide.
                     deferred.append((when, next(self._seq), key))
@@ -598,12 +604,14 @@ class StoreServer:
         op = req.get("op")
         now = time.monotonic()
         self._traffic["requests"] += 1
+        if isinstance(op, str):
+            self._ops[op] = self._ops.get(op, 0) + 1
         if op == "hello":
             self._reply(conn, {"ok": True, "proto": PROTO, "now": now})
         elif op == "set":
             key = str(req["key"])
             entry = self._put(key, _unb64(req["value"]))
-            self._lease(key, entry, req.get("ttl"), now)
+            self._lease(key, entry, req.get("ttl"), now, conn)
             if req.get("ephemeral"):
                 entry.owner = conn
                 conn.owned.add(key)
@@ -673,13 +681,22 @@ class StoreServer:
             for k in req["keys"]:
                 entry = self._data.get(str(k))
                 if entry is not None:
-                    self._lease(str(k), entry, ttl, now)
+                    self._lease(str(k), entry, ttl, now, conn)
                 found.append(entry is not None)
             self._reply(conn, {"ok": True, "values": found})
         elif op == "time":
             self._reply(conn, {"ok": True, "now": now})
         elif op == "stats":
-            self._reply(conn, {"ok": True, **self._traffic, "connections": len(self._conns), "keys": len(self._data)})
+            self._reply(
+                conn,
+                {
+                    "ok": True,
+                    **self._traffic,
+                    "connections": len(self._conns),
+                    "keys": len(self._data),
+                    "ops": self._ops,
+                },
+            )
         elif op.startswith("rdzv_") if isinstance(op, str) else False:
             self._rdzv_handle(conn, op, req, now)
         else:
@@ -691,6 +708,11 @@ class StoreServer:
         run = self._runs.get(run_id)
         if op == "rdzv_join":
             lease = str(req["lease"])
+            if "lease_ttl" in req:  # the join (re)creates the node's lease, owned by this connection
+                entry = self._put(lease, node.encode())
+                self._lease(lease, entry, req["lease_ttl"], now, conn)
+                entry.owner = conn
+                conn.owned.add(lease)
             if lease not in self._data:  # the lease lapsed before this join: the node renews it first
                 self._reply(conn, {"ok": True, "status": "no_lease"})
                 return
@@ -754,8 +776,17 @@ class StoreServer:
                 },
             )
         elif op == "rdzv_watch":
+            # The watch renews the node's lease (``lease``, ``ttl``): keep-alive and membership on one connection.
+            leased = True
+            if req.get("lease") is not None:
+                lease, entry = str(req["lease"]), self._data.get(str(req["lease"]))
+                leased = entry is not None
+                if leased:
+                    self._lease(lease, entry, float(req["ttl"]), now, conn)
             lost, waiting, _ = run.rdzv.membership(node, int(req["round"]), now)
-            if (lost, waiting > 0) != (int(req["lost"]), int(req["waiting"]) > 0):
+            if not leased:  # it lapsed: the node renews it at once, then watches again
+                self._reply(conn, {"ok": True, "lost": lost, "waiting": waiting, "leased": False})
+            elif self._rdzv_news(lost, waiting, req):
                 self._reply(conn, {"ok": True, "lost": lost, "waiting": waiting})
             else:
                 self._rdzv_block(conn, run, "rdzv_watch", req, run.watchers)
@@ -767,6 +798,12 @@ class StoreServer:
                 self._rdzv_block(conn, run, "rdzv_linger", req, None)
         else:
             self._reply(conn, {"ok": False, "error": "bad_request", "message": f"unknown op {op!r}"})
+
+    @staticmethod
+    def _rdzv_news(lost: int, waiting: int, req: dict) -> bool:
+        """A watch is answered when whether nodes are lost or waiting differs from what it saw
+        (the counts ride along; a watch that times out brings them up to date)."""
+        return (lost > 0, waiting > 0) != (int(req["lost"]) > 0, int(req["waiting"]) > 0)
 
     def _rdzv_block(self, conn: _Conn, run: _Run, kind: str, req: dict, table: dict | None) -> None:
         w = _Waiter(conn, kind, [], None, time.monotonic() + min(max(0.0, float(req["timeout"])), 1e6))
@@ -854,10 +891,12 @@ class StoreServer:
         if rdzv.closed and not before[1]:
             for w in list(run.joins.values()):
                 self._finish(w, self._rdzv_joined(rdzv, "closed", w.req["node"]))
-        if (rdzv.round, len(rdzv.lost)) != (before[0], before[2]) or (timer and now >= rdzv.waiting_due_at()):
+        # Watchers hear whether nodes are lost or waiting, not each count: a loss storm wakes each
+        # watcher once per round (O(N)), not once per lost node (O(N^2)).
+        if (rdzv.round, len(rdzv.lost) > 0) != (before[0], before[2] > 0) or (timer and now >= rdzv.waiting_due_at()):
             for w in list(run.watchers.values()):
                 lost, waiting, _ = rdzv.membership(w.req["node"], int(w.req["round"]), now)
-                if (lost, waiting > 0) != (int(w.req["lost"]), int(w.req["waiting"]) > 0):
+                if self._rdzv_news(lost, waiting, w.req):
                     self._finish(w, {"ok": True, "lost": lost, "waiting": waiting})
         if len(rdzv.nodes) != before[3]:
             for w in list(run.lingers):
@@ -890,8 +929,9 @@ class StoreClient:
         host / port: the server.
         timeout: default timeout of get, multi_get and wait (torch's store timeout; 300 s).
         connect_timeout: how long to keep trying to connect while the server is not listening yet.
-        handshake_timeout: how long a peer that accepted the connection gets to answer the hello,
-            and how long past its op's own timeout a reply may take before the server counts as dead.
+        handshake_timeout: how long a peer that accepted the connection gets to answer the hello.
+        reply_timeout: how long past its op's own timeout a reply may take before the server counts
+            as dead (seconds; at least ``handshake_timeout``).
         fail_fast_refused: give up at the first refused connection (used after this process found
             the port taken: a refusal then means the holder is not a store server).
 
@@ -907,9 +947,11 @@ class StoreClient:
         timeout: timedelta | float = DEFAULT_TIMEOUT,
         connect_timeout: float = 60.0,
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+        reply_timeout: float = 30.0,
         fail_fast_refused: bool = False,
     ):
         self.host, self.port = host, int(port)
+        self.reply_timeout = float(reply_timeout)
         self._timeout = timedelta(seconds=_seconds(timeout))
         self.connect_timeout = float(connect_timeout)
         self.handshake_timeout = float(handshake_timeout)
@@ -1112,7 +1154,7 @@ class StoreClient:
                 self._open()
             try:
                 self._send(req)
-                deadline = time.monotonic() + (wait or 0.0) + max(self.handshake_timeout, 30.0)
+                deadline = time.monotonic() + (wait or 0.0) + max(self.handshake_timeout, self.reply_timeout)
                 try:
                     reply = self._recv(deadline)
                 except StoreTimeout:
@@ -1247,11 +1289,14 @@ class StoreClient:
     def server_time(self) -> float:
         return float(self._request({"op": "time"})["now"])
 
-    def stats(self) -> dict[str, int]:
-        """The server's traffic since it started: ``bytes_in``, ``bytes_out``, ``requests``, and
-        its ``connections`` and ``keys`` now (what ``benchmarks/rendezvous_scale.py`` reports)."""
+    def stats(self) -> dict[str, Any]:
+        """The server's traffic since it started: ``bytes_in``, ``bytes_out``, ``requests``, ``ops``
+        (requests by op, and rendezvous answers as ``status:<status>``), and its ``connections`` and
+        ``keys`` now (what ``benchmarks/rendezvous_scale.py`` reports)."""
         reply = self._request({"op": "stats"})
-        return {k: int(reply[k]) for k in ("bytes_in", "bytes_out", "requests", "connections", "keys")}
+        out: dict[str, Any] = {k: int(reply[k]) for k in ("bytes_in", "bytes_out", "requests", "connections", "keys")}
+        out["ops"] = dict(reply.get("ops", {}))
+        return out
 
     def rendezvous(self, op: str, wait: float | None = None, **fields: Any) -> dict:
         """One ``rdzv_<op>`` request of the ``fsm`` rendezvous (see ``StoreServer._rdzv_handle``);
