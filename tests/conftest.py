@@ -40,6 +40,14 @@ from fsm_agent.testing.node_loss import NodeLossJob
 from fsm_agent.testing.processes import remove_worker_cgroups, tmpdir_env
 from tests.netns import netns_hosts  # noqa: F401 (the fixture of the multi-host tests: agent, schedulers, parity)
 
+# A suite started as a background job of a non-interactive shell (`... &`) inherits SIGINT and SIGQUIT
+# ignored, and every agent and worker it starts would too: the Ctrl-C tests would test the shell, not
+# the agent. Give this process the dispositions of a foreground one; its children inherit them.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
 #: Seconds an agent may take before a test gives up on it (the machine may have 2 slow cores).
 AGENT_TIMEOUT = 120.0
 TOKEN_VAR = "FSM_E2E_TOKEN"
