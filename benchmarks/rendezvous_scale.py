@@ -172,6 +172,8 @@ def raise_nofile() -> str:
     except (ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     now = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if now == (soft, hard):
+        return f"RLIMIT_NOFILE {soft}/{hard} (soft/hard): already as high as this user may raise it"
     return f"RLIMIT_NOFILE raised from {soft}/{hard} to {now[0]}/{now[1]} (soft/hard)"
 
 
@@ -347,6 +349,23 @@ def one_row(
             w.wait()
 
 
+def summarize(runs: list[dict]) -> dict:
+    """One table row from ``--repeat`` runs of one size: the median run's figures, and the
+    range of the time and of the store CPU per participant over every run (a failed run is the row)."""
+    failed = [r for r in runs if "seconds" not in r]
+    if failed:
+        return failed[0]
+    by_time = sorted(runs, key=lambda r: r["seconds"])
+    row = dict(by_time[len(by_time) // 2])
+    if len(runs) > 1:
+        cpu = sorted(r["store_cpu_s"] / r["n"] for r in runs)
+        row["runs"] = len(runs)
+        row["seconds_range"] = (by_time[0]["seconds"], by_time[-1]["seconds"])
+        row["cpu_per_participant_median"] = cpu[len(cpu) // 2]
+        row["cpu_per_participant_range"] = (cpu[0], cpu[-1])
+    return row
+
+
 def fmt_row(row: dict) -> list[str]:
     if "timeout" in row:
         state = row.get("state")
@@ -362,12 +381,19 @@ def fmt_row(row: dict) -> list[str]:
     if "error" in row:
         return [row["backend"], str(row["n"]), row["error"]]
     ok = "yes" if row["ranks_ok"] and not row["n_errors"] else f"no ({row['n_errors']} errors: {row['errors'][:1]})"
+    seconds = f"{row['seconds']:.2f} s"
+    cpu_per = f"{row['store_cpu_s'] / row['n'] * 1000:.2f} ms"
+    if "runs" in row:  # --repeat: the median, then [min-max] over the runs
+        lo, hi = row["seconds_range"]
+        seconds += f" [{lo:.2f}-{hi:.2f}]"
+        lo, hi = row["cpu_per_participant_range"]
+        cpu_per = f"{row['cpu_per_participant_median'] * 1000:.2f} ms [{lo * 1000:.2f}-{hi * 1000:.2f}]"
     return [
         row["backend"],
         str(row["n"]),
-        f"{row['seconds']:.2f} s",
+        seconds,
         f"{row['store_cpu_s']:.2f} s",
-        f"{row['store_cpu_s'] / row['n'] * 1000:.2f} ms",
+        cpu_per,
         f"{row['store_peak_rss'] / 2**20:.0f} MiB",
         "-" if row["bytes_per_participant"] is None else f"{row['bytes_per_participant']:.0f} B",
         "-" if row["requests_per_participant"] is None else f"{row['requests_per_participant']:.1f}",
@@ -418,8 +444,15 @@ def main() -> int:
     parser.add_argument(
         "--phases", action="store_true", help="print when each participant's store requests started and ended"
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per size, interleaved (every size once, then again): the table shows the median run "
+        "and [min-max] of the time and of the store CPU per participant",
+    )
     parser.add_argument("--markdown", help="write the table to this file too")
-    parser.add_argument("--json", help="write the rows as JSON to this file")
+    parser.add_argument("--json", help="write the rows (and every run of each) as JSON to this file")
     # participants mode (started by the harness)
     parser.add_argument("--participants", choices=["fsm", "c10d"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -455,16 +488,28 @@ def main() -> int:
     plan = [("fsm", int(n), args.limit) for n in args.sizes.split(",") if n] + [
         ("c10d", int(n), args.c10d_limit) for n in args.c10d_sizes.split(",") if n
     ]
-    for backend, n, limit in plan:
-        row = one_row(backend, n, args.procs, limit, env, args.keep_alive_interval, args.phases)
-        rows.append(row)
-        print(" | ".join(fmt_row(row)), flush=True)
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: give 1 or more runs per size")
+    runs: dict[tuple[str, int], list[dict]] = {(backend, n): [] for backend, n, _ in plan}
+    for attempt in range(args.repeat):
+        for backend, n, limit in plan:
+            row = one_row(backend, n, args.procs, limit, env, args.keep_alive_interval, args.phases)
+            runs[backend, n].append(row)
+            print(f"run {attempt + 1}/{args.repeat}: " + " | ".join(fmt_row(row)), flush=True)
+            time.sleep(2.0)  # let the last row's threads and sockets go before the next row starts
+    rows = [summarize(r) for r in runs.values()]
+    if args.repeat > 1:
+        notes.append(
+            f"{args.repeat} runs per size, interleaved; each row is the run of median time, with [min-max] of the "
+            f"time and of the store CPU per participant (its median) over the {args.repeat} runs"
+        )
     text = markdown(rows, command, notes + [f"load average {os.getloadavg()[0]:.1f} at the end"])
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        every = [{"backend": b, "n": n, "runs": r} for (b, n), r in runs.items()]
+        Path(args.json).write_text(json.dumps({"rows": rows, "every_run": every}, indent=1))
     return 0
 
 

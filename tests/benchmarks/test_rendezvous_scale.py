@@ -1,0 +1,61 @@
+"""benchmarks/rendezvous_scale.py runs end to end at a small N: real stores, real handlers of both
+backends, every participant ranked 0..N-1, and ``--repeat`` folds its runs into one row per size.
+
+No timing is asserted; the scale table itself (N up to 4,096) is in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(300)
+def test_scale_benchmark_ranks_everyone_and_folds_repeats(tmp_path):
+    out = tmp_path / "scale.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "rendezvous_scale.py"),
+            "--sizes",
+            "8,16",
+            "--c10d-sizes",
+            "4",
+            "--procs",
+            "2",
+            "--repeat",
+            "2",
+            "--limit",
+            "120",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    report = f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, report
+    result = json.loads(out.read_text())
+    assert [(r["backend"], r["n"]) for r in result["rows"]] == [("fsm", 8), ("fsm", 16), ("c10d", 4)], report
+    for row in result["rows"]:
+        assert row["ranks_ok"] and row["n_errors"] == 0, row
+        assert row["runs"] == 2, row
+        lo, hi = row["seconds_range"]
+        assert lo <= row["seconds"] <= hi, row
+    for every in result["every_run"]:
+        assert len(every["runs"]) == 2 and all(r["ranks_ok"] for r in every["runs"]), every
+    # fsm's store answers every participant in a bounded number of requests (its stats op)
+    fsm16 = next(r for r in result["rows"] if r["n"] == 16)
+    assert 0 < fsm16["requests_per_participant"] <= 6, fsm16
+    # the table names the repeat and shows a range
+    assert "2 runs per size" in done.stdout and "[" in done.stdout.split("| fsm | 16 |", 1)[1], report
