@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import random
 import select
 import signal
 import socket
@@ -74,8 +75,24 @@ NODE_DRAIN_KEY = "fsm_agent/drain/nodes"
 JOB_DRAIN_SEEN_KEY = "fsm_agent/drain/job_seen"
 #: At most this long (seconds) the announcer of a job-wide drain waits for every peer to see it.
 JOB_DRAIN_SEEN_WAIT_S = 30.0
-#: Seconds between looks at the --drain-file and at a peer's job-wide drain, while the workers run.
+#: Seconds between looks at the --drain-file (a local stat) while the workers run; also the
+#: shortest time between two looks at the store for a peer's job-wide drain.
 DRAIN_POLL_S = 0.5
+#: Looks for a peer's job-wide drain that the whole job makes per second at its rendezvous store.
+#: Every agent looks once per ``job_drain_look_interval`` seconds, so the store's load stays flat in
+#: the number of nodes (10,000 nodes: 1,000 requests/s, not 20,000 at ``DRAIN_POLL_S``).
+JOB_DRAIN_LOOKS_PER_S = 1000.0
+#: The longest time (seconds) between two looks: well within ``JOB_DRAIN_SEEN_WAIT_S``, so that an
+#: announcer still sees every peer see its drain before it leaves.
+JOB_DRAIN_LOOK_MAX_S = JOB_DRAIN_SEEN_WAIT_S / 3
+
+
+def job_drain_look_interval(group_world_size: int) -> float:
+    """Seconds between one agent's looks at the rendezvous store for a job-wide drain, in a job of
+    ``group_world_size`` nodes: ``group_world_size / JOB_DRAIN_LOOKS_PER_S``, at least
+    ``DRAIN_POLL_S`` and at most ``JOB_DRAIN_LOOK_MAX_S``. (torch has no job-wide drain.) A lost
+    peer (the announcer leaving) still makes every agent look at once."""
+    return min(JOB_DRAIN_LOOK_MAX_S, max(DRAIN_POLL_S, group_world_size / JOB_DRAIN_LOOKS_PER_S))
 
 
 class SignalStop(BaseException):
@@ -254,6 +271,7 @@ class ElasticAgent:
         self._drain_interruptible = False  # the call running now may be cut short by a drain
         self._drain_request: dict[str, str] | None = None  # set by any thread, fired by the run loop
         self._next_drain_check = 0.0
+        self._next_job_drain_look: float | None = None  # None: at a random phase of the first interval
         self._drain: dict[str, Any] | None = None
         self._state_since = time.monotonic()
         self._next_tick = 0.0
@@ -499,9 +517,9 @@ class ElasticAgent:
             self._empty_wake_pipe()
         if self._signal is not None:
             return "stop_requested", {}
-        if self._watches_drain and time.monotonic() >= self._next_drain_check:
-            self._next_drain_check = time.monotonic() + DRAIN_POLL_S
-            self._look_for_drain()
+        if self._watches_drain and (now := time.monotonic()) >= self._next_drain_check:
+            self._next_drain_check = now + DRAIN_POLL_S
+            self._look_for_drain(peers=self._job_drain_look_due(now))
         if self._drain_request is not None:
             return "drain_requested", dict(self._drain_request)
         self._hang.read_timer_requests()
@@ -743,8 +761,20 @@ class ElasticAgent:
         group = self._worker_group
         return bool(self._drain_settings.file) or (group.store is not None and (group.group_world_size or 0) > 1)
 
-    def _look_for_drain(self) -> None:
-        """Request a drain if the drain file exists or a peer announced a job-wide drain."""
+    def _job_drain_look_due(self, now: float) -> bool:
+        """Whether this check also looks at the store for a peer's job-wide drain; schedules the
+        next look. Agents look at random phases (spread over the first interval, then jittered by
+        +-50 %) so that nodes started together do not all ask at the same instant."""
+        interval = job_drain_look_interval(self._worker_group.group_world_size or 1)
+        if self._next_job_drain_look is None:
+            self._next_job_drain_look = now + interval * random.random()
+        if now < self._next_job_drain_look:
+            return False
+        self._next_job_drain_look = now + interval * random.uniform(0.5, 1.5)
+        return True
+
+    def _look_for_drain(self, peers: bool = True) -> None:
+        """Request a drain if the drain file exists or (``peers``) a peer announced a job-wide drain."""
         if self._drain_request is not None:
             return
         path = self._drain_settings.file
@@ -752,7 +782,7 @@ class ElasticAgent:
             self.request_drain(source="file", by=path)
             return
         group = self._worker_group
-        if self.state != S.HEALTHY or group.store is None or (group.group_world_size or 0) <= 1:
+        if not peers or self.state != S.HEALTHY or group.store is None or (group.group_world_size or 0) <= 1:
             return
         try:
             announced = group.store.check([JOB_DRAIN_KEY])
