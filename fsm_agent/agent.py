@@ -33,6 +33,7 @@ from fsm_agent import errorfile
 from fsm_agent._early_signals import note_stop, take_early_drain, take_early_stop
 from fsm_agent._early_zygote import listen_on
 from fsm_agent.env import worker_env
+from fsm_agent.finished_nodes import count_finished, mark_finished
 from fsm_agent.errors import FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.hang import HangDetector, announce_stack_dump, dump_stacks
 from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, WorkerLogs
@@ -85,6 +86,15 @@ JOB_DRAIN_LOOKS_PER_S = 1000.0
 #: The longest time (seconds) between two looks: well within ``JOB_DRAIN_SEEN_WAIT_S``, so that an
 #: announcer still sees every peer see its drain before it leaves.
 JOB_DRAIN_LOOK_MAX_S = JOB_DRAIN_SEEN_WAIT_S / 3
+
+
+def _own_connection(store: Any) -> Any:
+    """``store.clone()`` (torch's Store API: the same store on a new connection), or ``store``
+    itself for a store that cannot be cloned (a Python store, whose calls do not queue)."""
+    try:
+        return store.clone()
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return store
 
 
 def job_drain_look_interval(group_world_size: int) -> float:
@@ -262,6 +272,9 @@ class ElasticAgent:
         # A store call abandoned to a stop signal (``_interruptible_call``) still holds its client:
         # any other call on that client would block behind it, so the way out makes none.
         self._abandoned_call: str | None = None
+        #: Lost peers of this round known to have finished (their loss is no membership change).
+        self._finished_peers_seen = 0
+        self._exit_barrier_store: Any = None
         self._checked_in_at_exit_barrier = False
         self._error: str | None = None
         self._signal: int | None = None
@@ -568,19 +581,44 @@ class ElasticAgent:
     @property
     def _membership_fd(self) -> int | None:
         """An fd the backend makes readable when nodes are lost or wait to join (optional API)."""
+        if self._finished_peers_seen:  # its fd stays readable for them: ask at each tick instead
+            return None
         get_fd = getattr(self._rdzv_handler, "membership_fd", None)
         return get_fd() if get_fd is not None else None
 
     def _membership_change(self) -> str | None:
-        """``node_lost`` (a peer stopped keeping the rendezvous alive), ``membership_change`` (nodes
-        wait to join), or None."""
-        lost = getattr(self._rdzv_handler, "num_nodes_lost", lambda: 0)()
+        """``node_lost`` (a peer stopped keeping the rendezvous alive, and did not finish),
+        ``membership_change`` (nodes wait to join), or None."""
+        lost = self._lost_beyond_finished(getattr(self._rdzv_handler, "num_nodes_lost", lambda: 0)())
         waiting = self._rdzv_handler.num_nodes_waiting()
         if lost or waiting:
             log.info("[%s] membership changed: %s node(s) lost, %s waiting", self.spec.role, lost, waiting)
         if lost:
             return FailureClass.NODE_LOST
         return FailureClass.MEMBERSHIP_CHANGE if waiting else None
+
+    def _lost_beyond_finished(self, lost: int) -> int:
+        """``lost`` less the peers that finished (``fsm_agent.finished_nodes``): a node whose
+        workers all succeeded stops its keep-alive once it leaves, and is no loss to the round.
+
+        The count is read from the round's store only when ``lost`` grew; a store that cannot be
+        read counts no one finished (the loss stands)."""
+        if lost <= self._finished_peers_seen:
+            return 0
+        try:
+            finished = count_finished(self._worker_group.store)
+        except Exception as exc:
+            log.debug("could not read the finished nodes' count: %s", exc)
+            finished = 0
+        if lost <= finished:
+            log.info(
+                "[%s] %s node(s) of the round left after their workers succeeded: not a membership change",
+                self.spec.role,
+                lost,
+            )
+            self._finished_peers_seen = lost
+            return 0
+        return lost - finished
 
     @property
     def _has_health_checks(self) -> bool:
@@ -1004,6 +1042,10 @@ class ElasticAgent:
         if job_restart_count is not None:  # one job, one count: adopt the highest of the round
             self.restart_count = max(self.restart_count, job_restart_count)
         group.store, group.group_rank, group.group_world_size = info.store, info.rank, info.world_size
+        self._finished_peers_seen = 0  # of this round
+        # The exit barrier's own connection, opened now while the store is surely there: a clone
+        # made at the barrier would retry a gone store host for the store's whole timeout.
+        self._exit_barrier_store = _own_connection(info.store) if info.world_size > 1 else None
         group.workers = [
             Worker(
                 local_rank=r,
@@ -1249,10 +1291,14 @@ class ElasticAgent:
             return
 
         def barrier():
-            group.store.wait([self._check_in_at_exit_barrier()], timedelta(seconds=self.spec.exit_barrier_timeout))
+            # Its own connection: on one TCPStore connection a blocked wait holds every other call
+            # (c10d's keep-alive among them, so the peers would take this finished node for lost).
+            store = self._exit_barrier_store or group.store
+            mark_finished(store, group.group_rank, self.hostname)
+            store.wait([self._check_in_at_exit_barrier(store)], timedelta(seconds=self.spec.exit_barrier_timeout))
 
         try:
-            self._interruptible_call("exit-barrier", barrier)
+            self._interruptible_call("exit-barrier", barrier, busies_store=False)
         except SignalStop:
             raise
         except Exception as exc:  # torch swallows barrier errors too: the local result stands
@@ -1288,9 +1334,10 @@ class ElasticAgent:
         except Exception as exc:  # the store may be gone with the failure; peers then time out
             log.warning("could not release the exit barrier: %s", exc)
 
-    def _check_in_at_exit_barrier(self) -> str:
+    def _check_in_at_exit_barrier(self, store=None) -> str:
         self._checked_in_at_exit_barrier = True
-        store, world = self._worker_group.store, self._worker_group.group_world_size
+        store = store if store is not None else self._worker_group.store
+        world = self._worker_group.group_world_size
         if store.add(f"{EXIT_BARRIER_PREFIX}/num_members", 1) == world:
             store.set(f"{EXIT_BARRIER_PREFIX}/last_member", "<val_ignored>")
         return f"{EXIT_BARRIER_PREFIX}/last_member"
@@ -1488,6 +1535,7 @@ class ElasticAgent:
         interruptible: bool = True,
         timeout: float | None = None,
         drainable: bool = False,
+        busies_store: bool = True,
     ) -> Any:
         """``call()`` (a rendezvous or store call that may block), cut short by a stop signal.
 
@@ -1507,6 +1555,8 @@ class ElasticAgent:
             name: the helper thread's name (``fsm-agent-<name>``).
             interruptible: False: a stop signal does not cut the wait short (a check-in on the way out).
             timeout: seconds to wait at most (None: as long as ``call`` takes).
+            busies_store: False: ``call`` uses a store connection of its own, so abandoning it
+                leaves the rendezvous store free for the way out (leave, release).
             drainable: a drain request cuts the wait short too (a rendezvous: a node given notice
                 while it waits for others leaves at once). A backend whose waits are Python is cut
                 short only by a drain signal; a drain by file or HTTP then acts once the call returns.
@@ -1565,7 +1615,7 @@ class ElasticAgent:
                 self._empty_wake_pipe()  # a signal woke us: its Python handler runs before the next turn
         finally:
             os.close(done_r)
-            if not finished:
+            if not finished and busies_store:
                 self._abandoned_call = name
         if "error" in outcome:
             raise outcome["error"]

@@ -11,21 +11,44 @@ workers have stopped), then the group-rank-0 agent deletes every key the workers
 only then does any agent go on to start workers. The agents' own keys live under
 ``<run_id>/round_<N>/`` and are kept. The wait for all nodes is ``rdzv_configs["timeout"]``
 seconds, 900 by default (torchrun's: its ``LaunchConfig`` default; torch's handler alone: 600).
+
+Also unlike torch, an agent never joins another job's store (two jobs on one ``--master-port``,
+pytorch's 29500 by default): each agent claims its node rank under ``fsm_agent/static/``
+with its run id, ``--nnodes`` and a token of its own; a node rank already claimed by another
+agent, or a node rank 0 of another run id or ``--nnodes``, stops the agent with one line naming
+both. The entrypoint is not compared: torchrun lets nodes run different programs or paths.
+And a node other than rank 0 keeps one connection to the store, blocked in a wait for rank 0's
+"finished" key (``fsm_agent.finished_nodes``): when the store's host closes it before its
+workers all succeeded (its agent ended), ``membership_fd`` becomes readable and
+``num_nodes_lost`` raises ``RendezvousFailed``, so the agent stops its workers with one line
+instead of asking a gone store again and again. A host that finished first (its workers
+succeeded, its agent in or past its exit barrier) is no loss: this node's workers run on and
+its exit barrier says the store host left.
 """
 
 from __future__ import annotations
 
 import errno
+import json
+import os
+import select
 import socket
+import threading
+import uuid
 
-from fsm_agent.errors import ConfigError
+from fsm_agent.errors import ConfigError, RendezvousFailed
+from fsm_agent.finished_nodes import finished_key
 from fsm_agent.plugins.registry import require_positive_seconds
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.registry import torch_parameters
 
 #: Seconds the static rendezvous waits for every node (torch's ``LaunchConfig`` default, so torchrun's).
 DEFAULT_TIMEOUT_S = 900
+#: Seconds between a non-host node's looks whether node rank 0 finished (one ``check`` each).
+HOST_FINISHED_POLL_S = 0.5
 _ARRIVED, _CLEARED = "fsm_agent/arrived", "fsm_agent/workers_keys_cleared"
+#: Outside every run id's prefix, so that an agent of another job can read it; kept between rounds.
+_CLAIMS = "fsm_agent/static/node_"
 
 
 class StaticRendezvous:
@@ -38,6 +61,11 @@ class StaticRendezvous:
     def __init__(self, handler):
         self._handler = handler
         self._round = 0
+        self._token = uuid.uuid4().hex  # this agent's, to tell its own claim from another agent's
+        #: Readable end of a pipe the watch thread writes to when the store's host is gone.
+        self._host_gone_r: int | None = None
+        self._host_gone_reason = ""
+        self._watch_generation = 0
 
     def next_rendezvous(self):
         """torch's round, prefixed; raises RendezvousTimeoutError when the nodes do not all come.
@@ -51,15 +79,17 @@ class StaticRendezvous:
 
         try:
             info = self._handler.next_rendezvous()
+            if self._round == 0:
+                self._claim_node_rank(info.rank)
             store = PrefixStore(f"round_{self._round}", info.store)
+            self._watch_store(info.rank, f"round_{self._round}")
             if self._round > 0:
                 self._clear_workers_keys(store, info.rank, info.world_size)
             self._round += 1
         except DistStoreError as exc:
             handler = self._handler
-            where = f"{getattr(handler, 'master_addr', '?')}:{getattr(handler, 'master_port', '?')}"
             raise RendezvousTimeoutError(
-                f"static rendezvous at {where}: not all {getattr(handler, 'world_size', '?')} nodes came "
+                f"static rendezvous at {self._where()}: not all {getattr(handler, 'world_size', '?')} nodes came "
                 f"within {self._timeout_s():g} s: {str(exc).splitlines()[0]}"
             ) from None
         return RendezvousInfo(store, info.rank, info.world_size, info.bootstrap_store_info)
@@ -75,11 +105,106 @@ class StaticRendezvous:
             raw = self._handler._store  # the TCPStore itself: the workers' keys have no prefix
             ours = f"{self._handler.run_id}/"
             for key in raw.list_keys():
-                if not key.startswith(ours):
+                if not key.startswith((ours, _CLAIMS)):
                     raw.delete_key(key)
             store.set(_CLEARED, "1")
         with store_timeout(store, timeout):
             store.wait([_CLEARED])
+
+    def _claim_node_rank(self, rank: int) -> None:
+        """Claim ``rank`` in the store with this job's identity (run id, ``--nnodes``).
+
+        Raises:
+            RendezvousFailed: node rank 0 there has another run id or ``--nnodes`` (another job's
+                store), or another agent already claimed ``rank`` (another job with the same
+                identity, or two nodes given the same ``--node-rank``).
+        """
+        handler = self._handler
+        raw = handler._store
+        mine = {"run_id": handler.run_id, "nnodes": handler.world_size, "token": self._token}
+        if rank != 0 and raw.check([f"{_CLAIMS}0"]):
+            self._refuse_other_job(json.loads(raw.get(f"{_CLAIMS}0")), mine)
+        claim = json.dumps(mine, sort_keys=True)
+        held = raw.compare_set(f"{_CLAIMS}{rank}", "", claim)
+        held = held.decode() if isinstance(held, bytes) else held
+        if held == claim:
+            return
+        other = json.loads(held)
+        self._refuse_other_job(other, mine)
+        raise RendezvousFailed(
+            f"static rendezvous at {self._where()}: node rank {rank} is already taken by another agent of "
+            f"run id {other['run_id']!r} ({other['nnodes']} nodes): another job uses this --master-port "
+            f"(give each job its own --master-port and --rdzv-id), or two nodes were given --node-rank {rank}"
+        )
+
+    def _refuse_other_job(self, other: dict, mine: dict) -> None:
+        if (other["run_id"], other["nnodes"]) != (mine["run_id"], mine["nnodes"]):
+            raise RendezvousFailed(
+                f"static rendezvous at {self._where()}: the store there belongs to another job (run id "
+                f"{other['run_id']!r}, {other['nnodes']} nodes), not to this node's (run id {mine['run_id']!r}, "
+                f"{mine['nnodes']} nodes): give each job its own --master-port, or the same --rdzv-id and "
+                f"--nnodes to every node of one job"
+            )
+
+    def _watch_store(self, rank: int, round_prefix: str) -> None:
+        """Nodes other than rank 0: a thread that watches an idle TCP connection to the store and,
+        every ``HOST_FINISHED_POLL_S``, whether rank 0 finished this round; it writes to
+        ``membership_fd`` if the connection closes first (the host ended before its workers
+        succeeded). An idle socket, not a blocked store wait: torch prints a C++ stack for a
+        wait that the host's leaving breaks."""
+        if rank == 0:
+            return
+        from torch.distributed import PrefixStore
+
+        self._watch_generation += 1
+        generation = self._watch_generation
+        handler = self._handler
+        try:
+            idle = socket.create_connection((handler.master_addr, handler.master_port), timeout=10)
+        except OSError:  # the store stopped meanwhile: the workers' first store call reports it
+            return
+        # A connection of its own: the agent's stays free. The keys: as in torch's handler, then the round.
+        store = PrefixStore(round_prefix, PrefixStore(handler.run_id, handler._store.clone()))
+        if self._host_gone_r is None:
+            self._host_gone_r, self._host_gone_w = os.pipe()
+
+        def watch() -> None:
+            with idle:
+                while generation == self._watch_generation:
+                    readable, _, _ = select.select([idle], [], [], HOST_FINISHED_POLL_S)
+                    if readable and not _still_open(idle):
+                        if generation == self._watch_generation:
+                            self._host_gone_reason = "closed the connection (its agent ended)"
+                            os.write(self._host_gone_w, b"x")
+                        return
+                    try:
+                        if store.check([finished_key(0)]):
+                            return  # rank 0 finished: its store may go now, as torchrun's would
+                    except Exception:
+                        continue  # the host is leaving: the idle socket tells which way
+
+        threading.Thread(target=watch, name="fsm-agent-static-store-watch", daemon=True).start()
+
+    def membership_fd(self) -> int | None:
+        """Readable once the store's host ended before its workers succeeded (fsm-agent's optional backend API)."""
+        return self._host_gone_r
+
+    def num_nodes_lost(self) -> int:
+        """0 while the store is there (a static world loses no node it could go on without).
+
+        Raises:
+            RendezvousFailed: the store's host closed this node's connection (its agent ended)
+                before its workers succeeded.
+        """
+        if not self._host_gone_reason:
+            return 0
+        raise RendezvousFailed(
+            f"static rendezvous: the store at {self._where()}, hosted by node rank 0, {self._host_gone_reason}: "
+            f"this node stops its workers; restart the job (every node)"
+        )
+
+    def _where(self) -> str:
+        return f"{getattr(self._handler, 'master_addr', '?')}:{getattr(self._handler, 'master_port', '?')}"
 
     def _timeout_s(self) -> float:
         timeout = getattr(self._handler, "timeout", None)
@@ -140,3 +265,13 @@ def fsm_agent_register_backends(registry):
 def static_parameters(config):
     """torch's ``RendezvousParameters``, this node's rank from ``--node-rank`` unless ``rank`` is set."""
     return torch_parameters(config, rank=config.node_rank)
+
+
+def _still_open(sock: socket.socket) -> bool:
+    """False once the peer closed or reset ``sock`` (a store never writes to an idle connection)."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
