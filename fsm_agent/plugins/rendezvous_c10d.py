@@ -23,6 +23,7 @@ keep-alive timeout. These read torch's private layout (``_state_holder``, ``_Ren
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
@@ -34,6 +35,8 @@ from fsm_agent.hosts import is_this_host
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.registry import require_positive_seconds
 
+
+log = logging.getLogger(__name__)
 
 #: The ``--rdzv-conf`` keys torch's DynamicRendezvousHandler reads (``dynamic_rendezvous.create_handler``);
 #: public for backends built on it (the etcd-v3 plugin).
@@ -241,7 +244,9 @@ def create_c10d_handler(params):
     Raises:
         ConfigError: a timeout option (``C10D_TIMEOUTS``) is not a whole number of seconds > 0.
         RendezvousFailed: the endpoint is held by something that does not answer as a TCPStore
-            (within PROBE_TIMEOUT seconds), or no store came up within ``read_timeout``.
+            (within PROBE_TIMEOUT seconds); on a node that does not host the store (``is_host``
+            false), nothing listened there within ``join_timeout`` (``_wait_for_store_host``); on
+            the store's host, or for a name that does not resolve, no store within ``read_timeout``.
     """
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
@@ -256,9 +261,12 @@ def create_c10d_handler(params):
         # a pod's or container's hostname that does not resolve raises gaierror (fsm_agent.hosts).
         params.config["is_host"] = "1" if is_this_host(host) else "0"
     read_timeout = float(params.get("read_timeout", 60))
+    if port and not _hosts_store(params):
+        _wait_for_store_host(params, host, port)
     # Something already listens: a real TCPStore answers in milliseconds, so a silent peer is an
     # unrelated program (torch would block in its client handshake, then retry until join_timeout).
-    # Nothing listens yet: wait as torch does for a store host that starts later.
+    # Nothing listens yet (a name that does not resolve, or this node hosts the store): wait as
+    # torch does, read_timeout.
     deadline = min(PROBE_TIMEOUT, read_timeout) if port and _listening(host, port) else read_timeout + 5
     outcome: dict = {}
 
@@ -298,6 +306,58 @@ def create_c10d_handler(params):
 
 #: Seconds a store that accepts connections gets to answer before the endpoint is declared wrong.
 PROBE_TIMEOUT = 10.0
+#: Seconds between the progress lines of a node waiting for a store host that has not started.
+WAIT_PROGRESS_S = 30.0
+#: Seconds between two looks for the store host's port while nothing listens there.
+WAIT_POLL_S = 0.5
+
+
+def _hosts_store(params) -> bool:
+    """``is_host`` as torch reads it; a value torch cannot read counts as hosting (torch names it)."""
+    try:
+        return bool(params.get_as_bool("is_host", False))
+    except ValueError:
+        return True
+
+
+def _wait_for_store_host(params, host: str, port: int) -> None:
+    """A node that does not host the store (``is_host`` false) waits up to ``join_timeout`` seconds
+    for something to listen at the endpoint: pods, VMs and Slurm steps start in any order, and the
+    store's host may come minutes after the others. torch gives up after ``read_timeout`` (its
+    TCPStore client's connect timeout). A log line every ``WAIT_PROGRESS_S`` seconds says what it
+    waits for. Returns at once when the name does not resolve (the caller names that).
+
+    Raises:
+        RendezvousFailed: nothing listened within ``join_timeout``.
+    """
+    join_timeout = float(params.get("join_timeout", C10D_TIMEOUTS["join_timeout"]))
+    started = time.monotonic()
+    next_line = started + WAIT_PROGRESS_S
+    while not _listening(host, port):
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError):
+            return
+        now = time.monotonic()
+        if now - started >= join_timeout:
+            raise RendezvousFailed(
+                f"rendezvous endpoint {params.endpoint} (backend c10d): nothing listened there within "
+                f"join_timeout={join_timeout:g}s (is_host={params.get('is_host')}): start the node that hosts "
+                f"the store (is_host=1, or the host named in --rdzv-endpoint), check --rdzv-endpoint, or give "
+                f"a longer --rdzv-conf join_timeout"
+            )
+        if now >= next_line:
+            next_line = now + WAIT_PROGRESS_S
+            log.warning(
+                "c10d rendezvous: waiting for the store host at %s:%s to start (nothing listens there yet; "
+                "is_host=%s): %.0fs of join_timeout=%gs",
+                host,
+                port,
+                params.get("is_host"),
+                now - started,
+                join_timeout,
+            )
+        time.sleep(WAIT_POLL_S)
 
 
 def _listening(host: str, port: int) -> bool:
