@@ -17,4 +17,4 @@ if command -v systemctl >/dev/null 2>&1; then
         if systemctl is-active --quiet "$service" 2>/dev/null; then $SUDO systemctl stop "$service" || true; fi
     done
 fi
-srun --version
+slurmctld -V  # srun --version needs a configuration source, which only slurm-up.sh writes

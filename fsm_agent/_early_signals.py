@@ -20,9 +20,11 @@ handlers do nothing more.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import Iterator
 
 _DEFAULT_STOP = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
@@ -84,7 +86,40 @@ def take_early_stop() -> int | None:
     return _stopping[0] if _stopping and _installed else None
 
 
+#: Inside ``undisturbed``: how deep, and the first stop signal held there (delivered at its end).
+_undisturbed_depth: list[int] = [0]
+_held: list[int] = []
+
+
+@contextlib.contextmanager
+def undisturbed() -> Iterator[None]:
+    """Hold stop signals while the block runs, then deliver the first one held to whichever handler
+    is in place. For importing torch: an exception a handler raises inside torch's C++ module
+    initialisation cannot unwind it, and the process aborts (SIGABRT, exit 134) instead of
+    stopping with 128+N. A handler asks ``held(signum)`` first."""
+    _undisturbed_depth[0] += 1
+    try:
+        yield
+    finally:
+        _undisturbed_depth[0] -= 1
+        if not _undisturbed_depth[0] and _held:
+            signum = _held.pop()
+            _held.clear()
+            signal.raise_signal(signum)
+
+
+def held(signum: int) -> bool:
+    """For a stop-signal handler: True when ``signum`` is held by ``undisturbed`` (return at once)."""
+    if not _undisturbed_depth[0]:
+        return False
+    if not _held:
+        _held.append(signum)
+    return True
+
+
 def _exit(signum: int, frame: object) -> None:
+    if held(signum):
+        return
     if _stopping:  # already on the way out (a second signal of the same kill): let it finish
         return
     note_stop(signum)

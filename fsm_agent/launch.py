@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import attrs
 
-from fsm_agent._early_signals import note_stop
+from fsm_agent._early_signals import held, note_stop
 from fsm_agent.agent import ElasticAgent
 from fsm_agent.config import LaunchConfig
 from fsm_agent.errorfile import format_summary, propagate_to_parent
@@ -312,7 +312,7 @@ class _StopBeforeRun:
         self.done = False
 
     def __call__(self, signum: int, frame: Any) -> None:
-        if self.done:
+        if self.done or held(signum):
             return
         self.done = True
         note_stop(signum)

@@ -191,7 +191,10 @@ class BackendRegistry:
 def torch_parameters(config: Any, **defaults: Any) -> Any:
     """torch's ``RendezvousParameters`` for a ``LaunchConfig`` (as torch's ``launch_agent`` builds
     them); ``defaults`` fill in ``rdzv_configs`` keys the configuration does not set."""
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from fsm_agent._early_signals import undisturbed
+
+    with undisturbed():  # the agent's first import of torch: a stop signal waits for its end
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     return RendezvousParameters(
         backend=config.rdzv_backend,

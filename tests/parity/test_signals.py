@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -403,17 +405,21 @@ def test_netns_static_node_alone_stops_at_once(netns_hosts, node_rank, sig):
 
 @pytest.mark.multihost
 def test_netns_static_job_stops_with_the_signal(netns_hosts):
-    """Both static nodes run their workers; SIGINT to one and SIGHUP to the other end each with 128+N."""
+    """Both static nodes run their workers; SIGINT to one and SIGHUP to the other, sent together, end each with 128+N."""
     agents = [netns_hosts.start_agent(r, *_static_flags(netns_hosts, r), final_world=99) for r in (0, 1)]
     netns_hosts.wait_for(
         lambda: len(netns_hosts.records("reduced")) == 2, 120, "both workers reduced", expect_running=agents
     )
-    for agent, sig in zip(agents, (signal.SIGINT, signal.SIGHUP)):
-        sent = time.monotonic()
-        agent.proc.send_signal(sig)
-        code = agent.wait(STOP_BOUND_S + 30)
+    # Both signals before either wait, node 1's first: node 1 stops on its own (exit 1, one line)
+    # once the store's host ended before its workers succeeded, which is not what this test checks.
+    signals = {1: signal.SIGHUP, 0: signal.SIGINT}
+    sent = time.monotonic()
+    for rank, sig in signals.items():
+        agents[rank].proc.send_signal(sig)
+    for rank, sig in signals.items():
+        code = agents[rank].wait(STOP_BOUND_S + 30)
         took = time.monotonic() - sent
-        assert code == 128 + sig and took < STOP_BOUND_S, f"exit {code} after {took:.1f}s\n{agent.output()}"
+        assert code == 128 + sig and took < STOP_BOUND_S, f"exit {code} after {took:.1f}s\n{agents[rank].output()}"
     for name in netns_hosts.names[:2]:
         assert not netns_hosts.pids_in(name), "processes left in the hosts"
 
@@ -521,3 +527,34 @@ def test_store_host_stopped_before_the_exit_barrier(parity):
 
     outcome = parity.run(FSM_AGENT, scenario)
     assert not outcome.leftovers, outcome.describe()
+
+
+# -- the suite itself under nohup ----------------------------------------------------------------------
+def test_the_sighup_tests_hold_when_the_suite_runs_under_nohup(tmp_path):
+    """A suite started under nohup (or by a runner that detaches the same way) hands SIGHUP ignored
+    to every agent it starts, and an agent keeps an inherited SIGHUP ignored on purpose; the
+    suite's conftest.py gives its processes the default back, so the SIGHUP tests test the agent.
+    (Before, test_workers_get_the_signal_the_agent_got[SIGHUP] failed there: "exit -9 after 20.0s".)"""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "FSM_TEST_CPU_HOGS"}
+    inner = subprocess.run(
+        [
+            "nohup",
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+            "tests/parity/test_signals.py::test_workers_get_the_signal_the_agent_got[SIGHUP]",
+        ],
+        cwd=root,
+        env={**env, "TMPDIR": str(tmp_path)},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert inner.returncode == 0, inner.stdout[-4000:]
