@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_digits.py"
@@ -128,3 +131,22 @@ def test_worker_exit_code_becomes_agent_exit_code(agents, tmp_path):
     )
     assert result.returncode == 7, result.stderr
     assert "exitcode  : 7" in result.stderr
+
+
+def test_the_readme_two_node_command_trains_one_job(agents, tmp_path):
+    """The README's two-agent loopback command, as written there (a free port and a fresh
+    checkpoint in place of 29400 and runs/): two nodes of one job, world size 2, accuracy >= 0.95."""
+    readme = (REPO / "README.md").read_text()
+    line = next(ln.strip() for ln in readme.splitlines() if "--rdzv-id digits-2n" in ln)
+    argv = shlex.split(line.rstrip("&").strip())
+    assert argv[:2] == ["fsm-agent", "run"], line
+    port = free_port()
+    args = [a.replace("127.0.0.1:29400", f"127.0.0.1:{port}") for a in argv[2:]]
+    args[args.index("runs/two_nodes.pt")] = str(tmp_path / "two_nodes.pt")
+    args[args.index("examples/train_digits.py")] = str(EXAMPLE)
+    procs = [agents.start(*args, "--result-file", str(tmp_path / f"res{n}.json")) for n in (0, 1)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=TIMEOUT)
+        assert proc.returncode == 0, err
+    summaries = [json.loads(p.read_text()) for p in tmp_path.glob("res*.json")]
+    assert summaries and all(s["world_size"] == 2 and s["test_accuracy"] >= 0.95 for s in summaries), summaries
