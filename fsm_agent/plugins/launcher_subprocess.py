@@ -354,9 +354,14 @@ class SubprocessLauncher:
     def return_values(self) -> dict[int, Any]:
         values = {}
         for r, h in self._handles.items():
-            if h.result_path and h.exitcode == 0 and os.path.getsize(h.result_path) > 0:
+            if h.exitcode != 0 or not h.result_path:
+                continue
+            try:
                 with open(h.result_path, "rb") as f:
-                    values[r] = pickle.load(f)
+                    data = f.read()
+            except FileNotFoundError:  # exit 0 without a value (os._exit(0)): None, as torch's
+                data = b""
+            values[r] = pickle.loads(data) if data else None
         return values
 
     # -- stop -----------------------------------------------------------------------------------
@@ -597,7 +602,14 @@ def _callable_worker(
             return f
 
     def run_and_keep() -> None:  # under @record, so a value that cannot go back is the error recorded
-        value = fn(*args)
+        try:
+            value = fn(*args)
+        except SystemExit as exc:
+            # A script run by --run-path that ends in sys.exit(0) (or sys.exit()) succeeded: its
+            # value is None, as under torch's record, which swallows SystemExit(0) the same way.
+            if exc.code not in (None, 0):
+                raise
+            value = None
         try:
             data = pickle.dumps(value)
         except Exception as exc:
