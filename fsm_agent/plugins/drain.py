@@ -20,12 +20,16 @@ budget; it is a ``drain`` record in the events file, the ``fsm_agent.drains`` an
 
 from __future__ import annotations
 
+import os
 import signal
 
+from fsm_agent.errors import ConfigError
 from fsm_agent.plugins import hookimpl
 from fsm_agent.worker import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_SCOPES, DrainSettings
 
 PLUGIN_NAME = "drain"
+#: What a ``--drain-file`` already there at start does (``--drain-file-at-start``).
+FILE_AT_START = ("refuse", "drain")
 
 
 def _signal_number(name: str) -> int:
@@ -73,6 +77,14 @@ def fsm_agent_addoption(options):
         help="a file whose appearance requests a drain (a node-health daemon's mark); default: none",
     )
     options.add(
+        "file_at_start",
+        type=str,
+        default="refuse",
+        choices=FILE_AT_START,
+        help="a --drain-file already there when the agent starts: refuse (exit 2, one line: a mark "
+        "never removed would requeue the job forever) or drain (at once, exit 75)",
+    )
+    options.add(
         "timeout",
         type=float,
         default=DEFAULT_DRAIN_TIMEOUT_S,
@@ -105,4 +117,11 @@ def fsm_agent_configure(config, agent):
         scope=options.get("scope") or "node",
         checkpoint_signal=_signal_number(options.get("checkpoint_signal") or "SIGUSR1"),
     )
+    if settings.file and os.path.lexists(settings.file) and (options.get("file_at_start") or "refuse") == "refuse":
+        # Draining at once would end every start of the job with 75 (requeue) while the mark stays.
+        raise ConfigError(
+            f"--drain-file {settings.file}: it exists already, before the job started (a mark never removed, "
+            f"or this node is being drained): remove it, run the job on another node, or give "
+            f"--drain-file-at-start drain to drain at once (exit 75)"
+        )
     agent.drain_on(settings)

@@ -19,7 +19,10 @@ of the events file (docs/events.md) and a row of ``fsm-agent status``.
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 
+from fsm_agent.errors import ConfigError
 from fsm_agent.plugins import hookimpl
 from fsm_agent.progress import MEMBERSHIP_CLASSES, write_finished_file
 from fsm_agent.states import WorkerState
@@ -129,4 +132,24 @@ def fsm_agent_configure(config, agent):
     if limit:
         agent.plugin_manager.register(NoProgressPolicy(agent, limit), f"{PLUGIN_NAME}-policy-{id(agent)}")
     if finished_file:
+        _check_writable(finished_file)
         agent.plugin_manager.register(FinishedFile(agent, finished_file), f"{PLUGIN_NAME}-finished-{id(agent)}")
+
+
+def _check_writable(path: str) -> None:
+    """A file can be created beside ``path`` now, as ``write_finished_file`` will at the end.
+
+    Raises:
+        ConfigError: it cannot: a job that succeeded with no finished file would be requeued
+            and run again by its wrapper.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".fsm_agent_finished_probe_", dir=directory)
+    except OSError as exc:
+        raise ConfigError(
+            f"--finished-file {path}: cannot write there ({exc.strerror or exc}): give a path in a "
+            f"folder that exists and this agent can write"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
