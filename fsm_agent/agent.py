@@ -34,7 +34,7 @@ from fsm_agent._early_signals import note_stop, take_early_drain, take_early_sto
 from fsm_agent._early_zygote import listen_on
 from fsm_agent.env import worker_env
 from fsm_agent.finished_nodes import count_finished, mark_finished
-from fsm_agent.errors import FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
+from fsm_agent.errors import ConfigError, FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.hang import HangDetector, announce_stack_dump, dump_stacks
 from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, WorkerLogs
 from fsm_agent.plugins.listeners import reject_listener_wrappers
@@ -278,6 +278,7 @@ class ElasticAgent:
         self._checked_in_at_exit_barrier = False
         self._error: str | None = None
         self._signal: int | None = None
+        self._signal_stopped_workers = False
         self._interruptible = False
         self._drain_settings = DrainSettings()
         self._drain_lock = threading.RLock()  # RLock: a drain signal may arrive while the loop holds it
@@ -413,6 +414,7 @@ class ElasticAgent:
             failures=dict(self._failures),
             error=self._error,
             signal=self._signal,
+            stopped_workers=self._signal_stopped_workers,
             restart_count=self.restart_count,
             verdict=(self._decision.reason or None) if gave_up else self._drain_verdict(),
             verdict_exit_code=self._decision.exit_code if gave_up else None,
@@ -747,16 +749,22 @@ class ElasticAgent:
         Called by the ``drain`` plugin's ``fsm_agent_configure``, before ``run()``.
 
         Raises:
-            ValueError: a drain signal is also a stop signal (``--signals-to-handle``) or forwarded
-                (``--forward-signals``), or the scope is unknown.
+            ConfigError: a drain signal is also a stop signal (``--signals-to-handle``) or forwarded
+                (``--forward-signals``).
+            ValueError: the scope is unknown.
         """
         if settings.scope not in DRAIN_SCOPES:
             raise ValueError(f"drain scope {settings.scope!r} is not one of {', '.join(DRAIN_SCOPES)}")
         for sig in settings.signals:
             for flag, taken in (("--signals-to-handle", self._signals), ("--forward-signals", self._forwarded)):
                 if sig in taken:
-                    raise ValueError(
-                        f"{signal.Signals(sig).name} is both a drain signal and in {flag}; list it in one of them"
+                    name = signal.Signals(sig).name
+                    meaning = (
+                        "stops the job, torchrun's meaning" if flag == "--signals-to-handle" else "goes to the workers"
+                    )
+                    raise ConfigError(
+                        f"--drain-signals {name}: {name} is both a drain signal and in {flag} (it {meaning}): "
+                        f"give --drain-signals another signal (e.g. SIGUSR2), or leave {name} out of {flag}"
                     )
         self._drain_settings = settings
 
@@ -1514,7 +1522,8 @@ class ElasticAgent:
             self._signal = signum
             note_stop(signum)  # the CLI's early handlers, back once run() ends, then ignore stop signals
             name = signal.Signals(signum).name
-            if self._launcher.pids():
+            self._signal_stopped_workers = bool(self._launcher.pids())
+            if self._signal_stopped_workers:
                 log.warning("received %s: stopping the workers with %s", name, name)
             else:
                 log.warning("received %s: stopping (no workers running)", name)

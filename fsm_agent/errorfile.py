@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import time
 from collections import deque
@@ -71,7 +72,12 @@ def format_summary(name: str, result: RunResult) -> str:
     if cause is None:
         lines += ["Root Cause (first observed failure):", f"  {result.error or 'agent stopped'}"]
         if result.signal is not None:
-            lines.append(f"  agent received signal {result.signal} and stopped its workers")
+            what = (
+                "and stopped its workers"
+                if result.stopped_workers
+                else "while no worker ran (in a rendezvous, between attempts or in the exit barrier)"
+            )
+            lines.append(f"  agent received signal {result.signal} ({_signal_name(result.signal)}) {what}")
         lines.append("=" * width)
         return "\n".join(lines)
     lines += ["Root Cause (first observed failure):"] + _entry(cause)
@@ -161,3 +167,10 @@ def propagate_to_parent(result: RunResult, name: str) -> None:
 
 def hostname() -> str:
     return socket.getfqdn()
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

@@ -359,6 +359,8 @@ class RunResult:
             stopped itself are not failures).
         error: the agent-level error message (rendezvous failure, plugin exception), if any.
         signal: the signal number that stopped the agent, if one did.
+        stopped_workers: the signal came while workers ran, and the agent stopped them (False: it
+            came in a rendezvous, between attempts or in the exit barrier).
         restart_count: restarts used.
         verdict: the restart policy's reason when it gave up or took this node out of the job
             (``RestartDecision.reason``), else None.
@@ -375,6 +377,7 @@ class RunResult:
     signal: int | None = None
     restart_count: int = 0
     verdict: str | None = None
+    stopped_workers: bool = False
     verdict_exit_code: int | None = None
     drain: str | None = None
 

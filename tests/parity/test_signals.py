@@ -101,6 +101,7 @@ def test_workers_get_the_signal_the_agent_got(parity, sig):
         result, took = stop(proc, sig, patience(tool))
         if tool.is_fsm:
             check_stopped(result, took, sig)
+            assert f"agent received signal {int(sig)} ({sig.name}) and stopped its workers" in result.stderr
         return result
 
     outcomes = parity.both(scenario)
@@ -243,6 +244,8 @@ def test_stop_while_waiting_for_the_other_nodes(parity, case, sig):
         result, took = stop(proc, sig, patience(tool))
         if tool.is_fsm:
             check_stopped(result, took, sig)
+            # no worker ran: the summary says so, not "stopped its workers" (#30.9)
+            assert f"agent received signal {int(sig)} ({sig.name}) while no worker ran" in result.stderr, result.stderr
         return result
 
     outcomes = parity.both(scenario, tools=(TORCHRUN, FSM_AGENT) if torch_knows else (FSM_AGENT,))
