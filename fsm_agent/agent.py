@@ -1726,4 +1726,8 @@ class ElasticAgent:
         if "is_host" in (rdzv.conf_keys or ()):  # a backend that does not read is_host: it means nothing
             where += f" is_host={rdzv.config.get('is_host', 'inferred from the endpoint')}"
         detail = str(exc) or _empty_rendezvous_error_detail(exc, rdzv, key, seconds)
+        own_prefix = f"{rdzv.backend} rendezvous failed: "
+        if isinstance(exc, FsmAgentError) and detail.startswith(own_prefix) and "endpoint=" in detail:
+            # The backend named where itself (fsm's handler): say it once, not twice.
+            return f"rendezvous failed: {detail[len(own_prefix) :]}"
         return f"rendezvous failed: {where}: {type(exc).__name__}: {detail}"

@@ -99,6 +99,8 @@ def test_the_store_process_lost_ends_the_job_in_one_line(tmp_path, store_process
             assert job.agent(name).wait(180) != 0, job.diagnostics()
             err = (tmp_path / f"agent_{name}.err").read_text()
             assert f"rendezvous failed: backend=fsm endpoint={store_process.endpoint}" in err, job.diagnostics()
+            (cause,) = [line for line in err.splitlines() if "rendezvous failed:" in line and "connection" in line]
+            assert cause.count("backend=fsm") == 1, cause  # said once (#30.9)
             assert "Traceback" not in err, job.diagnostics()
     finally:
         job.close()

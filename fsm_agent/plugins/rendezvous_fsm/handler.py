@@ -184,8 +184,8 @@ class FsmRendezvousHandler:
                 # holder is not an fsm store.
                 self._port_taken = True
                 self._hosting_note = (
-                    f"tried to host the store but {format_endpoint(target, self.port)} is taken "
-                    f"(joining the program that holds it as a client)"
+                    f"found {format_endpoint(target, self.port)} taken when it started, so joined the "
+                    f"store there as a client (another agent on this machine hosts it)"
                 )
                 return
             raise RendezvousFailed(
