@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import time
 
+from fsm_agent.tempdirs import forget, remove_if_the_agent_dies
 from fsm_agent.heartbeat import HEARTBEAT_FILE_ENV, read_compute, read_step
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class HangDetector:
             file_timer = os.environ.get(ENABLE_FILE_TIMER_ENV) == "1"
         # Only when something goes in it: a directory in /tmp is one more thing a SIGKILLed agent leaves.
         needs_dir = hang_timeout is not None or (file_timer and not os.environ.get(TIMER_FILE_ENV))
-        self._dir = tempfile.mkdtemp(prefix="fsm_agent_hb_") if needs_dir else None
+        self._dir = _heartbeat_dir() if needs_dir else None
         self._steps = False
         self._timers: dict[tuple[int, str], tuple[float, int]] = {}
         self._fifo_r = self._fifo_keepalive_w = None
@@ -70,7 +71,7 @@ class HangDetector:
         read what ``fsm_agent.heartbeat(step=N)`` reported (progress-aware restarts)."""
         self._steps = True
         if self._dir is None:
-            self._dir = tempfile.mkdtemp(prefix="fsm_agent_hb_")
+            self._dir = _heartbeat_dir()
 
     def steps(self, local_world_size: int) -> dict[int, int]:
         """{local_rank: the last step its worker reported this attempt}, for workers that did."""
@@ -163,6 +164,7 @@ class HangDetector:
         self._fifo_r = self._fifo_keepalive_w = None
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
+            forget(self._dir)
 
 
 def announce_stack_dump(stderr_path: str | None, local_rank: int, pid: int) -> None:
@@ -195,3 +197,10 @@ def dump_stacks(pid: int, timeout: float = 10.0) -> str:
         return done.stdout or done.stderr
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"py-spy failed: {exc}"
+
+
+def _heartbeat_dir() -> str:
+    """A new heartbeat directory, removed by the cgroup keeper if the agent dies (``fsm_agent.tempdirs``)."""
+    path = tempfile.mkdtemp(prefix="fsm_agent_hb_")
+    remove_if_the_agent_dies(path)
+    return path

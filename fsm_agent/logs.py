@@ -17,6 +17,7 @@ import tempfile
 import attrs
 
 from fsm_agent.errors import ConfigError
+from fsm_agent.tempdirs import forget, remove_if_the_agent_dies
 
 log = logging.getLogger(__name__)
 NONE, OUT, ERR, ALL = 0, 1, 2, 3
@@ -83,6 +84,8 @@ class LogsLayout:
         base = self.log_dir
         if base is None:
             base = self.temporary_dir = tempfile.mkdtemp(prefix="fsm_agent_")
+            if not self.holds_only_copy_of_output:  # that one is kept, however the agent ends
+                remove_if_the_agent_dies(base)
         elif os.path.isfile(base):
             raise ConfigError(f"--log-dir {base!r} is a file: pass a directory")
         try:
@@ -104,6 +107,7 @@ class LogsLayout:
             log.warning("worker output that was not shown is kept in %s (no --log-dir was given)", self.run_log_dir)
         else:
             shutil.rmtree(self.temporary_dir, ignore_errors=True)
+            forget(self.temporary_dir)
         self.temporary_dir = None
 
     @property

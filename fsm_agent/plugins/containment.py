@@ -269,6 +269,9 @@ def _alive(pid: int) -> bool:
 
 
 _keepers: weakref.WeakSet[Keeper] = weakref.WeakSet()
+#: What the agent writes to its keeper before closing the pipe on its own way out: its temporary
+#: directories (``fsm_agent.tempdirs``) are then its own to remove or keep; EOF alone: it died.
+_CLEAN_EXIT = b"clean-exit\n"
 
 
 class Keeper:
@@ -281,10 +284,12 @@ class Keeper:
     def __init__(self, cgroup: WorkerCgroup):
         import subprocess
 
+        from fsm_agent.tempdirs import registered  # not at module level: the keeper's script runs with -I -S
+
         read_end, write_end = os.pipe()  # both close-on-exec
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-I", "-S", os.path.abspath(__file__), "--keep", cgroup.path],
+                [sys.executable, "-I", "-S", os.path.abspath(__file__), "--keep", cgroup.path, *registered()],
                 stdin=read_end,
                 stdout=subprocess.DEVNULL,
                 close_fds=True,
@@ -307,6 +312,8 @@ class Keeper:
         import subprocess
 
         _keepers.discard(self)
+        with contextlib.suppress(OSError):  # a keeper already gone: nothing to tell
+            self._pipe.write(_CLEAN_EXIT)
         self._pipe.close()
         try:
             return self.process.wait(timeout) == 0
@@ -332,20 +339,30 @@ def _drop_pipes_in_child() -> None:
 os.register_at_fork(after_in_child=_drop_pipes_in_child)
 
 
-def _keep(path: str) -> int:
-    """The keeper: wait for EOF on stdin, then kill, empty and remove the cgroup at ``path``."""
+def _keep(path: str, agent_dirs: list[str]) -> int:
+    """The keeper: wait for EOF on stdin, then kill, empty and remove the cgroup at ``path``; when
+    the agent died (EOF without ``_CLEAN_EXIT``), remove its temporary ``agent_dirs`` too."""
+    received = b""
     while True:
         try:
-            if not os.read(0, 4096):
-                break
+            data = os.read(0, 4096)
         except OSError:
             break
+        if not data:
+            break
+        received += data
     cgroup = WorkerCgroup(path)
     cgroup.kill()
-    return 0 if cgroup.remove() else 1  # a failure is logged to stderr (logging's last resort)
+    removed = cgroup.remove()  # a failure is logged to stderr (logging's last resort)
+    if _CLEAN_EXIT not in received:
+        import shutil
+
+        for directory in agent_dirs:
+            shutil.rmtree(directory, ignore_errors=True)
+    return 0 if removed else 1
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["--keep"] or len(sys.argv) != 3:
-        sys.exit("usage: containment.py --keep CGROUP_DIR")
-    sys.exit(_keep(sys.argv[2]))
+    if sys.argv[1:2] != ["--keep"] or len(sys.argv) < 3:
+        sys.exit("usage: containment.py --keep CGROUP_DIR [AGENT_TEMP_DIR ...]")
+    sys.exit(_keep(sys.argv[2], sys.argv[3:]))

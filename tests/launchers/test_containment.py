@@ -304,3 +304,36 @@ def test_one_cgroup_and_keeper_serve_every_attempt(launcher, cgroups):
     assert len(_keepers(first)) == 1 and _keepers(first) == _keepers(second)
     assert not os.path.exists(first["cgroup"])
     assert not psutil.pid_exists(_keepers(first)[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hang_timeout", [(), ("--hang-timeout", "600")], ids=["logs", "logs-and-heartbeats"])
+def test_sigkill_of_the_agent_leaves_no_temporary_directory(launcher, cgroups, hang_timeout):
+    """The agent's temporary log directory (no --log-dir) and heartbeat directory: the keeper
+    removes them once the agent alone is SIGKILLed (#30.7; each stayed in /tmp before)."""
+    script = write_script(launcher.dir, "w.py", DAEMON_WORKER)
+    agent = launcher.fsm("--standalone", "--nproc-per-node", "1", *hang_timeout, script)
+    daemons, path = _cgroup_of_daemons(launcher, 1)
+    cgroups.append(path)
+    made = sorted(p.name for p in launcher.tmp.glob("fsm_agent_*"))
+    assert len(made) == (2 if hang_timeout else 1), made
+    keepers = [p.pid for p in psutil.Process(agent.pid).children() if "--keep" in p.cmdline()]
+    os.kill(agent.pid, signal.SIGKILL)
+    agent.popen.wait(10)
+    assert wait_until(lambda: all(gone(pid) for pid in daemons + keepers), 15)
+    assert sorted(p.name for p in launcher.tmp.glob("fsm_agent_*")) == []
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_agent_keeps_a_directory_with_the_only_copy_of_output(launcher, cgroups):
+    """--redirects 3 without --log-dir: the worker's output is only in the temporary directory,
+    which the agent keeps on its way out; the keeper keeps it too."""
+    script = write_script(launcher.dir, "w.py", DAEMON_WORKER)
+    agent = launcher.fsm("--standalone", "--nproc-per-node", "1", "--redirects", "3", script)
+    daemons, path = _cgroup_of_daemons(launcher, 1)
+    cgroups.append(path)
+    keepers = [p.pid for p in psutil.Process(agent.pid).children() if "--keep" in p.cmdline()]
+    os.kill(agent.pid, signal.SIGKILL)
+    agent.popen.wait(10)
+    assert wait_until(lambda: all(gone(pid) for pid in daemons + keepers), 15)
+    assert len(list(launcher.tmp.glob("fsm_agent_*"))) == 1
