@@ -141,7 +141,18 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
 WORKER_COLUMNS = ("local_rank", "global_rank", "role_rank", "pid", "state", "exit_code")
 TRANSITION_COLUMNS = ("time", "source", "dest", "trigger", "in source", "restarts", "error")
 CYCLE_COLUMNS = ("attempt", "start", "last step", "checkpoint", "failure", "progress", "no progress")
-STEP_TIME_COLUMNS = ("global_rank", "local_rank", "node_rank", "host", "step time", "ratio", "straggler")
+#: "ratio" is of the time judged: "compute/step" where workers report compute time, else "step time"
+#: (in lockstep training the step time is the same on every rank; only compute time tells them apart).
+STEP_TIME_COLUMNS = (
+    "global_rank",
+    "local_rank",
+    "node_rank",
+    "host",
+    "step time",
+    "compute/step",
+    "ratio",
+    "straggler",
+)
 
 
 def worker_rows(doc: dict[str, Any]) -> list[list[str]]:
@@ -196,6 +207,7 @@ def step_time_rows(doc: dict[str, Any]) -> list[list[str]]:
                 _text(r.get("node_rank")),
                 _text(r.get("host")),
                 f"{r['step_time_s']:.4f}s" if r.get("step_time_s") is not None else "-",
+                f"{r['compute_s']:.4f}s" if r.get("compute_s") is not None else "-",
                 f"{r['ratio']:.2f}x" if r.get("ratio") is not None else "-",
                 "yes" if r.get("straggler") else "",
             ]
@@ -208,8 +220,8 @@ def _step_time_title(doc: dict[str, Any]) -> str:
     median = times.get("median_s")
     judged = "compute time per step" if times.get("basis") == "compute" else "step time"
     return (
-        f"step times (job median {judged} {median:.4f}s; straggler above {times.get('factor')}x for "
-        f"{times.get('windows')} windows)"
+        f"step times (job median {judged} {median:.4f}s; ratio: each rank's {judged} to it; straggler "
+        f"above {times.get('factor')}x for {times.get('windows')} windows)"
         if median is not None
         else "step times (no job median yet)"
     )

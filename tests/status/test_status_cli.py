@@ -176,9 +176,18 @@ def test_the_step_times_are_a_table_with_the_median_and_each_ratio():
         },
     }
     text = status_cli.render_plain(doc, "http://x/status")
-    assert "step times (job median step time 0.0500s; straggler above 1.5x for 3 windows)" in text
-    assert text.splitlines()[-1].split() == ["1", "1", "0", "n1", "0.2000s", "4.00x", "yes"]
+    assert (
+        "step times (job median step time 0.0500s; ratio: each rank's step time to it; straggler above 1.5x "
+        "for 3 windows)" in text
+    )
+    assert text.splitlines()[-1].split() == ["1", "1", "0", "n1", "0.2000s", "-", "4.00x", "yes"]
     assert "step times" not in status_cli.render_plain({**DOC, "step_times": None}, "http://x/status")
+    # Lockstep training: equal step times, ratios of compute time, and a column that shows it (#30.9).
+    lockstep = {**doc["step_times"], "basis": "compute", "median_s": 0.03}
+    lockstep["ranks"] = [{**r, "step_time_s": 0.2, "compute_s": c} for r, c in zip(lockstep["ranks"], (0.03, 0.12))]
+    text = status_cli.render_plain({**DOC, "step_times": lockstep}, "http://x/status")
+    assert "job median compute time per step 0.0300s; ratio: each rank's compute time per step to it" in text
+    assert text.splitlines()[-1].split() == ["1", "1", "0", "n1", "0.2000s", "0.1200s", "4.00x", "yes"]
     pytest.importorskip("rich")
     from rich.console import Console
 
