@@ -35,6 +35,7 @@ from fsm_agent.resolve import (
     check_rdzv_endpoint,
     cli_given,
     config_from_args,
+    configure_logging,
     effective_rows,
     resolve_nproc_per_node,
     resolve_run_args,
@@ -67,6 +68,7 @@ __all__ = [
     "config_command",
     "config_from_args",
     "configuration_reference",
+    "configure_logging",
     "effective_rows",
     "env_vars",
     "fsmrun_main",
@@ -112,6 +114,7 @@ def config_command(argv: list[str]) -> int:
     if "--reference" in argv:
         sys.stdout.write(configuration_reference())
         return 0
+    configure_logging()  # the parse's warnings at $LOGLEVEL, as run's
     resolved = resolve_run_args(argv, "fsm-agent config", for_config=True)
     config, _, _ = config_from_args(resolved.args, set_omp_num_threads=False, registry=resolved.plugins.registry)
     check_rdzv_conf(resolved, config)
@@ -215,7 +218,8 @@ def _parse_run(
     """``argv`` parsed like torchrun (plus env vars, the config file and plugin options): the config,
     the entrypoint, its arguments and the plugins that were loaded to read their options, with the
     backend registry built to check the rendezvous flags (handed down, so both are built once per
-    process). Raises ConfigError / PluginError for bad input."""
+    process). Raises ConfigError / PluginError for bad input ($LOGLEVEL's included)."""
+    configure_logging()  # before the parse: its warnings (the OMP_NUM_THREADS banner, ...) obey $LOGLEVEL
     resolved = resolve_run_args(argv, prog)
     config, entrypoint, entrypoint_args = config_from_args(resolved.args, registry=resolved.plugins.registry)
     check_rdzv_conf(resolved, config)

@@ -410,6 +410,11 @@ def _read_toml(path: str, origin: str) -> dict[str, Any]:
         raise ConfigError(f"{origin} {path}: cannot read it: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # tomllib decodes the whole file first
+        line = exc.object[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}: byte 0x{exc.object[exc.start]:02x} on line {line} is not UTF-8; TOML is UTF-8: save it as UTF-8"
+        ) from None
 
 
 def find_config_file(explicit: str | None, origin: str = "--config", cwd: str | None = None) -> ConfigFile | None:
@@ -420,8 +425,8 @@ def find_config_file(explicit: str | None, origin: str = "--config", cwd: str | 
     other file is the configuration from its top level.
 
     Raises:
-        ConfigError: the explicit file is missing, unreadable or not TOML; the pyproject.toml is
-            not TOML; ``[tool.fsm_agent]`` is not a table.
+        ConfigError: the explicit file is missing, unreadable, not UTF-8 or not TOML; the
+            pyproject.toml is not UTF-8 or not TOML; ``[tool.fsm_agent]`` is not a table.
     """
     if explicit:
         data = _read_toml(explicit, origin)

@@ -59,6 +59,39 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOG_LINE_PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+#: torch's variables: the agent's log level, and the workers' Python interpreter.
+LOGLEVEL_ENV = "LOGLEVEL"
+PYTHON_EXEC_ENV = "PYTHON_EXEC"
+#: The agent's log lines on stderr (as ``fsm_agent.launch._configure_logging`` formats them).
+LOG_FORMAT = "[fsm-agent %(levelname).1s %(asctime)s] %(message)s"
+#: The ``$LOGLEVEL`` values an error suggests (logging also takes NOTSET, WARN and FATAL).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level() -> str:
+    """``$LOGLEVEL``, upper-cased as torch reads it; WARNING when unset.
+
+    Raises:
+        ConfigError: it is no log level name (logging's ``ValueError: Unknown level`` traceback).
+    """
+    raw = os.environ.get(LOGLEVEL_ENV, "WARNING")
+    level = raw.upper()
+    if not isinstance(logging.getLevelName(level), int):  # a known name maps to its number
+        raise ConfigError(
+            f"{LOGLEVEL_ENV}={raw!r}: not a log level; use one of {', '.join(LOG_LEVELS)} (any case), or unset it"
+        )
+    return level
+
+
+def configure_logging() -> None:
+    """Log to stderr at ``$LOGLEVEL`` from the start of a command, so the warnings of the parse (the
+    OMP_NUM_THREADS banner, ...) obey it as the agent's do. Does nothing more once logging is
+    configured (``logging.basicConfig``'s rule), as the launch's own call then does not.
+
+    Raises:
+        ConfigError: ``$LOGLEVEL`` is no log level name.
+    """
+    logging.basicConfig(level=log_level(), format=LOG_FORMAT, stream=sys.stderr)
 
 
 def resolve_nproc_per_node(value: str) -> int:
@@ -174,7 +207,7 @@ def config_from_args(
         ConfigError: a flag value is invalid or the training script does not exist.
 
     Side effect (as torch): sets ``OMP_NUM_THREADS=1`` in ``os.environ`` when it is unset and
-    there is more than one worker, with torch's warning banner on stderr. Nothing is changed
+    there is more than one worker, with torch's banner as a warning of the log. Nothing is changed
     when an error is raised.
     """
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
@@ -345,7 +378,32 @@ def _require_program(script: str) -> None:
 
 
 def _python_exec() -> str:
-    return os.environ.get("PYTHON_EXEC", sys.executable)
+    """The workers' interpreter: ``$PYTHON_EXEC`` (torch's; a path, or a name looked up on PATH as
+    exec does), else this one.
+
+    Raises:
+        ConfigError: ``$PYTHON_EXEC`` names nothing exec can run: every worker would fail to start,
+            each with exec's traceback.
+    """
+    value = os.environ.get(PYTHON_EXEC_ENV)
+    if value is None:
+        return sys.executable
+    if shutil.which(value) is None:
+        if not value:
+            problem = "is empty"
+        elif os.sep not in value:
+            problem = "not found on PATH"
+        elif os.path.isdir(value):
+            problem = "is a directory"
+        elif os.path.exists(value):
+            problem = "is not executable"
+        else:
+            problem = "does not exist"
+        raise ConfigError(
+            f"{PYTHON_EXEC_ENV}={value!r}: {problem}; set it to the Python interpreter the workers run "
+            f"(e.g. {sys.executable}), or unset it"
+        )
+    return value
 
 
 def _require_script(script: str) -> None:
@@ -373,13 +431,13 @@ def _default_omp_num_threads(nproc_per_node: int) -> None:
     if "OMP_NUM_THREADS" in os.environ or nproc_per_node <= 1:
         return
     os.environ["OMP_NUM_THREADS"] = "1"
-    print(
+    # A warning of the log, as torchrun's: LOGLEVEL=ERROR hides it.
+    log.warning(
         "*****************************************\n"
         "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid "
         "your system being overloaded, please further tune the variable for optimal performance in "
         "your application as needed. \n"
-        "*****************************************",
-        file=sys.stderr,
+        "*****************************************"
     )
 
 

@@ -161,6 +161,52 @@ def test_no_python_file_the_os_cannot_run(launcher, body, mode, needle):
     )
 
 
+#: id -> (torch's variables as set, text the line must contain): read before any worker starts
+BAD_TORCH_ENV = {
+    "loglevel-unknown": (
+        {"LOGLEVEL": "NOPE"},
+        "LOGLEVEL='NOPE': not a log level; use one of DEBUG, INFO, WARNING, ERROR, CRITICAL (any case), or unset it",
+    ),
+    "loglevel-empty": ({"LOGLEVEL": ""}, "LOGLEVEL='': not a log level"),
+    "python-exec-missing": (
+        {"PYTHON_EXEC": "/nonexistent/python"},
+        "PYTHON_EXEC='/nonexistent/python': does not exist; set it to the Python interpreter the workers run (e.g. ",
+    ),
+    "python-exec-not-executable": ({"PYTHON_EXEC": "{probe}"}, "PYTHON_EXEC='{probe}': is not executable; set it"),
+    "python-exec-a-directory": ({"PYTHON_EXEC": "{dir}"}, "PYTHON_EXEC='{dir}': is a directory; set it"),
+    "python-exec-not-on-path": ({"PYTHON_EXEC": "no-such-python3.99"}, "'no-such-python3.99': not found on PATH; set"),
+    "python-exec-empty": ({"PYTHON_EXEC": ""}, "PYTHON_EXEC='': is empty; set it"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TORCH_ENV))
+def test_a_bad_torch_variable_is_one_line_before_any_worker(launcher, case):
+    """Not logging's ``ValueError: Unknown level`` traceback (LOGLEVEL), nor exec's ~40 lines per
+    worker (PYTHON_EXEC): one line naming the variable, exit 2, no worker started."""
+    env, needle = BAD_TORCH_ENV[case]
+
+    def filled(text: str) -> str:
+        return text.replace("{probe}", str(launcher.probe)).replace("{dir}", str(launcher.dir))
+
+    env = {name: filled(value) for name, value in env.items()}
+    result = launcher.run_fsm("--standalone", "--nproc-per-node", "2", launcher.probe, env=env, timeout=60)
+    assert_rejected(launcher, result, filled(needle))
+    assert result.returncode == 2
+    assert one_error_line(result.stderr).endswith(", or unset it")
+
+
+@pytest.mark.parametrize("name, table", [("fsm.toml", ""), ("pyproject.toml", "[tool.fsm_agent]\n")])
+def test_a_config_file_that_is_not_utf8_is_one_line(launcher, name, table):
+    """A Latin-1 byte in a comment of a ``--config`` file or of ./pyproject.toml (read by every run in
+    that folder): not tomllib's ``UnicodeDecodeError`` traceback (exit 1), one line naming the file."""
+    config = launcher.dir / name
+    config.write_bytes(b"# fsm-agent's settings\n# caf\xe9\n" + table.encode() + b"max_restarts = 1\n")
+    args, label = ([], "pyproject.toml") if table else (["--config", str(config)], str(config))
+    result = launcher.run_fsm(*args, launcher.probe, timeout=60)
+    assert_rejected(launcher, result, f"{label}: byte 0xe9 on line 2 is not UTF-8; TOML is UTF-8: save it as UTF-8")
+    assert result.returncode == 2
+
+
 def test_static_master_port_in_use(launcher):
     """Node rank 0 of a static job cannot host its store: one line naming the port, not EADDRINUSE's 40."""
     with socket.create_server(("127.0.0.1", 0)) as taken:

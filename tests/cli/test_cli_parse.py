@@ -495,9 +495,14 @@ def test_an_ambiguous_abbreviation_before_the_script_is_still_an_error():
         parse("--r", "3", "train.py")
 
 
-def test_python_exec(monkeypatch, script):
-    monkeypatch.setenv("PYTHON_EXEC", "/opt/py")
-    assert build(script)[1] == "/opt/py"
+def test_python_exec(monkeypatch, script, tmp_path):
+    python = tmp_path / "py"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    monkeypatch.setenv("PYTHON_EXEC", str(python))
+    assert build(script)[1] == str(python)
+    monkeypatch.setenv("PYTHON_EXEC", "sh")  # a name, looked up on PATH as exec does
+    assert build(script)[1] == "sh"
 
 
 def test_module_entrypoint():
@@ -668,11 +673,15 @@ def test_max_restarts_negative(script):
         build("--max-restarts", "-1", script)
 
 
-def test_omp_num_threads_default(monkeypatch, capsys, script):
+def test_omp_num_threads_default(monkeypatch, caplog, script):
+    """torch's banner is a warning of the log (LOGLEVEL=ERROR hides it, as torchrun's), not a print."""
     monkeypatch.delenv("OMP_NUM_THREADS")
-    build("--nproc-per-node", "2", script)
+    with caplog.at_level("WARNING", logger=cli.log.name):
+        build("--nproc-per-node", "2", script)
     assert os.environ["OMP_NUM_THREADS"] == "1"
-    assert "Setting OMP_NUM_THREADS environment variable for each process to be 1" in capsys.readouterr().err
+    [record] = caplog.records
+    assert record.levelname == "WARNING"
+    assert "Setting OMP_NUM_THREADS environment variable for each process to be 1" in record.getMessage()
 
 
 def test_omp_num_threads_kept_or_not_needed(monkeypatch, capsys, script):

@@ -287,6 +287,18 @@ def test_no_python_runs_a_binary(launcher):
     assert "-u" not in record["orig_argv"]
 
 
+@pytest.mark.parametrize("loglevel, shown", [(None, True), ("ERROR", False)], ids=["default", "error"])
+def test_the_omp_num_threads_banner_is_a_warning_loglevel_error_hides(launcher, loglevel, shown):
+    """torchrun logs its OMP_NUM_THREADS banner as a warning, so LOGLEVEL=ERROR hides it; so does fsm-agent."""
+    env = {"LOGLEVEL": loglevel} if loglevel else {}
+    result = launcher.run_fsm("--nproc-per-node", "2", launcher.probe, env=env, unset=("OMP_NUM_THREADS",)).check()
+    assert {r["env"]["OMP_NUM_THREADS"] for r in launcher.records().values()} == {"1"}
+    banner = [line for line in result.stderr.splitlines() if "Setting OMP_NUM_THREADS environment variable" in line]
+    assert len(banner) == int(shown), result.stderr
+    if shown:
+        assert re.match(r"\[fsm-agent W [^]]+\] \*{41}$", result.stderr.splitlines()[0]), result.stderr
+
+
 def test_python_exec_chooses_the_interpreter(launcher):
     wrapper = write_script(
         launcher.dir,
