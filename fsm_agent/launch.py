@@ -33,8 +33,10 @@ log = logging.getLogger(__name__)
 
 
 def _configure_logging() -> None:
-    level = os.environ.get("LOGLEVEL", "WARNING").upper()
-    logging.basicConfig(level=level, format="[fsm-agent %(levelname).1s %(asctime)s] %(message)s", stream=sys.stderr)
+    """As the CLI does (``resolve.configure_logging``); a bad ``$LOGLEVEL`` is a ConfigError here too."""
+    from fsm_agent.resolve import configure_logging
+
+    configure_logging()
     logging.getLogger("transitions").setLevel(logging.WARNING)  # one line per callback is noise
 
 

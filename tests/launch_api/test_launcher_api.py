@@ -414,3 +414,13 @@ def test_rdzv_backend_etcd_names_etcd_v3_and_how_to_get_it(tmp_path, agents, nam
     assert line.startswith(f"fsm-agent: error: --rdzv-backend {name}: ") and "--rdzv-backend etcd-v3" in line
     assert ("(installed)" in line) == (plugin == "installed")
     assert ("pip install fsm-agent-etcd" in line) == (plugin == "disabled")
+
+
+def test_a_bad_loglevel_is_a_config_error_in_the_python_api_too(monkeypatch):
+    """``LOGLEVEL=NOPE`` and ``elastic_launch``: fsm-agent's ConfigError naming it, as the CLI's
+    one line says (it was logging's ``ValueError: Unknown level``), before any worker."""
+    from fsm_agent import elastic_launch
+
+    monkeypatch.setenv("LOGLEVEL", "NOPE")
+    with pytest.raises(ConfigError, match="LOGLEVEL='NOPE': not a log level"):
+        elastic_launch(torch_config(nproc_per_node=1, run_id="loglevel"), _square_rank)(1)
