@@ -18,12 +18,22 @@ daemon thread of the standard library's ``ThreadingHTTPServer``:
 - ``GET /healthz``: ``ok``.
 - ``POST /drain`` (``?scope=node`` or ``?scope=job``; default ``--drain-scope``): ask the agent to
   drain (the ``drain`` plugin; docs/failure-handling.md "Drain"); ``202`` with the request, ``409``
-  when a drain is already under way. Allowed from a loopback client; from any other address only
-  with ``Authorization: Bearer <token>``, the token read from ``--status-token-file`` (``401``
-  without it, ``403`` when no token file is configured).
+  when a drain is already under way.
 
-``--status-host ADDR`` (default 127.0.0.1) serves on another interface, e.g. for an orchestrator's
-preemption watcher; ``GET`` stays open to whoever can reach it, ``POST /drain`` needs the token.
+Who may ask. On loopback (the default, ``127.0.0.0/8`` or ``::1``) every ``GET`` is open and a
+loopback client may ``POST /drain``. ``--status-host ADDR`` serves on another interface (``0.0.0.0``
+or ``::``: every one), e.g. for an orchestrator's preemption watcher; then every request, ``GET``
+and ``POST`` alike and from a loopback client too, needs ``Authorization: Bearer <token>``, the
+token read from ``--status-token-file``: without it or with a wrong one ``401`` (``WWW-Authenticate:
+Bearer``, a one-line error, nothing of the status, not even which paths exist); ``403`` where no
+token file is configured. ``--status-open-read true`` opens ``GET`` to whoever can reach the
+address, deliberately; ``POST /drain`` still needs the token. Off loopback with neither a token file
+nor ``--status-open-read`` the agent refuses to start (exit 2): such an endpoint would answer nobody.
+
+The agent prints ``fsm-agent: status at URL`` with an address a client can use: for a wildcard bind
+this host's name (``agent.hostname``, else ``socket.gethostname()``; their first non-loopback
+address when both say ``localhost``), not ``0.0.0.0``; off loopback a second line says what is
+listening and that the token is needed, and from which file.
 
 State is tracked through hooks (``fsm_agent_rendezvous_completed``, ``fsm_agent_workers_started``,
 ``fsm_agent_worker_exited``, ``fsm_agent_state_changed``) by a ``LiveStatus`` object registered in
@@ -120,7 +130,8 @@ def fsm_agent_addoption(options):
         flag="--status-host",
         env="FSM_AGENT_STATUS_HOST",
         check=_check_host,
-        help="address the status endpoint listens on; POST /drain from a non-loopback client needs --status-token-file",
+        help="address the status endpoint listens on (0.0.0.0: every interface); off loopback every request "
+        "needs the bearer token of --status-token-file (GET: unless --status-open-read)",
     )
     options.add(
         "token_file",
@@ -128,8 +139,17 @@ def fsm_agent_addoption(options):
         default="",
         flag="--status-token-file",
         env="FSM_AGENT_STATUS_TOKEN_FILE",
-        help="file holding the bearer token POST /drain needs from a non-loopback client (default: none, "
-        "loopback clients only)",
+        help="file holding the bearer token (Authorization: Bearer TOKEN) every request needs when "
+        "--status-host is off loopback (default: none; then only --status-open-read serves there)",
+    )
+    options.add(
+        "open_read",
+        type=bool,
+        default=False,
+        flag="--status-open-read",
+        env="FSM_AGENT_STATUS_OPEN_READ",
+        help="off loopback, serve GET (/status, /statechart, /healthz) without the token to whoever can "
+        "reach --status-host; POST /drain still needs it",
     )
 
 
@@ -140,10 +160,28 @@ def fsm_agent_configure(config, agent):
     if port is None:
         return
     token_file = options.get("token_file") or ""
-    status = LiveStatus(agent, token=_read_token(token_file) if token_file else None)
-    status.serve(port, options.get("host") or HOST)
+    host = options.get("host") or HOST
+    open_read = bool(options.get("open_read"))
+    guarded = not _is_loopback(host)
+    if guarded and not token_file and not open_read:
+        raise ConfigError(
+            f"--status-host {host}: off loopback every request needs a bearer token, and there is none: "
+            f"give --status-token-file FILE (clients send Authorization: Bearer <its content>), or "
+            f"--status-open-read true to serve GET to whoever can reach the port (POST /drain stays refused)"
+        )
+    status = LiveStatus(agent, token=_read_token(token_file) if token_file else None, open_read=open_read)
+    status.serve(port, host)
     agent.plugin_manager.register(status, f"{PLUGIN_NAME}-server")
     print(f"fsm-agent: status at {status.url}/status", file=sys.stderr, flush=True)
+    if guarded:
+        bearer = f"Authorization: Bearer <the token in {os.path.abspath(token_file)}>"
+        listening = f"fsm-agent: status: listening on {_netloc(host, status.port)}, off loopback"
+        if open_read:
+            drain = f"POST /drain needs {bearer}" if token_file else "POST /drain is refused (no --status-token-file)"
+            note = f"{listening}: GET is open to anyone who can reach it (--status-open-read); {drain}"
+        else:
+            note = f"{listening}: every request needs {bearer}"
+        print(note, file=sys.stderr, flush=True)
 
 
 class LiveStatus:
@@ -153,12 +191,16 @@ class LiveStatus:
     shared is read and written under ``_lock``.
 
     Attributes:
-        url: ``http://127.0.0.1:PORT`` once ``serve`` bound the port.
+        url: ``http://HOST:PORT`` once ``serve`` bound the port, HOST an address a client can use
+            (``reachable_host``: this host's name for a wildcard bind).
+        port: the bound port (None before ``serve``).
     """
 
-    def __init__(self, agent: Any, token: str | None = None):
+    def __init__(self, agent: Any, token: str | None = None, open_read: bool = False):
         self._agent = agent
         self._token = token
+        self._open_read = open_read
+        self._guarded = False  # listening off loopback: the token for every request (set by serve)
         self._lock = threading.Lock()
         self._state = _state_name(agent.state)
         self._since = time.monotonic()
@@ -175,6 +217,7 @@ class LiveStatus:
         self._last_read: float | None = None  # monotonic time of the last /status request
         self._end_read = threading.Event()  # a /status reader got the terminal state
         self.url: str | None = None
+        self.port: int | None = None
 
     # -- hooks ---------------------------------------------------------------------------------
     @hookimpl
@@ -252,7 +295,9 @@ class LiveStatus:
         server.daemon_threads = True
         server.status = self  # type: ignore[attr-defined]
         self._server = server
-        self.url = f"http://{f'[{host}]' if ':' in host else host}:{server.server_address[1]}"
+        self._guarded = not _is_loopback(host)
+        self.port = server.server_address[1]
+        self.url = f"http://{_netloc(reachable_host(host, self._agent.hostname), self.port)}"
         self._thread = threading.Thread(
             target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="fsm-agent-status-http", daemon=True
         )
@@ -268,23 +313,38 @@ class LiveStatus:
             self._thread.join(timeout=5)
 
     # -- what is served ------------------------------------------------------------------------
+    def refusal(self, method: str, client: str, authorization: str | None) -> tuple[int, dict[str, Any]] | None:
+        """None when a ``method`` request from ``client`` (its IP address) with this ``Authorization``
+        header may be answered, else (HTTP code, JSON error document): 401 for a missing or wrong
+        bearer token, 403 when the agent has no token to check.
+
+        The token is needed off loopback (``serve`` on a non-loopback address) for every request,
+        ``GET`` excepted with ``--status-open-read``, and for a ``POST`` from a non-loopback client.
+        """
+        guarded = self._guarded and not (method == "GET" and self._open_read)
+        if not guarded and not (method == "POST" and not _is_loopback(client)):
+            return None
+        what = "POST /drain" if method == "POST" else method
+        if self._token is None:
+            why = "the endpoint listens off loopback" if self._guarded else f"{client} is not a loopback client"
+            return 403, {"error": f"{what} refused: {why} and the agent has no --status-token-file"}
+        scheme, _, given = (authorization or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token.encode()):
+            return 401, {
+                "error": f"{what} refused: missing or wrong bearer token "
+                f"(Authorization: Bearer <token of --status-token-file>)"
+            }
+        return None
+
     def drain(self, scope: str | None, client: str, authorization: str | None) -> tuple[int, dict[str, Any]]:
         """Answer ``POST /drain`` from ``client`` (its IP address): (HTTP code, JSON document).
 
-        A loopback client may always ask; any other only with ``Authorization: Bearer <token>``.
+        On loopback a loopback client may always ask; off loopback, or from any other client, only
+        with ``Authorization: Bearer <token>`` (``refusal``).
         """
-        if not _is_loopback(client):
-            if self._token is None:
-                return 403, {
-                    "error": f"POST /drain from {client} refused: only loopback clients may drain "
-                    f"unless the agent has --status-token-file"
-                }
-            given = (authorization or "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given.encode(), self._token.encode()):
-                return 401, {
-                    "error": f"POST /drain from {client} refused: missing or wrong bearer token "
-                    f"(Authorization: Bearer <token of --status-token-file>)"
-                }
+        refused = self.refusal("POST", client, authorization)
+        if refused is not None:
+            return refused
         try:
             taken = self._agent.request_drain(scope=scope, source="http", by=client)
         except ValueError as exc:
@@ -369,6 +429,33 @@ def _is_loopback(address: str) -> bool:
     return (mapped or ip).is_loopback
 
 
+def _netloc(host: str, port: int | None) -> str:
+    return f"{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def reachable_host(host: str, name: str | None = None) -> str:
+    """An address a client can reach a server listening on ``host`` at: ``host`` itself, but for a
+    wildcard (``0.0.0.0``, ``::``) this host's ``name`` (the agent's), else ``socket.gethostname()``,
+    else, both being ``localhost``, this host's first non-loopback address (of ``host``'s family),
+    else loopback."""
+    ip = ipaddress.ip_address(host)
+    if not ip.is_unspecified:
+        return host
+    for candidate in (name, socket.gethostname()):
+        if candidate and candidate.split(".")[0].lower() != "localhost":
+            return candidate
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, family, socket.SOCK_STREAM)
+    except OSError:
+        infos = []
+    for info in infos:
+        address = str(info[4][0])
+        if not _is_loopback(address):
+            return address
+    return "::1" if ip.version == 6 else "127.0.0.1"
+
+
 def _state_name(state: Any) -> str:
     return str(getattr(state, "value", state))
 
@@ -414,6 +501,9 @@ class _Handler(BaseHTTPRequestHandler):
         status: LiveStatus = self.server.status  # type: ignore[attr-defined]
         url = urlsplit(self.path)
         try:
+            refused = status.refusal("GET", self.client_address[0], self.headers.get("Authorization"))
+            if refused is not None:
+                return self._refuse(*refused)
             if url.path in ("/status", "/status/"):
                 query = parse_qs(url.query)
                 try:
@@ -446,6 +536,9 @@ class _Handler(BaseHTTPRequestHandler):
         status: LiveStatus = self.server.status  # type: ignore[attr-defined]
         url = urlsplit(self.path)
         try:
+            refused = status.refusal("POST", self.client_address[0], self.headers.get("Authorization"))
+            if refused is not None:
+                return self._refuse(*refused)
             if url.path not in ("/drain", "/drain/"):
                 return self._send(
                     404,
@@ -462,10 +555,17 @@ class _Handler(BaseHTTPRequestHandler):
             log.exception("status request POST %s failed", self.path)
             self._send(500, "application/json", json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
 
-    def _send(self, code: int, content_type: str, body: str) -> None:
+    def _refuse(self, code: int, doc: dict[str, Any]) -> None:
+        self._send(
+            code, "application/json", json.dumps(doc) + "\n", {"WWW-Authenticate": "Bearer"} if code == 401 else {}
+        )
+
+    def _send(self, code: int, content_type: str, body: str, headers: dict[str, str] | None = None) -> None:
         data = body.encode("utf-8")
         self.send_response(code)
         self.send_header("Content-Type", content_type)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Cache-Control", "no-store")
         self.end_headers()

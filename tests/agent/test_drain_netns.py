@@ -1,6 +1,6 @@
 """Drain across namespaced hosts (tests/netns.py): a one-node drain the others
-survive without a counted restart, a job-wide drain, and ``POST /drain`` refused without the
-token on a non-loopback address.
+survive without a counted restart, a job-wide drain, and every request refused without the
+token on a non-loopback address (``--status-open-read``: GET excepted, never ``POST /drain``).
 
 The workers use no torch: each records its start (with its world size) and, on the checkpoint
 signal (SIGUSR1), writes a checkpoint record and exits 0; one in the final world exits 0 at once.
@@ -204,9 +204,9 @@ def test_job_wide_drain_stops_every_node_in_order(netns_hosts):
 
 
 def test_http_drain_on_a_non_loopback_address_needs_the_token(netns_hosts, tmp_path):
-    """``--status-host <the host's IP>``: a POST /drain from that address without the token is
-    refused (401; 403 on an agent with no token file), GET /status stays open, and the request
-    with the token drains."""
+    """``--status-host <the host's IP>``: a GET /status or POST /drain from that address without
+    the token is refused (401), and the drain with the token drains; on an agent with no token
+    file and ``--status-open-read``, GET /status is open and POST /drain refused (403)."""
     hosts = netns_hosts
     _use_worker(hosts)
     token_file = tmp_path / "token"
@@ -233,6 +233,8 @@ def test_http_drain_on_a_non_loopback_address_needs_the_token(netns_hosts, tmp_p
         str(STATUS_PORT),
         "--status-host",
         hosts.addrs[1],
+        "--status-open-read",
+        "true",
         final_world=99,
     )
     hosts.wait_for(
@@ -244,8 +246,10 @@ def test_http_drain_on_a_non_loopback_address_needs_the_token(netns_hosts, tmp_p
     url0, url1 = (f"http://{hosts.addrs[i]}:{STATUS_PORT}" for i in (0, 1))
     assert _request(hosts, 0, f"{url0}/drain") == 401
     assert _request(hosts, 0, f"{url0}/drain", token="wrong") == 401
-    assert _request(hosts, 1, f"{url1}/drain", token="s3cret-token") == 403  # no token file: loopback only
-    assert _request(hosts, 0, f"{url0}/status", method="GET") == 200
+    assert _request(hosts, 1, f"{url1}/drain", token="s3cret-token") == 403  # no token file: no drain
+    assert _request(hosts, 0, f"{url0}/status", method="GET") == 401
+    assert _request(hosts, 0, f"{url0}/status", method="GET", token="s3cret-token") == 200
+    assert _request(hosts, 1, f"{url1}/status", method="GET") == 200  # --status-open-read
     assert guarded.poll() is None and tokenless.poll() is None  # nothing drained yet
     assert not hosts.records("ckpt")
     assert _request(hosts, 0, f"{url0}/drain", token="s3cret-token") == 202

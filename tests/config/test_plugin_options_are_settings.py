@@ -88,9 +88,15 @@ def test_the_merge_treats_plugin_options_as_settings(monkeypatch, write_toml, sc
     monkeypatch.setenv("FSM_AGENT_STATUS_HOST", "127.0.0.3")
     resolved = cli.resolve_run_args(["--config", path, "--status-token-file", "/t", script], load_entry_points=False)
     config_, _, _ = cli.config_from_args(resolved.args, set_omp_num_threads=False)
-    assert dict(config_.plugin_options("status-http")) == {"port": 8600, "host": "127.0.0.3", "token_file": "/t"}
+    assert dict(config_.plugin_options("status-http")) == {
+        "port": 8600,
+        "host": "127.0.0.3",
+        "token_file": "/t",
+        "open_read": False,
+    }
     assert {k: str(v) for k, v in resolved.sources.items() if k.startswith("plugins.status-http.")} == {
         "plugins.status-http.port": f"file {path}",
         "plugins.status-http.host": "env FSM_AGENT_STATUS_HOST",
         "plugins.status-http.token_file": "cli --status-token-file",
+        "plugins.status-http.open_read": "default",
     }

@@ -181,3 +181,83 @@ def test_busy_port_is_a_one_line_error(processes, tmp_path):
     assert agent.returncode == 2
     assert err.splitlines()[-1].startswith(f"fsm-agent: error: --status-port {port}: cannot listen on ")
     assert "Traceback" not in err
+
+
+def _stderr_lines(agent) -> list[str]:
+    """The agent's stderr lines as a thread reads them (so that a missing line fails, never hangs)."""
+    import threading
+
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(agent.stderr.readline, "")), daemon=True).start()
+    return lines
+
+
+def _status_lines(agent, lines: list[str], timeout: float = 60.0) -> tuple[str, str]:
+    """The ``status at URL`` line among ``lines`` and the line after it ("" when none came in time
+    or the agent ended first)."""
+
+    def found():
+        at = [i for i, line in enumerate(lines) if "status at" in line]
+        if at and len(lines) > at[0] + 1:
+            return lines[at[0]].rstrip("\n"), lines[at[0] + 1].rstrip("\n")
+        return ("", "") if agent.poll() is not None else None
+
+    try:
+        return wait_for(found, timeout=timeout, what="the status lines on stderr")
+    except AssertionError:
+        at = [line for line in lines if "status at" in line]
+        return (at[0].rstrip("\n") if at else "", "")
+
+
+def _answer(url: str, method: str = "GET", token: str | None = None) -> int:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=b"" if method == "POST" else None, method=method)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize("open_read", [False, True], ids=["guarded", "open-read"])
+def test_a_wildcard_bind_needs_the_token_and_prints_a_usable_address(processes, tmp_path, open_read):
+    """``--status-host 0.0.0.0``: not ``http://0.0.0.0:P`` printed but this host's name, with a line
+    saying the token is needed and where it is; every request without the token is refused (401),
+    with it answered; ``--status-open-read yes`` opens GET, never POST /drain."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    stop = tmp_path / "stop"
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    agent = processes.start(
+        "run",
+        "--standalone",
+        "--status-port",
+        "0",
+        "--status-host",
+        "0.0.0.0",
+        "--status-token-file",
+        str(token_file),
+        *(["--status-open-read", "yes"] if open_read else []),
+        "worker.py",
+        str(stop),
+    )
+    stderr = _stderr_lines(agent)
+    line, note = _status_lines(agent, stderr)
+    assert line.startswith("fsm-agent: status at http://"), "".join(stderr)
+    url = line.split()[-1]
+    host, _, port = url.removeprefix("http://").removesuffix("/status").rpartition(":")
+    assert host and host not in ("0.0.0.0", "[::]") and int(port) > 0, line
+    assert "Authorization: Bearer" in note and str(token_file) in note, note
+    local = f"http://127.0.0.1:{port}"  # tests reach it through loopback only
+    assert wait_for(lambda: _answer(local + "/healthz", token="s3cret-token") == 200, what="the endpoint")
+    assert _answer(local + "/status") == (200 if open_read else 401)
+    assert _answer(local + "/status", token="wrong") == (200 if open_read else 401)
+    assert _answer(local + "/status", token="s3cret-token") == 200
+    assert _answer(local + "/drain", "POST") == 401
+    assert _answer(local + "/drain", "POST", token="wrong") == 401
+    stop.write_text("")
+    assert agent.wait(timeout=120) == 0, "".join(stderr)  # (no drain was taken: a drained run exits 75)

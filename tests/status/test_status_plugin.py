@@ -161,7 +161,14 @@ def test_the_option_is_declared():
     from fsm_agent.plugins.manager import collect_options, get_plugin_manager
 
     option, *others = collect_options(get_plugin_manager(load_entry_points=False)).of("status-http")
-    assert [o.name for o in others] == ["host", "token_file"]
+    assert [o.name for o in others] == ["host", "token_file", "open_read"]
+    open_read = others[-1]
+    assert (open_read.flag, open_read.env, open_read.default) == (
+        "--status-open-read",
+        "FSM_AGENT_STATUS_OPEN_READ",
+        False,
+    )
+    assert open_read.from_string("yes") is True and open_read.from_string("0") is False
     assert (option.name, option.flag, option.env, option.default) == (
         "port",
         "--status-port",
