@@ -40,6 +40,7 @@ from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, WorkerLogs
 from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.progress import Cycle, next_cycle, read_progress_file
 from fsm_agent.ranks import assign_ranks
+from fsm_agent.store_looks import STORE_LOOKS_PER_S, look_interval
 from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine
 from fsm_agent.worker import (
     DRAIN_EXIT_CODE,
@@ -82,7 +83,7 @@ DRAIN_POLL_S = 0.5
 #: Looks for a peer's job-wide drain that the whole job makes per second at its rendezvous store.
 #: Every agent looks once per ``job_drain_look_interval`` seconds, so the store's load stays flat in
 #: the number of nodes (10,000 nodes: 1,000 requests/s, not 20,000 at ``DRAIN_POLL_S``).
-JOB_DRAIN_LOOKS_PER_S = 1000.0
+JOB_DRAIN_LOOKS_PER_S = STORE_LOOKS_PER_S
 #: The longest time (seconds) between two looks: well within ``JOB_DRAIN_SEEN_WAIT_S``, so that an
 #: announcer still sees every peer see its drain before it leaves.
 JOB_DRAIN_LOOK_MAX_S = JOB_DRAIN_SEEN_WAIT_S / 3
@@ -102,7 +103,7 @@ def job_drain_look_interval(group_world_size: int) -> float:
     ``group_world_size`` nodes: ``group_world_size / JOB_DRAIN_LOOKS_PER_S``, at least
     ``DRAIN_POLL_S`` and at most ``JOB_DRAIN_LOOK_MAX_S``. (torch has no job-wide drain.) A lost
     peer (the announcer leaving) still makes every agent look at once."""
-    return min(JOB_DRAIN_LOOK_MAX_S, max(DRAIN_POLL_S, group_world_size / JOB_DRAIN_LOOKS_PER_S))
+    return look_interval(group_world_size, DRAIN_POLL_S, JOB_DRAIN_LOOK_MAX_S)
 
 
 class SignalStop(BaseException):

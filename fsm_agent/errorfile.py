@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import time
 from collections import deque
 
-from fsm_agent.worker import RunResult, WorkerFailure
+from fsm_agent.worker import RunResult, WorkerFailure, signal_name
 
 
 def read_error_file(path: str) -> tuple[str, str, float | None] | None:
@@ -77,7 +76,7 @@ def format_summary(name: str, result: RunResult) -> str:
                 if result.stopped_workers
                 else "while no worker ran (in a rendezvous, between attempts or in the exit barrier)"
             )
-            lines.append(f"  agent received signal {result.signal} ({_signal_name(result.signal)}) {what}")
+            lines.append(f"  agent received signal {result.signal} ({signal_name(-result.signal)}) {what}")
         lines.append("=" * width)
         return "\n".join(lines)
     lines += ["Root Cause (first observed failure):"] + _entry(cause)
@@ -167,10 +166,3 @@ def propagate_to_parent(result: RunResult, name: str) -> None:
 
 def hostname() -> str:
     return socket.getfqdn()
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"

@@ -62,7 +62,7 @@ LOG_LINE_PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 #: torch's variables: the agent's log level, and the workers' Python interpreter.
 LOGLEVEL_ENV = "LOGLEVEL"
 PYTHON_EXEC_ENV = "PYTHON_EXEC"
-#: The agent's log lines on stderr (as ``fsm_agent.launch._configure_logging`` formats them).
+#: The agent's log lines on stderr (``configure_logging``: the CLI's and the launch API's).
 LOG_FORMAT = "[fsm-agent %(levelname).1s %(asctime)s] %(message)s"
 #: The ``$LOGLEVEL`` values an error suggests (logging also takes NOTSET, WARN and FATAL).
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -38,14 +38,19 @@ import uuid
 
 from fsm_agent.errors import ConfigError, RendezvousFailed
 from fsm_agent.finished_nodes import finished_key
+from fsm_agent.store_looks import look_interval
 from fsm_agent.plugins.registry import require_positive_seconds
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.registry import torch_parameters
 
 #: Seconds the static rendezvous waits for every node (torch's ``LaunchConfig`` default, so torchrun's).
 DEFAULT_TIMEOUT_S = 900
-#: Seconds between a non-host node's looks whether node rank 0 finished (one ``check`` each).
+#: Seconds between a non-host node's looks whether node rank 0 finished (one ``check`` each): at
+#: least this, more in a large job (``fsm_agent.store_looks``: the job's looks stay 1,000 a second).
 HOST_FINISHED_POLL_S = 0.5
+#: ... and at most this: a host leaves only once every node checked in at its exit barrier (or its
+#: ``--exit-barrier-timeout`` passed), so a late look still sees "finished" before the store goes.
+HOST_FINISHED_LOOK_MAX_S = 10.0
 _ARRIVED, _CLEARED = "fsm_agent/arrived", "fsm_agent/workers_keys_cleared"
 #: Outside every run id's prefix, so that an agent of another job can read it; kept between rounds.
 _CLAIMS = "fsm_agent/static/node_"
@@ -82,7 +87,7 @@ class StaticRendezvous:
             if self._round == 0:
                 self._claim_node_rank(info.rank)
             store = PrefixStore(f"round_{self._round}", info.store)
-            self._watch_store(info.rank, f"round_{self._round}")
+            self._watch_store(info.rank, info.world_size, f"round_{self._round}")
             if self._round > 0:
                 self._clear_workers_keys(store, info.rank, info.world_size)
             self._round += 1
@@ -146,9 +151,9 @@ class StaticRendezvous:
                 f"--nnodes to every node of one job"
             )
 
-    def _watch_store(self, rank: int, round_prefix: str) -> None:
+    def _watch_store(self, rank: int, world_size: int, round_prefix: str) -> None:
         """Nodes other than rank 0: a thread that watches an idle TCP connection to the store and,
-        every ``HOST_FINISHED_POLL_S``, whether rank 0 finished this round; it writes to
+        every ``HOST_FINISHED_POLL_S`` or more (``look_interval``), whether rank 0 finished this round; it writes to
         ``membership_fd`` if the connection closes first (the host ended before its workers
         succeeded). An idle socket, not a blocked store wait: torch prints a C++ stack for a
         wait that the host's leaving breaks."""
@@ -158,6 +163,7 @@ class StaticRendezvous:
 
         self._watch_generation += 1
         generation = self._watch_generation
+        every_s = look_interval(world_size, HOST_FINISHED_POLL_S, HOST_FINISHED_LOOK_MAX_S)
         handler = self._handler
         try:
             idle = socket.create_connection((handler.master_addr, handler.master_port), timeout=10)
@@ -171,7 +177,7 @@ class StaticRendezvous:
         def watch() -> None:
             with idle:
                 while generation == self._watch_generation:
-                    readable, _, _ = select.select([idle], [], [], HOST_FINISHED_POLL_S)
+                    readable, _, _ = select.select([idle], [], [], every_s)
                     if readable and not _still_open(idle):
                         if generation == self._watch_generation:
                             self._host_gone_reason = "closed the connection (its agent ended)"

@@ -70,25 +70,21 @@ def _os_exit_zero():
     os._exit(0)
 
 
-def _config(tmp_path):
-    return torch_config(run_id="exits")
-
-
 @pytest.mark.parametrize("fn, args", [(_exits, (0,)), (_exits, (None,)), (_os_exit_zero, ())])
-def test_a_callable_that_exits_zero_returns_none_per_rank(tmp_path, fn, args):
+def test_a_callable_that_exits_zero_returns_none_per_rank(fn, args):
     """``elastic_launch(fn)`` where ``fn`` ends in ``sys.exit(0)``, ``sys.exit()`` or ``os._exit(0)``:
     ``{global_rank: None}``, not a failure."""
     from fsm_agent import elastic_launch
 
-    assert elastic_launch(_config(tmp_path), fn)(*args) == {0: None, 1: None}
+    assert elastic_launch(torch_config(run_id="exits"), fn)(*args) == {0: None, 1: None}
 
 
-def test_a_callable_that_exits_non_zero_fails_naming_the_exit_code(tmp_path):
+def test_a_callable_that_exits_non_zero_fails_naming_the_exit_code():
     """``sys.exit(3)`` in a callable: torch's ChildFailedError, the worker's exit code 3 in it."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from fsm_agent import elastic_launch
 
     with pytest.raises(ChildFailedError) as raised:
-        elastic_launch(_config(tmp_path), _exits)(3)
+        elastic_launch(torch_config(run_id="exits"), _exits)(3)
     assert {failure.exitcode for failure in raised.value.failures.values()} == {3}, raised.value.failures
