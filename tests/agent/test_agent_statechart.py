@@ -286,7 +286,7 @@ CASES = [
     ),
     (
         "drain_requested_in_init",
-        Scenario("all succeed", config=_drain_config(file=__file__)),
+        Scenario("all succeed", config=_drain_config(file=__file__, file_at_start="drain")),
         ["INIT->FAILED (drain_requested)"],
         _drained("node"),
     ),

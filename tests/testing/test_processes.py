@@ -102,7 +102,8 @@ def test_remove_worker_cgroups_after_the_keeper_was_killed_first(tmp_path):
         assert agent.poll() is None, agent.communicate()
         children = psutil.Process(agent.pid).children()
         (keeper,) = [p for p in children if is_cgroup_keeper(p.cmdline())]
-        path = keeper.cmdline()[-1]
+        keep_argv = keeper.cmdline()
+        path = keep_argv[keep_argv.index("--keep") + 1]  # the agent's temporary dirs follow it
         assert os.path.dirname(path) == cgroup_dir() and os.path.basename(path).startswith(f"{PREFIX}{agent.pid}-")
         (worker,) = [p for p in children if p.pid != keeper.pid]
         assert not is_cgroup_keeper(psutil.Process(agent.pid).cmdline())
