@@ -685,7 +685,10 @@ RENDEZVOUS_SETTINGS: tuple[Setting, ...] = (
         "join_timeout", POSITIVE_SECONDS, "c10d: seconds to wait for the rendezvous to complete (torch: 600)"
     ),
     _rendezvous_option(
-        "last_call_timeout", POSITIVE_SECONDS, "c10d: seconds to wait for more nodes once min_nodes joined (torch: 30)"
+        "last_call_timeout",
+        POSITIVE_SECONDS,
+        "c10d, fsm: seconds to wait for more nodes once min_nodes joined (torch: 30; fsm: 30, and only for nodes "
+        "new to the run)",
     ),
     _rendezvous_option(
         "close_timeout", POSITIVE_SECONDS, "c10d: seconds to wait for the rendezvous to close (torch: 30)"

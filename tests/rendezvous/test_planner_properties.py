@@ -81,7 +81,7 @@ def check_invariants(r: Rendezvous, c: Clients) -> None:
         assert parts <= set(r.nodes), "a gone node still holds a seat"
         assert not (r.reserved & parts) and r.reserved <= set(r.nodes)
         assert len(parts) + len(r.reserved) <= r.max_nodes, "a new node took a reserved seat"
-        assert r._new_in_round == sum(1 for p in parts if r.nodes[p].rounds == 0)
+        assert r._settling <= {p for p in parts if r.nodes[p].rounds == 0}, "a node settles that ran a round"
     else:
         assert all(v is not None for v in r.participants.values())
     assert set(r.wait_list) <= set(r.nodes)

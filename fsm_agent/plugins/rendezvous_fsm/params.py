@@ -10,6 +10,7 @@ from typing import Any
 
 from fsm_agent.errors import ConfigError
 from fsm_agent.hosts import is_loopback  # noqa: F401  (the handler's, re-exported)
+from fsm_agent.plugins.rendezvous_fsm.planner import DEFAULT_LAST_CALL_TIMEOUT_S
 from fsm_agent.settings import bool_word
 
 
@@ -94,9 +95,11 @@ class FsmRendezvousSettings:
 
     Attributes:
         join_timeout: how long ``next_rendezvous`` may take (torch's key; 600).
-        last_call_timeout: settle window: a round with nodes new to the run completes this long
-            after its last join; nodes waiting to join a running round are reported after waiting
-            this long (0.5).
+        last_call_timeout: settle window (30, torch's c10d default): a round with nodes new to
+            the run and fewer than max_nodes completes this long after its last join, so a
+            staggered ``--nnodes MIN:MAX`` start waits for the late nodes instead of restarting
+            for them; nodes waiting to join a running round are reported after waiting this long
+            (at once when they fill every seat), and are not waited for again in the next round.
         rejoin_timeout: how long a round waits for live nodes of the previous round before it
             completes without them (60; above the default ``--shutdown-timeout`` of 30).
         keep_alive_interval / keep_alive_max_attempt: lease renewal period and how many may be
@@ -111,7 +114,7 @@ class FsmRendezvousSettings:
     """
 
     join_timeout: float = 600.0
-    last_call_timeout: float = 0.5
+    last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT_S
     rejoin_timeout: float = 60.0
     keep_alive_interval: float = 0.5
     keep_alive_max_attempt: int = 3

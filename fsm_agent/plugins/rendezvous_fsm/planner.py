@@ -42,14 +42,21 @@ class Joined:
     world: int = 0
 
 
+#: torch's c10d ``last_call_timeout`` (seconds): a staggered start of ``--nnodes MIN:MAX`` waits
+#: this long for more nodes rather than starting with fewer and restarting when they come.
+DEFAULT_LAST_CALL_TIMEOUT_S = 30.0
+
+
 @dataclass
 class Rendezvous:
     """One run's rendezvous (torch's ``_RendezvousState``, but in the store and updated in place).
 
     Rounds: a round completes when ``min_nodes <= n`` and one of: ``n == max_nodes``; no other
-    live node can still join and either no participant is new to the run or ``last_call_timeout``
+    live node can still join and either no participant is settling or ``last_call_timeout``
     passed since the last join (the settle window); or ``rejoin_timeout`` passed since the last
-    join. A participant of the last completed round that joins again opens the next round; the
+    join. A participant settles while it is new to the run and has not already waited
+    ``last_call_timeout`` on the wait list (a late node that waited for a running round to take
+    it is not waited for twice). A participant of the last completed round that joins again opens the next round; the
     live participants of the last round have reserved seats in it. Ranks: ``node_rank`` hint,
     then the store host, then first-join order. All times are the store server's monotonic clock
     (seconds).
@@ -69,7 +76,7 @@ class Rendezvous:
 
     min_nodes: int
     max_nodes: int
-    last_call_timeout: float = 0.5
+    last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT_S
     rejoin_timeout: float = 60.0
     round: int = 0
     complete: bool = False
@@ -90,7 +97,8 @@ class Rendezvous:
     #: participants of the complete round that are gone (lease lapsed, killed, left)
     lost: set[str] = field(default_factory=set)
     _seq: int = 0
-    _new_in_round: int = 0  # participants with rounds == 0
+    #: participants of the incomplete round the settle window waits for (see the class docstring)
+    _settling: set[str] = field(default_factory=set)
     #: the complete round's last live participant left (not lost): the job ended, see ``ended``
     _left_at_end: bool = False
 
@@ -183,7 +191,7 @@ class Rendezvous:
         if self.complete or self.closed or len(self.participants) < self.min_nodes:
             return _INF
         if self._joinable() == 0:
-            return self.last_join + (self.last_call_timeout if self._new_in_round else 0.0)
+            return self.last_join + (self.last_call_timeout if self._settling else 0.0)
         return self.last_join + self.rejoin_timeout
 
     def membership(self, me: str, round_: int, now: float) -> tuple[int, int, float]:
@@ -203,7 +211,10 @@ class Rendezvous:
         """When the nodes waiting to join the complete round are reported (inf: none, or no room)."""
         if self.closed or not self.complete or not self.wait_list or self._live_participants() >= self.max_nodes:
             return _INF
-        return next(iter(self.wait_list.values())) + self.last_call_timeout  # insertion order is waiting order
+        first_waiting = next(iter(self.wait_list.values()))  # insertion order is waiting order
+        if self._live_participants() + len(self.wait_list) >= self.max_nodes:
+            return first_waiting  # enough to fill every seat: no one else is worth waiting for
+        return first_waiting + self.last_call_timeout
 
     # -- hot spares -------------------------------------------------------------------------------
     def is_standby(self, me: str) -> bool:
@@ -250,17 +261,16 @@ class Rendezvous:
     def _seat(self, me: str, now: float) -> None:
         self.participants[me] = None
         self.reserved.discard(me)
-        self.wait_list.pop(me, None)
-        if self.nodes[me].rounds == 0:
-            self._new_in_round += 1
+        waiting_since = self.wait_list.pop(me, None)
+        waited = now - waiting_since if waiting_since is not None else 0.0
+        if self.nodes[me].rounds == 0 and waited < self.last_call_timeout:
+            self._settling.add(me)
         self.last_join = now
 
     def _unseat(self, me: str) -> None:
         if me in self.participants:
             del self.participants[me]
-            node = self.nodes.get(me)
-            if node is not None and node.rounds == 0:
-                self._new_in_round -= 1
+            self._settling.discard(me)
 
     def _forget(self, me: str) -> None:
         self.wait_list.pop(me, None)
@@ -277,7 +287,7 @@ class Rendezvous:
         self.reserved = {p for p in self.participants if p not in self.lost and p != me}
         self.round += 1
         self.complete, self._left_at_end = False, False
-        self.participants, self.lost, self.master, self._new_in_round = {}, set(), None, 0
+        self.participants, self.lost, self.master, self._settling = {}, set(), None, set()
         self.opened_at = now
         if me is not None:
             self._seat(me, now)
@@ -302,7 +312,7 @@ class Rendezvous:
         for p in order:
             self.nodes[p].rounds += 1
             self.wait_list.pop(p, None)
-        self._new_in_round = 0
+        self._settling = set()
         first = self.nodes[order[0]]
         self.master = (first.addr, first.port)
         return order
