@@ -60,16 +60,24 @@ def status_url(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
 
-def fetch_status(url: str, timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
-    """GET the ``/status`` document.
+def fetch_status(url: str, timeout: float = REQUEST_TIMEOUT_S, token: str | None = None) -> dict[str, Any]:
+    """GET the ``/status`` document (``timeout`` in seconds), sending ``Authorization: Bearer
+    TOKEN`` when ``token`` is given (an agent off loopback answers only with it).
 
     Raises:
-        StatusUnavailable: nothing answers, or the answer is not the status JSON.
+        StatusUnavailable: nothing answers, the agent refused the request (401/403), or the answer
+            is not the status JSON.
     """
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             body = response.read()
     except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            fix = "check the token file" if token else "give --status-token-file FILE (the agent's token)"
+            raise StatusUnavailable(
+                f"{url}: HTTP {exc.code} {exc.reason}: the agent refused the request; {fix}"
+            ) from None
         raise StatusUnavailable(f"{url}: HTTP {exc.code} {exc.reason}; is this an fsm-agent status endpoint?") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
@@ -341,18 +349,27 @@ def get_parser() -> argparse.ArgumentParser:
         help="seconds between redraws with --watch (default: 1)",
     )
     parser.add_argument("--json", action="store_true", help="print the raw /status JSON")
+    parser.add_argument(
+        "--status-token-file",
+        metavar="PATH",
+        default=None,
+        help="file holding the agent's bearer token (its --status-token-file): needed off loopback",
+    )
     return parser
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
-    """``fsm-agent status URL [--watch] [--interval S] [--json]``."""
+    """``fsm-agent status URL [--watch] [--interval S] [--json] [--status-token-file PATH]``."""
+    from fsm_agent.plugins.status_http import read_token
+
     args = get_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     url = status_url(args.url)
+    token = read_token(args.status_token_file) if args.status_token_file else None
     if not args.watch:
-        doc = fetch_status(url)
+        doc = fetch_status(url, token=token)
         _print(doc, url, as_json=args.json)
         return 0
-    return _watch(url, args.interval, as_json=args.json)
+    return _watch(url, args.interval, as_json=args.json, token=token)
 
 
 def _print(doc: dict[str, Any], url: str, as_json: bool) -> None:
@@ -376,21 +393,21 @@ def _gone(url: str, doc: dict[str, Any]) -> str:
     )
 
 
-def _watch(url: str, interval: float, as_json: bool) -> int:
+def _watch(url: str, interval: float, as_json: bool, token: str | None = None) -> int:
     """Redraw until the agent stops answering after it answered (exit 0); Ctrl-C raises
     KeyboardInterrupt (the CLI exits 130, as for every command).
 
     Into a pipe or file (stdout not a terminal) each redraw is printed and flushed in full: a live
     display (rich's) would only print once the watch ends.
     """
-    doc = fetch_status(url)  # unreachable from the start: an error
+    doc = fetch_status(url, token=token)  # unreachable from the start: an error
     if as_json or not _have_rich() or not sys.stdout.isatty():
         while True:
             _print(doc, url, as_json)
             sys.stdout.flush()
             time.sleep(interval)
             try:
-                doc = fetch_status(url)
+                doc = fetch_status(url, token=token)
             except StatusUnavailable:
                 print(f"fsm-agent status: {_gone(url, doc)}")
                 return 0
@@ -400,7 +417,7 @@ def _watch(url: str, interval: float, as_json: bool) -> int:
         while True:
             time.sleep(interval)
             try:
-                doc = fetch_status(url)
+                doc = fetch_status(url, token=token)
             except StatusUnavailable:
                 live.console.print(f"[yellow]{_gone(url, doc)}[/]")
                 return 0

@@ -93,8 +93,9 @@ def _check_host(host: str) -> None:
         raise ValueError(f"expected an IP address of this host, e.g. {HOST}, got {host!r}") from None
 
 
-def _read_token(path: str) -> str:
-    """The bearer token in ``path`` (surrounding whitespace stripped).
+def read_token(path: str) -> str:
+    """The bearer token in ``path`` (surrounding whitespace stripped): the agent's
+    ``--status-token-file`` and the same flag of ``fsm-agent status``.
 
     Raises:
         ConfigError: the file cannot be read or is empty.
@@ -169,7 +170,7 @@ def fsm_agent_configure(config, agent):
             f"give --status-token-file FILE (clients send Authorization: Bearer <its content>), or "
             f"--status-open-read true to serve GET to whoever can reach the port (POST /drain stays refused)"
         )
-    status = LiveStatus(agent, token=_read_token(token_file) if token_file else None, open_read=open_read)
+    status = LiveStatus(agent, token=read_token(token_file) if token_file else None, open_read=open_read)
     status.serve(port, host)
     agent.plugin_manager.register(status, f"{PLUGIN_NAME}-server")
     print(f"fsm-agent: status at {status.url}/status", file=sys.stderr, flush=True)

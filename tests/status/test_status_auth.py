@@ -144,3 +144,22 @@ def test_the_wildcard_address_falls_back_to_a_non_loopback_address(monkeypatch):
     assert status_http.reachable_host("0.0.0.0", "node7.cluster") == "node7.cluster"
     assert status_http.reachable_host("10.1.2.3", "node7.cluster") == "10.1.2.3"
     assert status_http.reachable_host("127.0.0.1", "node7.cluster") == "127.0.0.1"
+
+
+def test_the_status_command_sends_the_token_it_is_given(make_agent, tmp_path, capsys):
+    from fsm_agent.status_cli import StatusUnavailable, cli_main
+
+    status, base = start(make_agent, tmp_path, host="0.0.0.0", token_file=token_file(tmp_path))
+    try:
+        with pytest.raises(StatusUnavailable, match=r"HTTP 401 .*give --status-token-file FILE"):
+            cli_main([base, "--json"])
+        assert cli_main([base, "--json", "--status-token-file", token_file(tmp_path)]) == 0
+        assert json.loads(capsys.readouterr().out)["state"] == "INIT"
+        wrong = tmp_path / "wrong"
+        wrong.write_text("not-the-token")
+        with pytest.raises(StatusUnavailable, match="HTTP 401 .*check the token file"):
+            cli_main([base, "--status-token-file", str(wrong)])
+        with pytest.raises(ConfigError, match="--status-token-file .*cannot read it"):
+            cli_main([base, "--status-token-file", str(tmp_path / "missing")])
+    finally:
+        status.close()
