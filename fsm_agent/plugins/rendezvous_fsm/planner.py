@@ -56,8 +56,8 @@ class Rendezvous:
     passed since the last join (the settle window); or ``rejoin_timeout`` passed since the last
     join. A participant settles while it is new to the run and has not already waited
     ``last_call_timeout`` on the wait list (a late node that waited for a running round to take
-    it is not waited for twice). A participant of the last completed round that joins again opens the next round; the
-    live participants of the last round have reserved seats in it. Ranks: ``node_rank`` hint,
+    it is not waited for twice). A participant of the last completed round that joins again opens
+    the next round; the live participants of the last round have reserved seats in it. Ranks: ``node_rank`` hint,
     then the store host, then first-join order. All times are the store server's monotonic clock
     (seconds).
 
