@@ -133,7 +133,10 @@ def participants_main(args) -> int:
     # machine. Under SCHED_IDLE (inherited by every thread started here) they run only when the
     # store does not: nice is per thread, and at nice 10 a thousand runnable threads out-weigh it.
     # Small thread stacks: thousands of threads share this machine's memory.
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    # ``--participant-sched normal`` (the test's smoke run) leaves them at the normal policy: on a
+    # machine whose cores other busy processes hold, SCHED_IDLE threads barely run at all.
+    if args.participant_sched == "idle":
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     threading.stack_size(512 * 1024)
     handlers = (fsm_handlers if args.backend == "fsm" else c10d_handlers)(args)
     events = [record_phases(h) if args.phases else None for h in handlers]
@@ -253,7 +256,14 @@ def phase_summary(results: list, t0: float) -> list[str]:
 
 
 def one_row(
-    backend: str, n: int, procs: int, limit: float, env: dict, keep_alive_interval: float, phases: bool = False
+    backend: str,
+    n: int,
+    procs: int,
+    limit: float,
+    env: dict,
+    keep_alive_interval: float,
+    phases: bool = False,
+    participant_sched: str = "idle",
 ) -> dict:
     port, run_id = free_port(), f"scale-{uuid.uuid4().hex[:8]}"
     store = start_store(backend, port, env)
@@ -282,6 +292,8 @@ def one_row(
                         "--keep-alive-interval",
                         str(keep_alive_interval),
                         *(["--phases"] if phases else []),
+                        "--participant-sched",
+                        participant_sched,
                     ],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -451,6 +463,14 @@ def main() -> int:
         help="runs per size, interleaved (every size once, then again): the table shows the median run "
         "and [min-max] of the time and of the store CPU per participant",
     )
+    parser.add_argument(
+        "--participant-sched",
+        choices=["idle", "normal"],
+        default="idle",
+        help="scheduling policy of the participant processes: idle (SCHED_IDLE, the default: the simulated "
+        "nodes never take the store's CPU) or normal (for a smoke run on a machine other busy processes "
+        "share, where SCHED_IDLE threads would barely run)",
+    )
     parser.add_argument("--markdown", help="write the table to this file too")
     parser.add_argument("--json", help="write the rows (and every run of each) as JSON to this file")
     # participants mode (started by the harness)
@@ -477,8 +497,8 @@ def main() -> int:
         f"participants: threads in {args.procs or f'N/{PER_PROC} (at least 8)'} processes, each a real "
         f"rendezvous handler with its own store connections and keep-alive thread; the store in its own process; "
         f"loopback only",
-        "participant processes run under SCHED_IDLE (the store under the normal policy), with 512 KiB thread "
-        "stacks: in a real job each node has its own machine, so the simulated nodes should not take the "
+        f"participant processes run under {'SCHED_IDLE' if args.participant_sched == 'idle' else 'the normal policy'} "
+        "(the store under the normal policy), with 512 KiB thread stacks: in a real job each node has its own machine, so the simulated nodes should not take the "
         "store's CPU; what the time still includes is thousands of threads waking on a few GILs of 2 cores",
         f"fsm: --rdzv-conf keep_alive_interval={args.keep_alive_interval:g} (x3 attempts) for the simulated nodes, "
         f"whose keep-alive threads share the machine's cores (a lease must outlast the simulated rendezvous); "
@@ -493,7 +513,9 @@ def main() -> int:
     runs: dict[tuple[str, int], list[dict]] = {(backend, n): [] for backend, n, _ in plan}
     for attempt in range(args.repeat):
         for backend, n, limit in plan:
-            row = one_row(backend, n, args.procs, limit, env, args.keep_alive_interval, args.phases)
+            row = one_row(
+                backend, n, args.procs, limit, env, args.keep_alive_interval, args.phases, args.participant_sched
+            )
             runs[backend, n].append(row)
             print(f"run {attempt + 1}/{args.repeat}: " + " | ".join(fmt_row(row)), flush=True)
             time.sleep(2.0)  # let the last row's threads and sockets go before the next row starts
