@@ -10,7 +10,7 @@ rendezvous. The launcher takes it (``take``) when the modules it was configured 
 else it ends it and starts its own. A zygote nobody takes dies with the agent (parent-death signal).
 
 Only the standard library here: this runs before anything else of fsm-agent is imported, and
-the zygote loads this file by itself (``parent_death_signal``, ``listen_on``) before its imports.
+the zygote loads this file by itself (``parent_death_signal``) before its imports.
 """
 
 from __future__ import annotations
@@ -34,22 +34,6 @@ def parent_death_signal(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send ``sig`` (default SIGKILL) to this process when its parent dies (Linux only)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-
-
-def listen_on(addr: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``addr:port`` (the address MASTER_ADDR names, not all interfaces),
-    for a workers' TCPStore server (``TCPStore(master_listen_fd=...)``; torch's server alone would
-    listen on every interface): the agent's (``agent_hosts_worker_store``) and the zygote's store host.
-
-    Raises:
-        OSError: the address cannot be bound (e.g. the port is taken).
-    """
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, proto)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(sockaddr)
-    listener.listen(1024)
-    return listener
 
 
 def spawn(modules: str) -> tuple[subprocess.Popen, socket.socket]:

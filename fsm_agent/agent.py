@@ -31,7 +31,6 @@ import pluggy
 
 from fsm_agent import errorfile
 from fsm_agent._early_signals import note_stop, take_early_drain, take_early_stop
-from fsm_agent._early_zygote import listen_on
 from fsm_agent.env import worker_env
 from fsm_agent.finished_nodes import count_finished, mark_finished
 from fsm_agent.errors import ConfigError, FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
@@ -251,7 +250,6 @@ class ElasticAgent:
         self._return_values: dict[int, Any] = {}
         self._reported_exits: set[int] = set()
         self._worker_logs: dict[int, WorkerLogs] = {}
-        self._worker_store = None
         self._hang = HangDetector(spec.hang_timeout)
         self._cycles: list[Cycle] = []
         self._cycle_start: float | None = None
@@ -1067,7 +1065,6 @@ class ElasticAgent:
         ]
         group.master_addr = self.spec.master_addr or info.bootstrap_store_info.master_addr
         group.master_port = self.spec.master_port or info.bootstrap_store_info.master_port
-        self._host_worker_store()
         log.info(
             "[%s] rendezvous complete: restart_count=%s group_rank=%s group_world_size=%s master=%s:%s global_ranks=%s",
             self.spec.role,
@@ -1088,49 +1085,14 @@ class ElasticAgent:
         log.warning("[%s] %s", self.spec.role, message)
         self._broadcast("fsm_agent_record_event", event=self._event("standby", message=message))
 
-    def _host_worker_store(self) -> None:
-        """Group rank 0 hosts a new, empty TCPStore for this attempt's workers (see rendezvous_c10d)."""
-        self._close_worker_store()
-        group = self._worker_group
-        if group.group_rank == 0 and self._agent_hosts_worker_store:
-            from torch.distributed import TCPStore
-
-            # torch's TCPStore server listens on every interface; bind MASTER_ADDR's address only.
-            # The store takes ownership of the socket's fd.
-            listener = listen_on(group.master_addr, group.master_port)
-            self._worker_store = TCPStore(
-                host_name=group.master_addr,
-                port=group.master_port,
-                is_master=True,
-                multi_tenant=True,
-                wait_for_workers=False,
-                master_listen_fd=listener.detach(),
-            )
-        elif group.group_rank == 0 and self._launcher_hosts_worker_store:
-            self._launcher.host_worker_store(group.master_addr, group.master_port)
-
-    @property
-    def _agent_hosts_worker_store(self) -> bool:
-        return bool(getattr(self._rdzv_handler, "agent_hosts_worker_store", False))
-
-    @property
-    def _launcher_hosts_worker_store(self) -> bool:
-        """Where the workers' rank 0 would host their store, a launcher that can (the preload
-        launcher's store host, torch already imported) hosts it instead, listening before any
-        worker starts; this process still never imports torch."""
-        if self._agent_hosts_worker_store or getattr(self._rdzv_handler, "use_agent_store", False):
-            return False
-        return bool(getattr(self._launcher, "can_host_worker_store", lambda: False)())
-
     @property
     def _use_agent_store(self) -> bool:
-        if self._agent_hosts_worker_store:
-            return True
-        return bool(getattr(self._rdzv_handler, "use_agent_store", False)) or self._launcher_hosts_worker_store
-
-    def _close_worker_store(self) -> None:
-        self._worker_store = None  # dropping the last reference shuts the server down
-        getattr(self._launcher, "close_worker_store", lambda: None)()
+        """torch's ``RendezvousHandler.use_agent_store``: whether the workers' store at
+        MASTER_ADDR:MASTER_PORT is one an agent (or the handler) hosts, so every rank is a client.
+        Every built-in backend says no: the workers' rank 0 hosts their store, a new one for each
+        ``init_process_group``, so a worker that destroys and re-creates its process group never
+        meets the earlier group's keys (torch's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` mode)."""
+        return bool(getattr(self._rdzv_handler, "use_agent_store", False))
 
     def _report_launcher_timings(self) -> None:
         """What the launcher spent outside the agent's own steps (e.g. the preload launcher's
@@ -1191,7 +1153,6 @@ class ElasticAgent:
         then SIGKILL after shutdown_timeout s. A second stop signal meanwhile SIGKILLs them at once."""
         death_sig = self._signal if self._signal is not None else signal.SIGTERM
         self._launcher.stop(death_sig, self.spec.shutdown_timeout)
-        self._close_worker_store()
 
     def _count_restart(self, event=None) -> None:
         self.restart_count += 1
@@ -1684,7 +1645,7 @@ class ElasticAgent:
         getattr(self._logs, "cleanup", lambda: None)()
 
     def _release(self) -> None:
-        """Release the launcher (and its zygote), the hang detector, the worker store, the
+        """Release the launcher (and its zygote), the hang detector, the
         rendezvous (torch's ``shutdown()``, unless this node leaves alone) and the wake-up pipe.
         Idempotent."""
         if self._closed:
@@ -1693,7 +1654,6 @@ class ElasticAgent:
         self._launcher.close()
         getattr(self._launcher, "shutdown", lambda: None)()  # e.g. the preload launcher's zygote
         self._hang.close()
-        self._close_worker_store()
         # torch's shutdown() closes the rendezvous for everyone, so it is skipped on a signal (as
         # torch does) and when this node was excluded (the others carry on without it); a backend
         # whose shutdown only leaves says so and always gets it. A backend with ``leave()`` (c10d,

@@ -48,7 +48,8 @@ RDZV_PORT = 29400
 #: The training script every agent runs: a gloo all_reduce through init_process_group("env://").
 #: argv: OUT_DIR HOST FINAL_WORLD. A worker whose WORLD_SIZE is not FINAL_WORLD reduces, then
 #: waits to be stopped by its agent (a re-rendezvous); one in the final world reduces and exits 0.
-#: With ``FSM_TEST_WORKER_EXIT=N`` in its environment it exits N right after it started.
+#: With ``FSM_TEST_WORKER_EXIT=N`` in its environment it exits N right after it started; with
+#: ``FSM_TEST_WORKER_REINIT=N`` it destroys and re-creates its process group N times before "done".
 WORKER = r"""
 import json, os, sys, time
 started = time.time()
@@ -83,6 +84,13 @@ if world != final:
     sys.exit(5)
 dist.barrier()
 dist.destroy_process_group()
+for again in range(int(os.environ.get("FSM_TEST_WORKER_REINIT", "0"))):  # re-create the group N times
+    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=60))
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    dump("reinit_%d" % again, sum=value.item(), ok=value.item() == world * (world + 1) / 2)
+    dist.barrier()
+    dist.destroy_process_group()
 dump("done", ts=time.time())
 """
 

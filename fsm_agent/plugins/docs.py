@@ -351,9 +351,10 @@ def render() -> str:
         "- Errors meant for the user raise `fsm_agent.errors.ConfigError` or `PluginError` with a message that "
         "names the input and the fix: the CLI prints it as one line and exits non-zero, never a traceback.",
         "- A rendezvous `creator(params)` takes torch's `RendezvousParameters` and returns a torch "
-        "`RendezvousHandler`. By default the workers' rank 0 hosts their store (`TORCHELASTIC_USE_AGENT_STORE=False`);"
-        " a handler whose `agent_hosts_worker_store` attribute is true gets a fresh TCPStore hosted by group rank 0's "
-        "agent for each attempt (see `fsm_agent/plugins/rendezvous_c10d.py`).",
+        "`RendezvousHandler`. The workers get `TORCHELASTIC_USE_AGENT_STORE` from its `use_agent_store` (torch's "
+        "property; absent means False): False, as every built-in backend says, means the workers' rank 0 hosts "
+        "their store at the round's MASTER_ADDR:MASTER_PORT, a new one for each `init_process_group` (a store "
+        "that outlives a process group hands a re-created one stale keys); True means the handler hosts it there.",
         "- Optional handler methods the agent uses when present: `num_nodes_lost()` (participants of this node's "
         "round that are gone: a re-rendezvous of class `node_lost`, not counted), `membership_fd()` (an fd readable "
         "while the membership changed, instead of polling every `--monitor-interval`) and `leave()` (called instead "

@@ -1,10 +1,12 @@
 """Built-in rendezvous ``c10d``: torch's DynamicRendezvousHandler over a TCPStore (torch-compatible).
 
 It is torch's own handler, so an fsm-agent node and a torchrun node can join the same rendezvous.
-One change: MASTER_ADDR/MASTER_PORT are published afresh each round (torch's
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` path), and the group-rank-0 agent then hosts a new, empty
-TCPStore for that attempt's workers; torch 2.13 reuses one store across attempts, so restarted
-process groups find the previous attempt's keys (pytorch/pytorch#135712).
+One change: MASTER_ADDR/MASTER_PORT (a free port on group rank 0's node) are published afresh
+each round (torch's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` path), and the workers' rank 0 hosts
+their TCPStore there (``TORCHELASTIC_USE_AGENT_STORE=False``), a new one for each
+``init_process_group``. torch 2.13 shares one agent-hosted store across attempts and process groups,
+so a restarted group, or a worker that destroys and re-creates its process group, finds the earlier
+group's keys and connects to addresses that are gone (pytorch/pytorch#135712, #114585).
 
 Lost and departed nodes (``num_nodes_lost``, fsm-agent's optional backend API): torch tells the
 survivors nothing when a participant dies; its handler only drops a node whose keep-alive is
@@ -135,8 +137,8 @@ class FreshStoreHandler:
     """Wraps a torch ``DynamicRendezvousHandler``: a new MASTER_PORT every round, lost nodes noticed.
 
     Public for third-party backends built on torch's ``DynamicRendezvousHandler`` (the
-    ``fsm-agent-etcd`` package wraps its handler with it): with ``agent_hosts_worker_store``
-    the group-rank-0 agent hosts a new, empty TCPStore for every attempt's workers;
+    ``fsm-agent-etcd`` package wraps its handler with it): with ``use_agent_store`` false the
+    workers' rank 0 hosts a new TCPStore for every process group they create;
     ``num_nodes_lost``, ``leave`` and ``num_nodes_waiting`` (see the module docstring and
     each method) work on any backend of that handler. All other calls go to the wrapped handler
     unchanged.
@@ -150,8 +152,9 @@ class FreshStoreHandler:
             (``check_torch_layout``).
     """
 
-    #: The agent with group_rank 0 hosts the workers' TCPStore at MASTER_ADDR:MASTER_PORT.
-    agent_hosts_worker_store = True
+    #: torch's ``RendezvousHandler.use_agent_store``: no agent hosts the workers' store; their rank 0
+    #: does, at the MASTER_PORT published for the round.
+    use_agent_store = False
 
     def __init__(self, handler, backend=None):
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _BackendRendezvousStateHolder

@@ -1,16 +1,16 @@
 """Built-in rendezvous ``static``: a fixed world of ``--nnodes`` agents at ``--master-addr/--master-port``.
 
 Built on torch's ``StaticTCPRendezvous``: the TCPStore at master_addr:master_port, hosted by the
-agent with group rank ``--node-rank`` 0, is the agents' rendezvous store and, as under torchrun,
-the workers' store: workers see ``MASTER_ADDR``/``MASTER_PORT`` = ``--master-addr``/``--master-port``
-and ``TORCHELASTIC_USE_AGENT_STORE=True`` (clusters that open one port between nodes keep working).
-
-Unlike torch, a restarted group never sees the previous attempt's keys (pytorch/pytorch#135712):
-from the second round on, every agent first meets the others in a barrier (so every node's
-workers have stopped), then the group-rank-0 agent deletes every key the workers wrote, and
-only then does any agent go on to start workers. The agents' own keys live under
-``<run_id>/round_<N>/`` and are kept. The wait for all nodes is ``rdzv_configs["timeout"]``
-seconds, 900 by default (torchrun's: its ``LaunchConfig`` default; torch's handler alone: 600).
+agent with group rank ``--node-rank`` 0, is the agents' rendezvous store. Unlike torchrun, it is
+not the workers' store: each round, node rank 0 publishes a free port of its own host under the
+round's prefix (``<run_id>/round_<N>/``, torch's ``RendezvousStoreInfo.build``, as its c10d handler
+does with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), workers see ``MASTER_ADDR`` = ``--master-addr``
+and ``MASTER_PORT`` = that port with ``TORCHELASTIC_USE_AGENT_STORE=False``, and the workers' rank 0
+hosts a new store for each ``init_process_group``. A store shared with the agents outlives the
+workers' process groups: a restarted group, or a worker that destroys and re-creates its process
+group, would find the earlier group's keys (pytorch/pytorch#135712, #114585). The wait for all
+nodes is ``rdzv_configs["timeout"]`` seconds, 900 by default (torchrun's: its ``LaunchConfig``
+default; torch's handler alone: 600).
 
 Also unlike torch, an agent never joins another job's store (two jobs on one ``--master-port``,
 pytorch's 29500 by default): each agent claims its node rank under ``fsm_agent/static/``
@@ -51,7 +51,6 @@ HOST_FINISHED_POLL_S = 0.5
 #: ... and at most this: a host leaves only once every node checked in at its exit barrier (or its
 #: ``--exit-barrier-timeout`` passed), so a late look still sees "finished" before the store goes.
 HOST_FINISHED_LOOK_MAX_S = 10.0
-_ARRIVED, _CLEARED = "fsm_agent/arrived", "fsm_agent/workers_keys_cleared"
 #: Outside every run id's prefix, so that an agent of another job can read it; kept between rounds.
 _CLAIMS = "fsm_agent/static/node_"
 
@@ -59,9 +58,8 @@ _CLAIMS = "fsm_agent/static/node_"
 class StaticRendezvous:
     """torch's StaticTCPRendezvous, one store prefix per round, the workers' keys cleared between rounds."""
 
-    #: The workers use the rendezvous store itself (torchrun's static behaviour), no second store.
-    agent_hosts_worker_store = False
-    use_agent_store = True
+    #: torch's ``RendezvousHandler.use_agent_store``: the workers' rank 0 hosts their own store.
+    use_agent_store = False
 
     def __init__(self, handler):
         self._handler = handler
@@ -80,7 +78,11 @@ class StaticRendezvous:
         agent error. Here it becomes ``RendezvousTimeoutError`` naming the endpoint.
         """
         from torch.distributed import DistStoreError, PrefixStore
-        from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousTimeoutError
+        from torch.distributed.elastic.rendezvous.api import (
+            RendezvousInfo,
+            RendezvousStoreInfo,
+            RendezvousTimeoutError,
+        )
 
         try:
             info = self._handler.next_rendezvous()
@@ -88,8 +90,8 @@ class StaticRendezvous:
                 self._claim_node_rank(info.rank)
             store = PrefixStore(f"round_{self._round}", info.store)
             self._watch_store(info.rank, info.world_size, f"round_{self._round}")
-            if self._round > 0:
-                self._clear_workers_keys(store, info.rank, info.world_size)
+            # node rank 0 is the host at --master-addr: the workers' store goes on a free port there
+            bootstrap = RendezvousStoreInfo.build(info.rank, store, local_addr=self._handler.master_addr)
             self._round += 1
         except DistStoreError as exc:
             handler = self._handler
@@ -97,24 +99,7 @@ class StaticRendezvous:
                 f"static rendezvous at {self._where()}: not all {getattr(handler, 'world_size', '?')} nodes came "
                 f"within {self._timeout_s():g} s: {str(exc).splitlines()[0]}"
             ) from None
-        return RendezvousInfo(store, info.rank, info.world_size, info.bootstrap_store_info)
-
-    def _clear_workers_keys(self, store, rank: int, world_size: int) -> None:
-        """Once every agent is here (its workers stopped), rank 0 deletes every key outside
-        ``<run_id>/``; the others wait for it. Raises DistStoreError after the timeout."""
-        from torch.distributed.elastic.utils.store import barrier, store_timeout
-
-        timeout = self._timeout_s()
-        barrier(store, world_size, key_prefix=_ARRIVED, barrier_timeout=timeout)
-        if rank == 0:
-            raw = self._handler._store  # the TCPStore itself: the workers' keys have no prefix
-            ours = f"{self._handler.run_id}/"
-            for key in raw.list_keys():
-                if not key.startswith((ours, _CLAIMS)):
-                    raw.delete_key(key)
-            store.set(_CLEARED, "1")
-        with store_timeout(store, timeout):
-            store.wait([_CLEARED])
+        return RendezvousInfo(store, info.rank, info.world_size, bootstrap)
 
     def _claim_node_rank(self, rank: int) -> None:
         """Claim ``rank`` in the store with this job's identity (run id, ``--nnodes``).

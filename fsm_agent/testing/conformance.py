@@ -264,8 +264,8 @@ class RendezvousConformance:
             assert callable(getattr(handler, name, None)), f"{type(handler).__name__} lacks {name}()"
         assert isinstance(handler.get_backend(), str) and handler.get_backend()
         assert handler.is_closed() is False
-        hosts = getattr(handler, "agent_hosts_worker_store", False)
-        assert hosts in (True, False), f"agent_hosts_worker_store must be a bool, got {hosts!r}"
+        shared = getattr(handler, "use_agent_store", False)
+        assert shared in (True, False), f"use_agent_store must be a bool, got {shared!r}"
 
     def test_get_run_id_is_the_configured_run_id(self, rendezvous):
         """get_run_id() answers the run id the handler was made for (TORCHELASTIC_RUN_ID)."""
@@ -281,8 +281,8 @@ class RendezvousConformance:
         bootstrap = info.bootstrap_store_info
         assert isinstance(bootstrap.master_addr, str) and bootstrap.master_addr
         assert isinstance(bootstrap.master_port, int) and 0 < bootstrap.master_port < 65536
-        if getattr(handler, "agent_hosts_worker_store", False):
-            # group rank 0's agent binds a TCPStore for the workers at MASTER_ADDR:MASTER_PORT
+        if not getattr(handler, "use_agent_store", False):
+            # the workers' rank 0 binds a TCPStore at MASTER_ADDR:MASTER_PORT: it must be free there
             with socket.socket() as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind((bootstrap.master_addr, bootstrap.master_port))

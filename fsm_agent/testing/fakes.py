@@ -168,7 +168,7 @@ class FakeRendezvous(RendezvousHandler):
     returned), ``waiting_queries``, ``shutdown_calls``.
     """
 
-    agent_hosts_worker_store = False
+    use_agent_store = False
 
     def __init__(
         self,

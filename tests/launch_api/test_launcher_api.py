@@ -199,17 +199,15 @@ def test_an_agent_that_never_imports_torch_still_does_not(tmp_path):
     assert done.stdout.split() == ["False", "True", "3"]
 
 
-def test_a_preload_agent_never_imports_torch_and_hosts_the_store_before_the_workers(tmp_path):
-    """--launcher preload with torch preloaded: the zygote imports torch and its store host listens at
-    MASTER_ADDR:MASTER_PORT before any worker starts (agent-store mode); the agent process itself never
-    imports torch."""
+def test_a_preload_agent_never_imports_torch(tmp_path):
+    """--launcher preload with torch preloaded: the zygote imports torch, the agent process itself
+    never does; the workers' rank 0 hosts their store (``TORCHELASTIC_USE_AGENT_STORE=False``)."""
     script = write(
         tmp_path / "probe.py",
         """
         import json, sys
         from fsm_agent import LaunchConfig, launch_agent
-        check = ("import json, os, socket; a, p = os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']); "
-                 "socket.create_connection((a, p), timeout=5).close(); "
+        check = ("import json, os; "
                  "print(json.dumps([os.environ['TORCHELASTIC_USE_AGENT_STORE'], 'torch' in __import__('sys').modules]))")
         config = LaunchConfig(nproc_per_node=2, rdzv_backend="fsm", rdzv_endpoint="127.0.0.1:0", run_id="pre",
                               launcher="preload")
@@ -219,10 +217,10 @@ def test_a_preload_agent_never_imports_torch_and_hosts_the_store_before_the_work
     )
     done = subprocess.run([sys.executable, script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    # ``-c`` runs exec'd (not forked): no torch in the workers, but the store is up for them. Counted in
+    # ``-c`` runs exec'd (not forked): no torch in the workers. Counted in
     # the whole output, not by line: the two workers share the pipe, and with PYTHONUNBUFFERED a print's
     # text and its newline are two writes, so their lines may come out joined.
-    assert done.stdout.count('["True", false]') == 2, done.stdout
+    assert done.stdout.count('["False", false]') == 2, done.stdout
     assert "agent-torch False" in done.stdout.split("\n"), done.stdout
 
 
@@ -285,21 +283,22 @@ def _orphan_and_report_its_parent(directory):
     return seen["pid"], seen["ppid"]
 
 
-# -- 2. --master-port means what it says, and restarts still meet in an empty store ----------------
+# -- 2. --master-port finds the agents, and restarts still meet in an empty store ------------------
 
 
-def test_static_workers_see_master_port_and_restarts_never_see_old_keys(tmp_path, agents):
-    """Two static nodes, two counted restarts: every attempt's workers get --master-addr and
-    --master-port / PET_MASTER_PORT (the agents' store, TORCHELASTIC_USE_AGENT_STORE=True), and none
-    sees a key an earlier attempt wrote."""
+def test_static_workers_meet_at_master_addr_and_restarts_never_see_old_keys(tmp_path, agents):
+    """Two static nodes that meet at --master-port / PET_MASTER_PORT, two counted restarts: every
+    attempt's workers get --master-addr and a port node rank 0 published for their own store (its
+    rank 0 hosts it, TORCHELASTIC_USE_AGENT_STORE=False), and none sees a key an earlier attempt wrote."""
     script = write(
         tmp_path / "w.py",
         """
         import json, os, sys, time
         from datetime import timedelta
         from torch.distributed import TCPStore
-        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=60))
+        # as init_process_group("env://") does when no agent hosts the store: rank 0 hosts it
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=os.environ["RANK"] == "0", timeout=timedelta(seconds=60))
         attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), os.environ["RANK"]
         stale = [k for k in (f"attempt_{a}/rank_{r}" for a in range(attempt) for r in "01") if store.check([k])]
         with open(f"seen_{attempt}_{rank}.tmp", "w") as f:
@@ -307,10 +306,11 @@ def test_static_workers_see_master_port_and_restarts_never_see_old_keys(tmp_path
                        "agent_store": os.environ["TORCHELASTIC_USE_AGENT_STORE"]}, f)
         os.replace(f"seen_{attempt}_{rank}.tmp", f"seen_{attempt}_{rank}.json")
         store.set(f"attempt_{attempt}/rank_{rank}", "x")
+        store.wait([f"attempt_{attempt}/rank_{1 - int(rank)}"], timedelta(seconds=60))
         if attempt < 2:
-            # Both ranks fail (as a collective would fail them), each once the other has written its key.
-            store.wait([f"attempt_{attempt}/rank_{1 - int(rank)}"], timedelta(seconds=60))
-            sys.exit(1)
+            sys.exit(1)  # both ranks fail (as a collective would fail them), each once the other wrote its key
+        # rank 0's store ends with it: it waits until rank 1 is done with it
+        store.set("done_1", "x") if rank == "1" else store.wait(["done_1"], timedelta(seconds=60))
     """,
     )
     port = free_port()
@@ -334,7 +334,10 @@ def test_static_workers_see_master_port_and_restarts_never_see_old_keys(tmp_path
     outputs = [node.communicate(timeout=180) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(err for _, err in outputs)
     seen = {(a, r): json.loads((tmp_path / f"seen_{a}_{r}.json").read_text()) for a in range(3) for r in (0, 1)}
-    assert {(s["addr"], s["port"], s["agent_store"]) for s in seen.values()} == {("127.0.0.1", str(port), "True")}
+    assert {(s["addr"], s["agent_store"]) for s in seen.values()} == {("127.0.0.1", "False")}
+    for attempt in range(3):  # both ranks of an attempt meet at one port, not the agents' own
+        ports = {seen[attempt, r]["port"] for r in (0, 1)}
+        assert len(ports) == 1 and ports != {str(port)}, seen
     assert all(s["stale"] == [] for s in seen.values()), seen
 
 
@@ -368,13 +371,18 @@ def test_training_restarts_under_static_master_port(tmp_path, agents, trial):
     assert summary["restart_count"] == 1 and summary["resumed_from"] == 1
 
 
-def test_torch_launch_config_static_endpoint_is_the_workers_master_port(tmp_path):
-    """The API as torch: a static LaunchConfig's endpoint port is MASTER_PORT (torch's _get_addr_and_port)."""
+def test_torch_launch_config_static_endpoint_is_where_the_agents_meet(tmp_path):
+    """The API as torch: a static LaunchConfig's endpoint host is MASTER_ADDR (torch's _get_addr_and_port).
+    Its port is the agents' store; the workers get a port of that host for their own store (#39.1),
+    where torch hands them the endpoint's."""
     from fsm_agent import launch_agent
 
     port = free_port()
     config = torch_config(rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"rank": 0})
-    assert launch_agent(config, _master) == {0: ("127.0.0.1", str(port)), 1: ("127.0.0.1", str(port))}
+    masters = launch_agent(config, _master)
+    assert set(masters) == {0, 1} and masters[0] == masters[1], masters
+    addr, worker_port = masters[0]
+    assert addr == "127.0.0.1" and 0 < int(worker_port) < 65536 and int(worker_port) != port, masters
 
 
 def _master():

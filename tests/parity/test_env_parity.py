@@ -6,8 +6,9 @@ inherit unchanged from the parent are dropped; every other key must be present i
 same value, except exactly these differences (``EXPECTED`` lists them per case):
 
 * ``MASTER_PORT`` - differs by nature under ``--standalone``: an OS-chosen free port in every run.
-  Both must be valid port numbers. With static rendezvous both runs get the same ``--master-port``
-  and both hand it to the workers as is, so there it must be equal.
+  Both must be valid port numbers. With static rendezvous torchrun hands the workers
+  ``--master-port``, its agents' store; fsm-agent a free port for the workers' own store (see
+  ``TORCHELASTIC_USE_AGENT_STORE``).
 * ``TORCHELASTIC_ERROR_FILE`` - differs by nature: the log directory is a fresh temporary
   directory (``torchelastic_*`` vs ``fsm_agent_*``). Both must end in the same
   ``<run_id>_<random>/attempt_0/<local_rank>/error.json`` shape.
@@ -17,11 +18,11 @@ same value, except exactly these differences (``EXPECTED`` lists them per case):
   (``socket.getfqdn()``, e.g. ``localhost``); fsm-agent's standalone rendezvous (its torch-free
   ``fsm`` backend) is loopback-only and says ``127.0.0.1``. With static rendezvous both use
   ``--master-addr`` and must be equal.
-* ``TORCHELASTIC_USE_AGENT_STORE`` - differs where exactly one of the two agents hosts the workers'
-  store: under plain ``--standalone`` torchrun's agent hosts it (``True``) while fsm-agent's
-  torch-free standalone agent does not (``False``: rank 0 creates it, as ``init_process_group``
-  does without an agent). With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` neither hosts it, and with
-  static rendezvous both do, so there it must be equal.
+* ``TORCHELASTIC_USE_AGENT_STORE`` - a deliberate fsm-agent difference: torchrun's agent hosts the
+  workers' store (``True``) under ``--standalone`` and static rendezvous; fsm-agent's workers' rank
+  0 hosts it (``False``), a new one for each ``init_process_group``, so a worker that destroys and
+  re-creates its process group does not meet the earlier group's keys (#39.1). With
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` torchrun does the same, so there it must be equal.
 * ``TORCHELASTIC_SIGNALS_TO_HANDLE`` - a deliberate fsm-agent difference: torchrun leaks its
   ``--signals-to-handle`` list into every worker (torchrun-contract.md §6.19); fsm-agent does not
   set it, so it is missing from fsm-agent's workers.
@@ -51,7 +52,7 @@ CASES = {
         ["--master-port", "{port}", "--nproc-per-node", "2"],
         {},
         2,
-        {"TORCHELASTIC_ERROR_FILE", SIGNALS},
+        {"TORCHELASTIC_ERROR_FILE", SIGNALS, "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"},
     ),
     "standalone-unshared-store": (
         ["--standalone", "--nproc-per-node", "1"],

@@ -228,7 +228,7 @@ def test_standalone_endpoint_port_zero_hosts_on_loopback():
         assert time.perf_counter() - started < 0.5
         assert (info.rank, info.world_size) == (0, 1)
         assert info.bootstrap_store_info.master_addr == "127.0.0.1"
-        assert h.use_agent_store is False and h.agent_hosts_worker_store is False
+        assert h.use_agent_store is False
     finally:
         h.shutdown()
 

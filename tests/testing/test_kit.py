@@ -54,7 +54,7 @@ def test_fake_rendezvous_is_a_torch_rendezvous_handler():
     rdzv = FakeRendezvous(run_id="job7", master_addr="10.0.0.1", master_port=1234)
     assert isinstance(rdzv, RendezvousHandler)
     assert rdzv.get_run_id() == "job7" and rdzv.get_backend() == "fake"
-    assert rdzv.agent_hosts_worker_store is False and rdzv.use_agent_store is False
+    assert rdzv.use_agent_store is False
     info = rdzv.next_rendezvous()
     assert isinstance(info, RendezvousInfo)
     assert (info.rank, info.world_size) == (0, 1)

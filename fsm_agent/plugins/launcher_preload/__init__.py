@@ -3,12 +3,10 @@
 ``--launcher preload`` starts one helper process (``fsm_agent.plugins.launcher_preload.zygote``) as soon as
 the launcher is built, before the rendezvous, so that importing the modules of ``--preload-modules``
 (default ``torch``) once is paid while the nodes gather; each worker of each attempt, the first
-included, is then a fork of it running the script with ``runpy``: no worker imports torch itself.
-With torch preloaded, the zygote also forks a store host that serves each attempt's workers' TCPStore
-at MASTER_ADDR:MASTER_PORT before any worker starts (torch's agent-store mode,
-``TORCHELASTIC_USE_AGENT_STORE=True``, on the node of group rank 0), so no worker of rank > 0 waits
-for rank 0 to listen; the agent process itself still never imports torch. Every node of a job runs
-the same launcher and ``--preload-modules`` (the workers' store mode must agree).
+included, is then a fork of it running the script with ``runpy``: no worker imports torch itself,
+and the agent process never does. The workers' rank 0 hosts their TCPStore, as under the subprocess
+launcher (``TORCHELASTIC_USE_AGENT_STORE=False``): a store that outlived ``destroy_process_group``
+would hand a re-created process group the earlier group's keys.
 The import's seconds are reported apart from the agent's own (metric ``fsm_agent.launcher.preload_import_s``,
 event ``launcher_timings``). The
 worker sees what ``python -u script.py`` would: ``sys.argv``, ``__main__``, the environment,
@@ -89,7 +87,6 @@ class PreloadLauncher(SubprocessLauncher):
         self._sock: socket.socket | None = None
         self._ready: dict | None = None  # the zygote's first message, once read
         self._pending_exits: dict[int, int] = {}
-        self._store_pid: int | None = None
         self._timings: dict[str, float] = {}
         if agent is not None:  # an agent's launcher: the import starts now, overlapped with the rendezvous
             self._spawn_zygote()
@@ -172,49 +169,10 @@ class PreloadLauncher(SubprocessLauncher):
                 self._ready = message
         # attach exit codes to handles (an exit can be reported before we know the pid's handle)
 
-    # -- the workers' store (torch's agent-store mode) --------------------------------------------
-    def can_host_worker_store(self) -> bool:
-        """Whether this launcher can host the workers' TCPStore (``host_worker_store``): once the
-        zygote has imported ``torch.distributed``, a store host is one fork away. Waits for the
-        zygote's imports; False where they failed (``start`` then says why)."""
-        try:
-            self._ensure_zygote()  # a zygote that died after it was ready is replaced first
-        except ConfigError:
-            return False
-        return bool(self._ready.get("torch"))
-
-    def host_worker_store(self, master_addr: str, master_port: int) -> None:
-        """Host a fresh TCPStore for this attempt's workers at ``master_addr:master_port``, listening
-        before any worker starts (so no worker waits on another's listen), in a process the zygote
-        forks. The workers then run in torch's agent-store mode (``TORCHELASTIC_USE_AGENT_STORE=True``:
-        every rank is a client), as under torchrun's c10d agent. Replaces the previous attempt's store.
-
-        Raises:
-            RuntimeError: the store could not listen there (e.g. the port is taken) or the zygote is gone.
-        """
-        self.close_worker_store()
-        answer = self._ask(
-            {"op": "store", "addr": master_addr, "port": int(master_port)}, lambda m: "store" in m or "store_error" in m
-        )
-        if "store_error" in answer:
-            raise RuntimeError(
-                f"the workers' store at {master_addr}:{master_port} did not start: {answer['store_error']}"
-            )
-        self._store_pid = answer["pid"]
-        self._not_ours.add(self._store_pid)
-
-    def close_worker_store(self) -> None:
-        """End the store ``host_worker_store`` started (idempotent; the zygote reaps it at once)."""
-        if self._store_pid is None or self._sock is None or (self._zygote and self._zygote.poll() is not None):
-            self._store_pid = None
-            return
-        self._store_pid = None
-        self._ask({"op": "store_stop"}, lambda m: "store_stopped" in m)
-
     def take_timings(self) -> dict[str, float]:
         """Seconds not yet reported: ``preload_import_s`` (the zygote importing ``--preload-modules``,
         paid once per run, overlapped with the rendezvous) and ``preload_wait_s`` (how long the first
-        start or store waited for that import after the rendezvous)."""
+        start waited for that import after the rendezvous)."""
         timings, self._timings = self._timings, {}
         return timings
 
@@ -305,18 +263,17 @@ class PreloadLauncher(SubprocessLauncher):
         self.close()
 
     def close(self) -> None:
-        if self._zygote is not None:  # the sweep spares the zygote, its store host and its standbys
+        if self._zygote is not None:  # the sweep spares the zygote and its standbys
             self._not_ours.add(self._zygote.pid)
             if self._cgroup is None:  # else the sweep is the cgroup's, and none of them is in it
                 self._not_ours |= _children(self._zygote.pid) - {h.pid for h in self._handles.values()}
         super().close()
 
     def _end_zygote(self) -> None:
-        """Close the zygote's socket: it ends its store host and exits; reap it."""
+        """Close the zygote's socket: it exits; reap it."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        self._store_pid = None
         if self._zygote is not None:
             try:
                 self._zygote.wait(5)

@@ -9,30 +9,23 @@ only, are loaded by their files. One JSON object per packet:
 - agent -> zygote: ``{"op": "spawn", "local_rank", "argv", "env", "cwd", "mode", "cgroup"}`` with two
   fds (stdout, stderr) attached by SCM_RIGHTS; ``mode`` is ``script`` | ``module`` | ``exec``;
   ``cgroup`` is the directory of the workers' cgroup (``fsm_agent.plugins.containment``) or null.
-- agent -> zygote: ``{"op": "store", "addr", "port"}``: start a store host, a process holding a
-  fresh torch ``TCPStore`` server at ``addr:port`` (the workers' store in torch's agent-store mode,
-  ``TORCHELASTIC_USE_AGENT_STORE=True``); answered once it listens. ``{"op": "store_stop"}``: end
-  the store host (killed; reaped later: a new one waits for the port if it is the same).
-- zygote -> agent: first ``{"ready": true, "import_s": seconds, "torch": bool}`` once the modules
-  are imported (``torch``: whether ``torch.distributed`` is among them, so a store host is cheap) (or ``{"ready": false, "module", "error"}``); ``{"spawned": local_rank, "pid": pid}`` and, when a
-  worker ends, ``{"exited": pid, "code": exitcode}`` (``-N`` for death by signal N, as subprocess);
-  ``{"store": port, "pid": pid}`` or ``{"store_error": message}``; ``{"store_stopped": true}``.
+- zygote -> agent: first ``{"ready": true, "import_s": seconds}`` once the modules are imported
+  (or ``{"ready": false, "module", "error"}``); ``{"spawned": local_rank, "pid": pid}`` and, when a
+  worker ends, ``{"exited": pid, "code": exitcode}`` (``-N`` for death by signal N, as subprocess).
 
 The zygote is single-threaded (forking a threaded process can deadlock the child): one
 selector loop on the socket and on a SIGCHLD wakeup pipe. It has ``PR_SET_PDEATHSIG`` set, and
 so does each worker (towards the zygote), so the chain dies with the agent. The zygote itself
 stays out of the workers' cgroup (it outlives attempts); each worker enters it right after fork.
-Workers and the store host are standbys made ahead of need: forks of the zygote, kept ready while
-it is idle (``REFILL_DELAY_S`` after its last request), each waiting for the one request that makes
-it a worker or the store host, so a restart costs a message per worker instead of a fork of a
-process that imported torch. The store host stays out of the cgroup too: it belongs to the attempt's rendezvous, not to its workers, and it
-runs the TCPStore's server threads in a process of its own so that the zygote never forks with
-threads running.
+Workers are standbys made ahead of need: forks of the zygote, kept ready while it is idle
+(``REFILL_DELAY_S`` after its last request), each waiting for the one request that makes it a
+worker, so a restart costs a message per worker instead of a fork of a process that imported torch.
+The workers' store is no business of the zygote's: the workers' rank 0 hosts it (torch's
+``TORCHELASTIC_USE_AGENT_STORE=False``), a new one for each ``init_process_group``.
 """
 
 from __future__ import annotations
 
-import errno
 import importlib
 import importlib.util
 import io
@@ -46,8 +39,6 @@ import sys
 import time
 
 MAX_FDS = 2
-#: Seconds a store host waits for its port while the one before it, killed, is still exiting.
-STORE_PORT_WAIT_S = 5.0
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _helpers: dict = {}  # "boot": fsm_agent/_early_zygote.py, "containment": fsm_agent/plugins/containment.py
 
@@ -122,69 +113,23 @@ def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
     return code
 
 
-def _host_store(addr: str, port: int, link: socket.socket) -> None:
-    """In a standby become the store host: serve a fresh TCPStore at ``addr:port`` until killed.
-
-    Sends ``ok`` (or the error) on ``link`` once the server listens. Mirrors the store torch's
-    agent hosts for its workers (``TCPStore(is_master=True, wait_for_workers=False)``)."""
-    os.setsid()  # out of the zygote's process group: signals meant for the agent's group are not for it
-    try:
-        from torch.distributed import TCPStore
-
-        deadline = time.monotonic() + STORE_PORT_WAIT_S
-        while True:
-            try:
-                listener = _helpers["boot"].listen_on(addr, port)
-                break
-            except OSError as exc:  # e.g. the previous attempt's store host, killed, still exiting
-                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
-        store = TCPStore(
-            host_name=addr, port=port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach()
-        )
-    except BaseException as exc:
-        link.send(f"{type(exc).__name__}: {exc}".encode()[:4000])
-        os._exit(1)
-    link.send(b"ok")
-    link.close()
-    while store is not None:  # the server runs on its own threads; this one only waits to be killed
-        signal.pause()
-
-
 def _standby(link: socket.socket) -> int:
     """In a standby (a fork of the zygote made ahead of need): wait for the one request that makes
-    it a worker or the store host. Returns the exit code."""
+    it a worker. Returns the exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the agent's group is not for an idle fork
     data, fds, _flags, _addr = socket.recv_fds(link, 1 << 20, MAX_FDS)
     if not data:
         return 0  # the zygote is ending
     request = json.loads(data)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if request["op"] == "store":
-        _host_store(request["addr"], int(request["port"]), link)
-        return 0
     link.close()
     out_fd, err_fd = (list(fds) + [-1, -1])[:2]
     return _run_worker(request, out_fd, err_fd)
 
 
-def _stop_store_host(pid: int | None, wait: bool = True) -> None:
-    """SIGKILL the store host; reap it unless ``wait`` is False (its exit, tearing down a process
-    that imported torch, takes tens of ms: a restart does not wait for it, the SIGCHLD loop reaps it)."""
-    if pid is None:
-        return
-    try:
-        os.kill(pid, signal.SIGKILL)
-        if wait:
-            os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
-        pass
-
-
 #: Seconds after the last request before the zygote forks standbys again (the workers it just
 #: started get the CPU first). A fork of a process that imported torch takes 10-70 ms here: made
-#: ahead of need, the next attempt's workers and store host are a message away, not P+1 forks.
+#: ahead of need, the next attempt's workers are a message away, not P forks.
 REFILL_DELAY_S = 0.1
 
 
@@ -201,9 +146,7 @@ class _Zygote:
         self.selector.register(sock, selectors.EVENT_READ, "sock")
         self.selector.register(self.wake_r, selectors.EVENT_READ, "child")
         self.standbys: dict[int, socket.socket] = {}  # pid -> the zygote's end of its link, not yet used
-        self.store_pid: int | None = None
-        self.stopped: set[int] = set()  # store hosts killed, not reaped yet
-        self.wanted = {"workers": 0, "store": 0}  # how many standbys each kind of request used, at most
+        self.wanted = 0  # how many standbys one request round used, at most
         self.refill_at = 0.0
 
     # -- standbys ---------------------------------------------------------------------------------
@@ -242,7 +185,7 @@ class _Zygote:
 
     def _refill(self) -> float | None:
         """Fork one standby when the zygote has been idle long enough; the select timeout until the next."""
-        if len(self.standbys) >= sum(self.wanted.values()):
+        if len(self.standbys) >= self.wanted:
             return None
         wait = self.refill_at - time.monotonic()
         if wait > 0:
@@ -251,25 +194,8 @@ class _Zygote:
         return 0.0
 
     # -- requests ---------------------------------------------------------------------------------
-    def _store(self, request: dict) -> dict:
-        if self.store_pid is not None:
-            _stop_store_host(self.store_pid, wait=False)
-            self.stopped.add(self.store_pid)
-            self.store_pid = None
-        if request["op"] == "store_stop":
-            return {"store_stopped": True}
-        self.wanted["store"] = 1
-        pid, link = self._activate(request, [])
-        with link:
-            answer = link.recv(4096).decode(errors="replace")
-        if answer != "ok":
-            _stop_store_host(pid)
-            return {"store_error": answer or "the store host died before it listened"}
-        self.store_pid = pid
-        return {"store": int(request["port"]), "pid": pid}
-
     def _spawn(self, request: dict, fds: list[int]) -> dict:
-        self.wanted["workers"] = max(self.wanted["workers"], int(request["local_rank"]) + 1)
+        self.wanted = max(self.wanted, int(request["local_rank"]) + 1)
         pid, link = self._activate(request, fds)
         link.close()
         return {"spawned": request["local_rank"], "pid": pid}
@@ -285,10 +211,6 @@ class _Zygote:
                 return
             if pid in self.standbys:  # an unused standby died (e.g. swept): never a worker
                 self.standbys.pop(pid).close()
-            elif pid in self.stopped:
-                self.stopped.discard(pid)
-            elif pid == self.store_pid:  # died by itself: the agent learns it from the workers' failures
-                self.store_pid = None
             else:
                 _send(self.sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
@@ -303,21 +225,12 @@ class _Zygote:
                 if not data:
                     self._end()
                     return  # the agent closed the socket: it is gone or done
-                request = json.loads(data)
-                if request["op"] in ("store", "store_stop"):
-                    for fd in fds:
-                        os.close(fd)
-                    answer = self._store(request)
-                else:
-                    answer = self._spawn(request, list(fds))
+                answer = self._spawn(json.loads(data), list(fds))
                 _send(self.sock, answer)
                 self.refill_at = time.monotonic() + REFILL_DELAY_S
 
     def _end(self) -> None:
-        """The store host killed, each standby told to exit (its link closed), all reaped."""
-        _stop_store_host(self.store_pid)
-        for pid in self.stopped:
-            _stop_store_host(pid)
+        """Each standby told to exit (its link closed), all reaped."""
         for pid, link in list(self.standbys.items()):
             link.close()
             try:
@@ -345,8 +258,7 @@ def main() -> None:
             _send(sock, {"ready": False, "module": name, "error": f"{type(exc).__name__}: {exc}"})
             return
     _helpers["containment"] = _load("_fsm_agent_containment", os.path.join(_HERE, "..", "containment.py"))
-    # With torch imported, a store host is one fork away: the agent may then host the workers' store.
-    _send(sock, {"ready": True, "import_s": time.monotonic() - started, "torch": "torch.distributed" in sys.modules})
+    _send(sock, {"ready": True, "import_s": time.monotonic() - started})
     serve(sock)
 
 

@@ -75,7 +75,6 @@ class FsmRendezvousHandler:
     use_agent_store = False
     #: shutdown() only leaves this round; the agent may call it on every exit (torch's closes the job).
     shutdown_closes_rendezvous = False
-    agent_hosts_worker_store = False
     #: next_rendezvous and the store's waits are select-based Python: the agent calls them in its own
     #: thread, where a stop signal interrupts them (so shutdown() never races a join still running).
     interruptible = True
