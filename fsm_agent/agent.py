@@ -37,6 +37,7 @@ from fsm_agent.errors import ConfigError, FsmAgentError, PluginError, Rendezvous
 from fsm_agent.hang import HangDetector, announce_stack_dump, dump_stacks
 from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, WorkerLogs
 from fsm_agent.plugins.listeners import reject_listener_wrappers
+from fsm_agent.plugins.protocols import LauncherAdapter, RendezvousAdapter
 from fsm_agent.progress import Cycle, next_cycle, read_progress_file
 from fsm_agent.ranks import assign_ranks
 from fsm_agent.store_looks import STORE_LOOKS_PER_S, look_interval
@@ -159,28 +160,6 @@ def _classify_rendezvous_error(exc: BaseException) -> str | None:
     return None
 
 
-def _round_timeout(handler: Any, config: dict[str, Any]) -> tuple[str, float]:
-    """(key, seconds) of the timeout a rendezvous round really waits, read from the handler.
-
-    torch's StaticTCPRendezvous reads ``timeout`` (default 600), torch's DynamicRendezvousHandler
-    ``settings.timeout.join``, fsm's handler ``settings.join_timeout``; another backend: the
-    ``join_timeout`` it was given, else torch's default 600.
-    """
-    settings = getattr(handler, "settings", None)
-    for key, seconds in (
-        ("join_timeout", getattr(settings, "join_timeout", None)),
-        ("join_timeout", getattr(getattr(settings, "timeout", None), "join", None)),
-        ("timeout", getattr(handler, "timeout", None)),
-    ):
-        seconds = seconds.total_seconds() if hasattr(seconds, "total_seconds") else seconds
-        if isinstance(seconds, (int, float)):
-            return key, float(seconds)
-    try:
-        return "join_timeout", float(config.get("join_timeout", 600))
-    except (TypeError, ValueError):
-        return "join_timeout", 600.0
-
-
 def _empty_rendezvous_error_detail(exc: BaseException, rdzv: Any, key: str, seconds: float) -> str:
     """What torch's message-less RendezvousTimeoutError / RendezvousClosedError mean, with the fix."""
     name = type(exc).__name__
@@ -233,9 +212,11 @@ class ElasticAgent:
         self.config = config
         self._hostname = socket.getfqdn()
         self._rdzv_handler = rdzv_handler
+        #: the handler's and the launcher's optional members, read only through these (plugins/protocols.py)
+        self._rdzv = RendezvousAdapter(rdzv_handler)
+        self._launcher_extras = LauncherAdapter(launcher)
         self._standby: str | None = None
-        if hasattr(rdzv_handler, "on_standby"):  # a backend that keeps nodes beyond MAX as standbys (fsm)
-            rdzv_handler.on_standby = self._on_standby
+        self._rdzv.set_on_standby(self._on_standby)  # a backend that keeps nodes beyond MAX as standbys (fsm)
         self._launcher = launcher
         self._logs = logs
         self._events_path = events_path or (
@@ -327,7 +308,7 @@ class ElasticAgent:
     def rdzv_endpoint(self) -> str:
         """Where the rendezvous is: the handler's ``endpoint`` if it has one (the port it bound for
         ``host:0``, as ``--standalone`` asks), else the configured ``--rdzv-endpoint``."""
-        return getattr(self._rdzv_handler, "endpoint", None) or self.spec.rendezvous.endpoint
+        return self._rdzv.endpoint or self.spec.rendezvous.endpoint
 
     @property
     def run_log_dir(self) -> str | None:
@@ -584,13 +565,12 @@ class ElasticAgent:
         """An fd the backend makes readable when nodes are lost or wait to join (optional API)."""
         if self._finished_peers_seen:  # its fd stays readable for them: ask at each tick instead
             return None
-        get_fd = getattr(self._rdzv_handler, "membership_fd", None)
-        return get_fd() if get_fd is not None else None
+        return self._rdzv.membership_fd()
 
     def _membership_change(self) -> str | None:
         """``node_lost`` (a peer stopped keeping the rendezvous alive, and did not finish),
         ``membership_change`` (nodes wait to join), or None."""
-        lost = self._lost_beyond_finished(getattr(self._rdzv_handler, "num_nodes_lost", lambda: 0)())
+        lost = self._lost_beyond_finished(self._rdzv.num_nodes_lost())
         waiting = self._rdzv_handler.num_nodes_waiting()
         if lost or waiting:
             log.info("[%s] membership changed: %s node(s) lost, %s waiting", self.spec.role, lost, waiting)
@@ -1092,12 +1072,12 @@ class ElasticAgent:
         Every built-in backend says no: the workers' rank 0 hosts their store, a new one for each
         ``init_process_group``, so a worker that destroys and re-creates its process group never
         meets the earlier group's keys (torch's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` mode)."""
-        return bool(getattr(self._rdzv_handler, "use_agent_store", False))
+        return self._rdzv.use_agent_store
 
     def _report_launcher_timings(self) -> None:
         """What the launcher spent outside the agent's own steps (e.g. the preload launcher's
         ``preload_import_s``), once: metrics ``fsm_agent.launcher.<name>`` and a ``launcher_timings`` event."""
-        timings = getattr(self._launcher, "take_timings", lambda: {})()
+        timings = self._launcher_extras.take_timings()
         for name, seconds in timings.items():
             self._put_metric("fsm_agent", f"launcher.{name}", seconds)
         if timings:
@@ -1545,7 +1525,7 @@ class ElasticAgent:
             raise SignalStop(self._signal)
         if drainable and self._drain_request is not None:
             raise DrainInterrupt()
-        if getattr(self._rdzv_handler, "interruptible", False):
+        if self._rdzv.interruptible:
             self._interruptible = interruptible  # the handler raises SignalStop into call()
             self._drain_interruptible = drainable
             try:
@@ -1652,7 +1632,7 @@ class ElasticAgent:
             return
         self._closed = True
         self._launcher.close()
-        getattr(self._launcher, "shutdown", lambda: None)()  # e.g. the preload launcher's zygote
+        self._launcher_extras.shutdown()  # e.g. the preload launcher's zygote
         self._hang.close()
         # torch's shutdown() closes the rendezvous for everyone, so it is skipped on a signal (as
         # torch does) and when this node was excluded (the others carry on without it); a backend
@@ -1663,14 +1643,14 @@ class ElasticAgent:
             or self.excludes_this_node()
             or (self.drain is not None and not self.drains_whole_job())
         )
-        leave = getattr(self._rdzv_handler, "leave", None) if leaving_alone else None
+        leave = self._rdzv.leave if leaving_alone else None
         if leave is not None and self._abandoned_call is not None:
             log.warning(
                 "not leaving the rendezvous: its store is still busy with the abandoned %s; the other "
                 "nodes notice this node after its keep-alive timeout",
                 self._abandoned_call,
             )
-        elif not leaving_alone or not getattr(self._rdzv_handler, "shutdown_closes_rendezvous", True) or leave:
+        elif not leaving_alone or not self._rdzv.shutdown_closes_rendezvous or leave:
             try:
                 (leave or self._rdzv_handler.shutdown)()
             except Exception as exc:
@@ -1680,7 +1660,7 @@ class ElasticAgent:
 
     def _describe_rendezvous_error(self, exc: BaseException) -> str:
         rdzv = self.spec.rendezvous
-        key, seconds = _round_timeout(self._rdzv_handler, rdzv.config)
+        key, seconds = self._rdzv.round_timeout(rdzv.config)
         where = (
             f"backend={rdzv.backend} endpoint={rdzv.endpoint or '(default)'} run_id={rdzv.run_id} {key}={seconds:g}s"
         )

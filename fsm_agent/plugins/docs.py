@@ -294,6 +294,26 @@ def render_conformance() -> list[str]:
     return lines
 
 
+def render_optional_members() -> list[str]:
+    """The optional members of a rendezvous handler and of a launcher (``fsm_agent.plugins.protocols``)."""
+    from fsm_agent.plugins.protocols import LAUNCHER_OPTIONAL, RENDEZVOUS_OPTIONAL
+
+    lines: list[str] = []
+    for title, members in (("rendezvous handler", RENDEZVOUS_OPTIONAL), ("launcher", LAUNCHER_OPTIONAL)):
+        lines += [
+            f"Optional members of a {title}:",
+            "",
+            "| member | when absent | meaning | torch |",
+            "|---|---|---|---|",
+        ]
+        for m in members:
+            lines.append(
+                f"| `{cell(m.signature)}` | {cell(m.default)} | {cell(m.meaning)} | {cell(m.torch) if m.torch else '—'} |"
+            )
+        lines.append("")
+    return lines
+
+
 def render() -> str:
     from fsm_agent.plugins import ENTRY_POINT_GROUP
     from fsm_agent.plugins.manager import DISABLE_ENV, PLUGIN_KINDS
@@ -351,17 +371,14 @@ def render() -> str:
         "- Errors meant for the user raise `fsm_agent.errors.ConfigError` or `PluginError` with a message that "
         "names the input and the fix: the CLI prints it as one line and exits non-zero, never a traceback.",
         "- A rendezvous `creator(params)` takes torch's `RendezvousParameters` and returns a torch "
-        "`RendezvousHandler`. The workers get `TORCHELASTIC_USE_AGENT_STORE` from its `use_agent_store` (torch's "
-        "property; absent means False): False, as every built-in backend says, means the workers' rank 0 hosts "
-        "their store at the round's MASTER_ADDR:MASTER_PORT, a new one for each `init_process_group` (a store "
-        "that outlives a process group hands a re-created one stale keys); True means the handler hosts it there.",
-        "- Optional handler methods the agent uses when present: `num_nodes_lost()` (participants of this node's "
-        "round that are gone: a re-rendezvous of class `node_lost`, not counted), `membership_fd()` (an fd readable "
-        "while the membership changed, instead of polling every `--monitor-interval`) and `leave()` (called instead "
-        "of `shutdown()` when this node stops alone, on a signal or excluded, so the round stays open for the "
-        "others). A backend built on torch's `DynamicRendezvousHandler` gets the first and the last by returning "
-        "`FreshStoreHandler(handler, backend)` from `fsm_agent.plugins.rendezvous_c10d`, as `etcd-v3` does.",
+        "`RendezvousHandler`; a launcher factory returns an object with the subprocess launcher's interface. "
+        "Beyond those, the optional members below are what the agent uses when present (the tables are "
+        "rendered from `fsm_agent/plugins/protocols.py`, where the agent reads them through one adapter per "
+        "kind; the conformance suites check each one a backend has against its kind). A backend built on "
+        "torch's `DynamicRendezvousHandler` gets `num_nodes_lost`, `leave` and `use_agent_store` (False) by "
+        "returning `FreshStoreHandler(handler, backend)` from `fsm_agent.plugins.rendezvous_c10d`, as `etcd-v3` does.",
         "",
+        *render_optional_members(),
         "## A scheduler plugin (LSF, PBS, a cloud batch service)",
         "",
         "A scheduler plugin reads the variables its scheduler gives a job step and answers "

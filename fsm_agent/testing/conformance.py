@@ -44,6 +44,8 @@ from typing import Any, Callable
 import attrs
 import pytest
 
+from fsm_agent.plugins.protocols import LAUNCHER_OPTIONAL, RENDEZVOUS_OPTIONAL, optional_member_problems
+
 __all__ = ["LauncherConformance", "RendezvousConformance", "RendezvousSetup", "free_port"]
 
 LOCALHOST = "127.0.0.1"
@@ -264,8 +266,8 @@ class RendezvousConformance:
             assert callable(getattr(handler, name, None)), f"{type(handler).__name__} lacks {name}()"
         assert isinstance(handler.get_backend(), str) and handler.get_backend()
         assert handler.is_closed() is False
-        shared = getattr(handler, "use_agent_store", False)
-        assert shared in (True, False), f"use_agent_store must be a bool, got {shared!r}"
+        # each optional member it has (fsm_agent/plugins/protocols.py) fits its declared kind
+        assert optional_member_problems(handler, RENDEZVOUS_OPTIONAL) == []
 
     def test_get_run_id_is_the_configured_run_id(self, rendezvous):
         """get_run_id() answers the run id the handler was made for (TORCHELASTIC_RUN_ID)."""
@@ -569,6 +571,20 @@ class LauncherConformance:
         harness = _Workers(self, tmp_path)
         yield harness
         harness.cleanup()
+
+    def test_optional_members_fit_their_declared_kinds(self):
+        """Each optional member the launcher has (``LAUNCHER_OPTIONAL``, fsm_agent/plugins/protocols.py)
+        fits its declared kind; ``take_timings()`` answers a dict of seconds."""
+        launcher = self.make_launcher()
+        try:
+            assert optional_member_problems(launcher, LAUNCHER_OPTIONAL) == []
+            if hasattr(launcher, "take_timings"):
+                timings = launcher.take_timings()
+                assert isinstance(timings, dict) and all(isinstance(v, (int, float)) for v in timings.values())
+        finally:
+            launcher.close()
+            if hasattr(launcher, "shutdown"):
+                launcher.shutdown()
 
     # -- start -----------------------------------------------------------------------------------
     def test_start_runs_one_process_per_worker_with_its_env_and_args(self, workers):

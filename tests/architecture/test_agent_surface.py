@@ -60,3 +60,24 @@ def test_the_agent_changes_them_and_plugins_see_the_change(make_agent):
         assert agent.cycles == () and agent.drain is None and agent.standby is None and agent.hostname
     finally:
         agent.close()
+
+
+def test_the_agent_reads_backend_extras_only_through_the_protocol_adapters():
+    """The optional members of a rendezvous handler or a launcher (``fsm_agent/plugins/protocols.py``)
+    are read through ``RendezvousAdapter``/``LauncherAdapter``: no ``getattr``/``hasattr`` on the
+    handler or the launcher in agent.py, and every declared member has its adapter accessor."""
+    from fsm_agent.plugins.protocols import LAUNCHER_OPTIONAL, RENDEZVOUS_OPTIONAL, LauncherAdapter, RendezvousAdapter
+
+    backends = {"_rdzv_handler", "rdzv_handler", "_launcher", "launcher", "handler"}
+    probes = []
+    for node in ast.walk(ast.parse((ROOT / "fsm_agent" / "agent.py").read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+            owner = node.args[0]
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name in backends:
+                probes.append(f"agent.py:{node.lineno} {node.func.id}({name}, ...)")
+    assert probes == []
+    for adapter, members in ((RendezvousAdapter, RENDEZVOUS_OPTIONAL), (LauncherAdapter, LAUNCHER_OPTIONAL)):
+        for member in members:
+            accessor = "set_on_standby" if member.kind == "callback" else member.name
+            assert accessor in vars(adapter), f"{adapter.__name__} has no accessor for {member.name}"
