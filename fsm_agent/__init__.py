@@ -6,36 +6,59 @@ the ``RunResult``), ``LaunchConfig``, the data
 model (``WorkerSpec``, ``Worker``, ``WorkerGroup``, ``WorkerState``, ``RunResult``), ``hookimpl``, and
 ``heartbeat()`` and ``compute()`` for workers (progress and compute-time reports: ``--hang-timeout``,
 ``--straggler-window``).
+
+Importing the package has no side effects and is light: each name is imported when first used
+(so a worker's ``from fsm_agent import heartbeat`` costs no agent, and nothing imports torch); no
+process is started and no signal handler installed (the console scripts do that, in
+``fsm_agent._entry``).
 """
 
-from fsm_agent import _early_signals
+from __future__ import annotations
 
-_early_signals.install()  # first: the agent command handles signals from its first milliseconds on
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from fsm_agent import _early_zygote  # noqa: E402
+if TYPE_CHECKING:
+    from fsm_agent.config import LaunchConfig
+    from fsm_agent.heartbeat import compute, heartbeat
+    from fsm_agent.launch import AgentFailedError as AgentFailedError
+    from fsm_agent.launch import WorkerGroupFailedError as WorkerGroupFailedError
+    from fsm_agent.launch import elastic_launch, launch_agent, run_agent
+    from fsm_agent.plugins import hookimpl
+    from fsm_agent.states.worker_state import WorkerState
+    from fsm_agent.worker import RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec
 
-_early_zygote.install()  # then --launcher preload's zygote starts importing torch while the agent starts
-
-from typing import Any  # noqa: E402
-
-from fsm_agent.config import LaunchConfig
-from fsm_agent.heartbeat import compute, heartbeat
-from fsm_agent.plugins import hookimpl
-from fsm_agent.states.worker_state import WorkerState
-from fsm_agent.worker import RunResult, Worker, WorkerFailure, WorkerGroup, WorkerSpec
-
-
-_LAUNCH_NAMES = ("launch_agent", "elastic_launch", "run_agent", "WorkerGroupFailedError", "AgentFailedError")
-
-
-def __getattr__(name: str) -> Any:  # the launcher pulls in the agent; keep `import fsm_agent` light
-    if name in _LAUNCH_NAMES:
-        from fsm_agent import launch
-
-        return getattr(launch, name)
-    raise AttributeError(name)
+#: Each public name -> the module that defines it.
+_EXPORTS = {
+    "LaunchConfig": "fsm_agent.config",
+    "WorkerSpec": "fsm_agent.worker",
+    "Worker": "fsm_agent.worker",
+    "WorkerGroup": "fsm_agent.worker",
+    "WorkerState": "fsm_agent.states.worker_state",
+    "WorkerFailure": "fsm_agent.worker",
+    "RunResult": "fsm_agent.worker",
+    "hookimpl": "fsm_agent.plugins",
+    "heartbeat": "fsm_agent.heartbeat",
+    "compute": "fsm_agent.heartbeat",
+    "launch_agent": "fsm_agent.launch",
+    "elastic_launch": "fsm_agent.launch",
+    "run_agent": "fsm_agent.launch",
+    "WorkerGroupFailedError": "fsm_agent.launch",
+    "AgentFailedError": "fsm_agent.launch",
+}
 
 
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsm_agent' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later reads do not come here
+    return value
+
+
+#: ``from fsm_agent import *``: every public name but the two errors, which derive from torch's
+#: ``ChildFailedError`` and so import torch (``from fsm_agent import WorkerGroupFailedError`` does).
 __all__ = [
     "LaunchConfig",
     "WorkerSpec",
@@ -47,5 +70,7 @@ __all__ = [
     "hookimpl",
     "heartbeat",
     "compute",
-    *_LAUNCH_NAMES,
+    "launch_agent",
+    "elastic_launch",
+    "run_agent",
 ]

@@ -1,5 +1,5 @@
-"""``python -m fsm_agent``: the ``fsm-agent`` command (``fsm_agent.cli.main``)."""
+"""``python -m fsm_agent``: the ``fsm-agent`` command (``fsm_agent._entry.main``)."""
 
-from fsm_agent.cli import main
+from fsm_agent._entry import main
 
 main()

@@ -3,8 +3,8 @@
 ``launch_agent`` handles stop signals and drops signals to relay (``--forward-signals``) until the
 agent's own handlers take over; but reading the options takes a while (importing the CLI), and
 until then a signal has its default action: SIGUSR1 ``--forward-signals``-listed kills the agent
-(exit 138), Ctrl-C prints a ``KeyboardInterrupt`` traceback. The console scripts import this package
-first, and the package imports this module first: from then on, in the agent command only (argv
+(exit 138), Ctrl-C prints a ``KeyboardInterrupt`` traceback. The console scripts' entry
+(``fsm_agent._entry``) calls ``install`` before anything else: from then on, in the agent command only (argv
 says ``fsm-agent run``, ``fsmrun`` or ``python -m fsm_agent run``), a stop signal ends the process
 with 128+N and no traceback, a signal to relay is dropped, and a drain signal (``--drain-signals``)
 is kept for the agent (``take_early_drain``), which drains as soon as it runs. The names come from a quick look at

@@ -3,7 +3,7 @@
 ``fsm-agent run --launcher preload`` spends a few tenths of a second importing its own modules
 before it reads its options and builds the launcher; the zygote (``fsm_agent.plugins.launcher_preload``)
 then still has to import torch, which the first workers wait for. So, like ``_early_signals``, the
-package imports this module first: in the agent command only, when a quick look at argv and the
+console scripts' entry (``fsm_agent._entry``) calls ``install`` first: in the agent command only, when a quick look at argv and the
 environment (``--launcher``/``FSM_AGENT_LAUNCHER``, ``--preload-modules``/``FSM_AGENT_PRELOAD_MODULES``)
 says preload, the zygote is started at once and its import overlaps the agent's start and the
 rendezvous. The launcher takes it (``take``) when the modules it was configured with are the same,

@@ -1,8 +1,8 @@
 """``fsm_agent._early_zygote``: the preload launcher's zygote starts when the agent command starts.
 
 Each case runs a fresh interpreter whose argv is the agent command (``python -m fsm_agent run ...``
-is what ``_early_signals`` and this module recognise), so ``import fsm_agent`` does what the real
-command's first milliseconds do; ``json`` stands in for torch (the zygote imports it in no time).
+is what ``_early_signals`` and this module recognise) and calls what the console scripts call first
+(``fsm_agent._entry.start_early``); ``json`` stands in for torch (the zygote imports it in no time).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ CHECK = textwrap.dedent("""
     import json, sys
     args = json.loads(sys.argv[1])
     sys.argv = ["fsm-agent", "run", *args]
-    import fsm_agent, fsm_agent._early_zygote as early
+    import fsm_agent._early_zygote as early, fsm_agent._entry
+    fsm_agent._entry.start_early()
     started = early._early is not None
     modules = early._early[0] if started else None
     zygote = None
@@ -91,7 +92,8 @@ def test_discard_ends_a_zygote_nobody_took():
     code = textwrap.dedent("""
         import sys
         sys.argv = ["fsm-agent", "run", "--launcher", "preload", "--preload-modules", "json", "w.py"]
-        import fsm_agent._early_zygote as early, fsm_agent
+        import fsm_agent._early_zygote as early, fsm_agent._entry
+        fsm_agent._entry.start_early()
         zygote = early._early[1]
         early.discard()
         print(zygote.returncode is not None, early.take("json") is None)
