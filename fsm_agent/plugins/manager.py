@@ -18,6 +18,7 @@ import pluggy
 
 from fsm_agent.config import OptionRegistry
 from fsm_agent.errors import ConfigError, FsmAgentError, PluginError
+from fsm_agent.settings import DISABLE_PLUGINS_ENV, parse_names
 from fsm_agent.plugins import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
 from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.plugins.registry import BackendRegistry
@@ -51,11 +52,12 @@ TEST_TOOLING_PLUGINS: dict[str, tuple[str, str]] = {
 }
 #: Built-ins that cannot be disabled: without them the agent cannot run at all.
 ESSENTIAL_PLUGINS = frozenset({"launcher-subprocess"})
-DISABLE_ENV = "FSM_AGENT_DISABLE_PLUGINS"
+#: The variable of the ``--disable-plugin`` setting (declared once, in settings.py).
+DISABLE_ENV = DISABLE_PLUGINS_ENV
 
 
 def disabled_from_env() -> tuple[str, ...]:
-    return tuple(n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip())
+    return parse_names(os.environ.get(DISABLE_ENV, ""))
 
 
 def plugin_names() -> list[str]:
