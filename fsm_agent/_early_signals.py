@@ -26,6 +26,8 @@ import signal
 import sys
 from collections.abc import Iterator
 
+from fsm_agent.signal_names import signal_numbers
+
 _DEFAULT_STOP = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 
@@ -54,12 +56,13 @@ def _option(argv: list[str], flag: str, env: str, default: str) -> str:
 
 
 def _names(value: str) -> list[int]:
+    """The trappable signals of ``value``; a bad name is skipped here (the agent's own parse names it)."""
     sigs = []
     for name in value.split(","):
-        name = name.strip().upper()
-        sig = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
-        if isinstance(sig, signal.Signals) and sig not in (signal.SIGKILL, signal.SIGSTOP):
-            sigs.append(sig)
+        try:
+            sigs.extend(signal_numbers(name))
+        except ValueError:
+            pass
     return sigs
 
 

@@ -39,6 +39,7 @@ from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, WorkerLogs
 from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.plugins.protocols import LauncherAdapter, RendezvousAdapter
 from fsm_agent.progress import Cycle, next_cycle, read_progress_file
+from fsm_agent.signal_names import signal_numbers
 from fsm_agent.ranks import assign_ranks
 from fsm_agent.store_looks import STORE_LOOKS_PER_S, look_interval
 from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine
@@ -222,8 +223,8 @@ class ElasticAgent:
         self._events_path = events_path or (
             os.path.join(logs.run_log_dir, "events.jsonl") if logs.run_log_dir else None
         )
-        self._signals = [getattr(signal, n.strip()) for n in signals_to_handle.split(",") if n.strip()]
-        self._forwarded = [getattr(signal, n.strip()) for n in forward_signals.split(",") if n.strip()]
+        self._signals = list(signal_numbers(signals_to_handle))
+        self._forwarded = list(signal_numbers(forward_signals))
         self._worker_group = WorkerGroup(spec)
         self.restart_count = 0
         self.transitions: list[TransitionRecord] = []

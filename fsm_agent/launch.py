@@ -26,6 +26,7 @@ from fsm_agent.errorfile import format_summary, propagate_to_parent
 from fsm_agent.errors import ConfigError, FsmAgentError
 from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, load_logs_specs, parse_std
 from fsm_agent.plugins.manager import LoadedPlugins, load_plugins
+from fsm_agent.signal_names import signal_numbers
 from fsm_agent.states.worker_state import WorkerState
 from fsm_agent.worker import RendezvousSpec, RunResult, WorkerFailure, WorkerSpec
 
@@ -287,7 +288,7 @@ def _launch(
 
 
 def _signals(names: str) -> list[int]:
-    return [getattr(signal, n.strip()) for n in (names or "").split(",") if n.strip()]
+    return list(signal_numbers(names or ""))
 
 
 def _stop_signals(names: str) -> list[int]:

@@ -23,13 +23,13 @@ import json
 import math
 import os
 import re
-import signal
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import attrs
 
 from fsm_agent.errors import ConfigError, FsmAgentError
+from fsm_agent.signal_names import signal_names
 
 DEFAULT_MASTER_PORT = 29500
 #: Seconds between the death signal and SIGKILL when neither the flag nor the env var says.
@@ -47,7 +47,6 @@ FALSE_WORDS = frozenset({"0", "false", "f", "no", "n", "off"})
 #: torch's ``Std`` syntax, but a map may name multi-digit local ranks (torch: single digit only).
 STD_VALUE = re.compile(r"[0-3]")
 STD_MAP = re.compile(r"\d+:[0-3](,\d+:[0-3])*")
-UNHANDLEABLE_SIGNALS = frozenset({"SIGKILL", "SIGSTOP"})
 
 
 def env_name(*parts: str) -> str:
@@ -183,16 +182,13 @@ def parse_filters(value: str) -> list[str]:
 
 
 def parse_signals(value: str, flag: str = "--signals-to-handle") -> tuple[str, ...]:
-    """``SIGTERM,SIGINT`` -> the names; each must be a signal the agent can trap (``flag`` names
-    the option in the error: ``--signals-to-handle`` or ``--forward-signals``)."""
-    names = tuple(name.strip() for name in value.split(",")) if value.strip() else ()
-    for name in names:
-        if name not in signal.Signals.__members__ or name in UNHANDLEABLE_SIGNALS:
-            problem = "cannot be trapped" if name in UNHANDLEABLE_SIGNALS else "is not a signal on this platform"
-            raise ConfigError(
-                f"{flag} {value!r}: {name!r} {problem}; use names such as SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-            )
-    return names
+    """``SIGTERM,SIGINT`` -> the names (``fsm_agent.signal_names``: ``TERM`` is ``SIGTERM``); each
+    must be a signal the agent can trap (``flag`` names the option in the error:
+    ``--signals-to-handle`` or ``--forward-signals``)."""
+    try:
+        return signal_names(value)
+    except ValueError as exc:
+        raise ConfigError(f"{flag} {value!r}: {exc}; use names such as SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1") from None
 
 
 def parse_forward_signals(value: str) -> tuple[str, ...]:
@@ -354,11 +350,10 @@ def _std(value: Any) -> str:
 def _signals(value: Any) -> str:
     names = value.split(",") if isinstance(value, str) else value
     _need(isinstance(names, list) and all(isinstance(n, str) for n in names))
-    names = [n.strip() for n in names if n.strip()]
-    for name in names:
-        if name not in signal.Signals.__members__ or name in UNHANDLEABLE_SIGNALS:
-            raise _Invalid(f"{name!r} {'cannot be trapped' if name in UNHANDLEABLE_SIGNALS else 'is not a signal'}")
-    return ",".join(names)
+    try:
+        return ",".join(signal_names(",".join(names)))
+    except ValueError as exc:
+        raise _Invalid(str(exc)) from None
 
 
 def _ranks(value: Any) -> str:

@@ -21,10 +21,10 @@ budget; it is a ``drain`` record in the events file, the ``fsm_agent.drains`` an
 from __future__ import annotations
 
 import os
-import signal
 
 from fsm_agent.errors import ConfigError
 from fsm_agent.plugins import hookimpl
+from fsm_agent.signal_names import signal_numbers
 from fsm_agent.worker import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_SCOPES, DrainSettings
 
 PLUGIN_NAME = "drain"
@@ -36,24 +36,20 @@ def _signal_number(name: str) -> int:
     """``SIGUSR2`` (or ``USR2``) as its number.
 
     Raises:
-        ValueError: not a signal name.
+        ValueError: not a signal, or one that cannot be caught.
     """
-    text = name.strip().upper()
-    text = text if text.startswith("SIG") else "SIG" + text
-    try:
-        return int(signal.Signals[text])
-    except KeyError:
-        raise ValueError(f"expected signal names like SIGUSR2, got {name.strip()!r}") from None
+    numbers = signal_numbers(name)
+    if len(numbers) != 1:
+        raise ValueError(f"expected one signal name like SIGUSR1, got {name.strip()!r}")
+    return int(numbers[0])
 
 
 def _signal_numbers(names: str) -> tuple[int, ...]:
-    return tuple(_signal_number(n) for n in names.split(",") if n.strip())
+    return tuple(int(n) for n in signal_numbers(names))
 
 
 def _check_signals(names: str) -> None:
-    for number in _signal_numbers(names):
-        if number in (signal.SIGKILL, signal.SIGSTOP):
-            raise ValueError(f"expected signals that can be caught; {signal.Signals(number).name} cannot")
+    signal_numbers(names)  # raises ValueError naming a bad one
 
 
 def _check_timeout(seconds: float) -> None:

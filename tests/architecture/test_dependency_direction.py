@@ -61,10 +61,10 @@ RULES = [
         (),
     ),
     (
-        "the configuration schema knows nothing of fsm-agent but its errors",
+        "the configuration schema knows nothing of fsm-agent but its errors and the signal names",
         lambda m: m == "fsm_agent.settings",
         ("fsm_agent.",),
-        ("fsm_agent.errors",),
+        ("fsm_agent.errors", "fsm_agent.signal_names"),
     ),
     (
         "no plugin knows the CLI, the launch or the agent's module",

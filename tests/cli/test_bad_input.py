@@ -43,7 +43,7 @@ BAD = {
     "plugin-option-choice": (["--exclude-node-on", "gpu"], {}, "straggler, got 'gpu' (see"),
     "forward-signals-unknown": (["--forward-signals", "SIGFOO"], {}, "--forward-signals 'SIGFOO'"),
     "forward-signals-untrappable": (["--forward-signals", "SIGKILL"], {}, "cannot be trapped"),
-    "forward-signals-env": ([], {"FSM_AGENT_FORWARD_SIGNALS": "USR1"}, "FSM_AGENT_FORWARD_SIGNALS='USR1'"),
+    "forward-signals-env": ([], {"FSM_AGENT_FORWARD_SIGNALS": "SIGNOPE"}, "FSM_AGENT_FORWARD_SIGNALS='SIGNOPE'"),
     "log-dir-cannot-be-made": (["--log-dir", "/proc/no/such/dir"], {}, "--log-dir '/proc/no/such/dir'"),
     "no-python-binary-missing": (["--no-python", "{missing}"], {}, "--no-python binary"),
     "unknown-launcher": (["--launcher", "nope"], {}, "nope"),
