@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fsm_agent.testing.conformance import free_port  # noqa: F401 (one helper for every test: a free 127.0.0.1 port)
 from fsm_agent.testing.node_loss import NodeLossJob
 from fsm_agent.testing.processes import remove_worker_cgroups, tmpdir_env
 from tests.netns import netns_hosts  # noqa: F401 (the fixture of the multi-host tests: agent, schedulers, parity)
@@ -109,13 +109,6 @@ os.replace(path + ".tmp", path)
 print("probe-out rank=%s local_rank=%s" % (rank, os.environ["LOCAL_RANK"]), flush=True)
 print("probe-err rank=%s local_rank=%s" % (rank, os.environ["LOCAL_RANK"]), file=sys.stderr, flush=True)
 """
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fsm_agent_cmd() -> list[str]:

@@ -45,7 +45,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -57,6 +56,7 @@ import psutil
 import pytest
 
 from fsm_agent.testing.processes import remove_worker_cgroups, tmpdir_env, wait_until
+from fsm_agent.testing.conformance import free_port
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
@@ -154,12 +154,6 @@ def _descendants(pid: int) -> set[int]:
         return {p.pid for p in psutil.Process(pid).children(recursive=True)}
     except psutil.NoSuchProcess:
         return set()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _listens(pid: int, port: int) -> bool:
@@ -356,7 +350,7 @@ def run_node_loss_trial(tmp: Path, fault: str, rank: int, delay: float, victim: 
     chaos_dir.mkdir(parents=True)
     script = tmp / "worker.py"
     script.write_text(NODE_WORKER)
-    port = _free_port()
+    port = free_port()
     run_id = f"chaos-{uuid.uuid4().hex[:12]}"
     common = (
         "--nnodes",

@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from fsm_agent.testing.conformance import free_port  # noqa: F401 (re-exported for the status tests)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str, timeout: float = 5.0) -> tuple[int, str, str]:

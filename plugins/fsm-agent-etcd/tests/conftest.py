@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from fsm_agent.testing import AgentProcesses
+from fsm_agent.testing.conformance import free_port
 
 ETCD_BINARY = os.environ.get("FSM_AGENT_TEST_ETCD", shutil.which("etcd") or "/usr/bin/etcd")
 
@@ -32,12 +32,6 @@ ETCD_BINARY = os.environ.get("FSM_AGENT_TEST_ETCD", shutil.which("etcd") or "/us
 #: machine, where 100 ms heartbeats are missed and a three-member cluster re-elects for nothing.
 #: The election stays well below the agents' keep-alive timeout (5 s in these tests).
 ETCD_TIMING = ("--heartbeat-interval", "250", "--election-timeout", "2500")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
