@@ -113,7 +113,7 @@ def record_phases(handler) -> list:
         if not isinstance(client, StoreClient):
             continue
 
-        def wrap(method, label=name.strip("_"), what=None):
+        def wrap(method, label=name.strip("_"), what=None):  # noqa: B008 (binds this client's name now)
             def stamped(*a, **kw):
                 t0 = time.time()
                 try:

@@ -27,6 +27,7 @@ How it measures:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -44,9 +45,10 @@ import tempfile
 import time
 import traceback
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 try:
     import psutil
@@ -210,7 +212,7 @@ class Row:
     label: str
     unit: str  # "s", "MB", "CPU s"
     goal: str = ""  # shown in the goal column, e.g. "≤ 0.35"
-    check: Callable[["Row"], bool] | None = None  # goal verdict (None: informational row)
+    check: Callable[[Row], bool] | None = None  # goal verdict (None: informational row)
     fsm: list[float | None] = field(default_factory=list)  # None: did not happen within the cutoff
     tr: list[float | None] = field(default_factory=list)
     errors: dict[str, list[str]] = field(default_factory=lambda: {FSM: [], TR: []})
@@ -375,7 +377,7 @@ def free_port() -> int:
 class Proc:
     """One launcher process: the session leader of its own process group."""
 
-    def __init__(self, trial: "Trial", cmd: list[str], name: str, env: dict[str, str]):
+    def __init__(self, trial: Trial, cmd: list[str], name: str, env: dict[str, str]):
         self.trial, self.cmd, self.name, self.env = trial, cmd, name, env
         self.log_path = trial.dir / f"{name}.log"
         self.popen: subprocess.Popen | None = None
@@ -383,7 +385,7 @@ class Proc:
         self.t_launch = self.t_exit = None
         self.rc: int | None = None
 
-    def start(self) -> "Proc":
+    def start(self) -> Proc:
         with open(self.log_path, "wb") as log_file:
             self.t_launch = time.time()
             self.popen = subprocess.Popen(
@@ -424,10 +426,8 @@ class Proc:
         except (ProcessLookupError, PermissionError):
             pass
         if self.rc is None:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.rc = self.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
         self._close_fd()
 
     def tail(self, lines: int = 25) -> str:
@@ -447,7 +447,7 @@ def wait_exits(procs: list[Proc], timeout: float) -> bool:
     return all(not p.running for p in procs)
 
 
-def watch_worker_exits(trial: "Trial", proc: Proc, timeout: float) -> dict[int, float | None]:
+def watch_worker_exits(trial: Trial, proc: Proc, timeout: float) -> dict[int, float | None]:
     """Wait for ``proc`` to exit while recording when each worker process exits: {pid: time or None}.
 
     Worker pids are learnt from their ``started`` events (the file is re-read every 20 ms: that
@@ -480,7 +480,7 @@ def watch_worker_exits(trial: "Trial", proc: Proc, timeout: float) -> dict[int, 
 class Trial:
     """One launch of one launcher (possibly K agents): a directory, an events file, cleanup."""
 
-    def __init__(self, bench: "Bench", tag: str):
+    def __init__(self, bench: Bench, tag: str):
         self.bench = bench
         self.name = tag
         self.dir = bench.tmp / tag
@@ -547,7 +547,7 @@ class Trial:
             if proc in self.bench.live:
                 self.bench.live.remove(proc)
 
-    def __enter__(self) -> "Trial":
+    def __enter__(self) -> Trial:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -564,10 +564,8 @@ def _is_keeper(proc: Any) -> bool:
 def kill_pid(pid: Any) -> None:
     if not isinstance(pid, int) or pid <= 1 or pid == os.getpid():
         return
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def read_events(path: Path) -> list[dict]:
@@ -825,10 +823,8 @@ class Bench:
 
     def close(self) -> None:
         for etcd in self._etcd:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(etcd.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             etcd.wait(timeout=30)
         for proc in list(self.live):
             proc.kill()
@@ -1671,7 +1667,7 @@ def scenario_i(bench: Bench) -> list[Row]:
     return list(made.values())
 
 
-def wait_listening(t: "Trial", host: Proc, port: int, timeout: float) -> None:
+def wait_listening(t: Trial, host: Proc, port: int, timeout: float) -> None:
     """Wait until ``host`` listens on the rendezvous ``port`` (it hosts the store)."""
     deadline = time.monotonic() + timeout
     while not listening_on(host.pid, port):
@@ -1833,10 +1829,8 @@ def machine() -> dict[str, str]:
         "os": f"{platform.system()} {platform.release()}",
         "cpus": str(os.cpu_count()),
     }
-    try:
+    with contextlib.suppress(AttributeError):
         info["cpus_usable"] = str(len(os.sched_getaffinity(0)))
-    except AttributeError:
-        pass
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -1846,10 +1840,8 @@ def machine() -> dict[str, str]:
         pass
     if psutil is not None:
         info["memory"] = f"{psutil.virtual_memory().total / 2**30:.1f} GiB"
-    try:
+    with contextlib.suppress(OSError):
         info["load_average"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        pass
     from importlib import metadata
 
     for dist in ("torch", "fsm-agent"):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -95,10 +96,8 @@ class CountingProxy:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def close(self) -> None:
         self._listener.close()
@@ -183,10 +182,8 @@ def measure(k: int, window: float, seconds: float, directory: Path) -> tuple[col
         return counted, changes
     finally:
         for proc in (*agents, store):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait()
         if proxy is not None:
             proxy.close()

@@ -32,7 +32,6 @@ import os
 import signal
 import sys
 
-import fsm_agent
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -42,6 +41,8 @@ from sklearn.preprocessing import StandardScaler
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import fsm_agent
 
 
 def parse_args(argv=None):

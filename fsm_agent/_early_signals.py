@@ -59,10 +59,8 @@ def _names(value: str) -> list[int]:
     """The trappable signals of ``value``; a bad name is skipped here (the agent's own parse names it)."""
     sigs = []
     for name in value.split(","):
-        try:
+        with contextlib.suppress(ValueError):
             sigs.extend(signal_numbers(name))
-        except ValueError:
-            pass
     return sigs
 
 

@@ -32,17 +32,17 @@ import pluggy
 from fsm_agent import errorfile
 from fsm_agent._early_signals import note_stop, take_early_drain, take_early_stop
 from fsm_agent.env import worker_env
-from fsm_agent.finished_nodes import count_finished, mark_finished
 from fsm_agent.errors import ConfigError, FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
+from fsm_agent.finished_nodes import count_finished, mark_finished
 from fsm_agent.hang import HangDetector, announce_stack_dump, dump_stacks
 from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, WorkerLogs
 from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.plugins.protocols import LauncherAdapter, RendezvousAdapter
 from fsm_agent.progress import Cycle, next_cycle, read_progress_file
-from fsm_agent.signal_names import signal_numbers
 from fsm_agent.ranks import assign_ranks
-from fsm_agent.store_looks import STORE_LOOKS_PER_S, look_interval
+from fsm_agent.signal_names import signal_numbers
 from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine
+from fsm_agent.store_looks import STORE_LOOKS_PER_S, look_interval
 from fsm_agent.worker import (
     DRAIN_EXIT_CODE,
     DRAIN_SCOPES,

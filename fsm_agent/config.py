@@ -193,11 +193,11 @@ class LaunchConfig:
             self.start_method in START_METHODS, f"--start-method {self.start_method!r}: use spawn, fork or forkserver"
         )
 
-    def evolve(self, **changes: Any) -> "LaunchConfig":
+    def evolve(self, **changes: Any) -> LaunchConfig:
         return attrs.evolve(self, **changes)
 
     @classmethod
-    def coerce(cls, config: Any) -> "LaunchConfig":
+    def coerce(cls, config: Any) -> LaunchConfig:
         """``config`` itself, or torch's ``torch.distributed.launcher.api.LaunchConfig`` turned into one.
 
         torch's fields keep torch's values (its defaults included: ``rdzv_backend="etcd"``,

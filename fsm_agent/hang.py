@@ -14,6 +14,7 @@ Two sources, both per worker:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,8 +23,8 @@ import subprocess
 import tempfile
 import time
 
-from fsm_agent.tempdirs import forget, remove_if_the_agent_dies
 from fsm_agent.heartbeat import HEARTBEAT_FILE_ENV, read_compute, read_step
+from fsm_agent.tempdirs import forget, remove_if_the_agent_dies
 
 log = logging.getLogger(__name__)
 ENABLE_FILE_TIMER_ENV = "TORCHELASTIC_ENABLE_FILE_TIMER"
@@ -105,10 +106,8 @@ class HangDetector:
     def new_attempt(self, local_world_size: int) -> None:
         """Forget the previous attempt's heartbeats and timers."""
         for local_rank in range(local_world_size if self._heartbeats else 0):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._heartbeat_file(local_rank))
-            except FileNotFoundError:
-                pass
         self._timers.clear()
 
     def wait_fds(self) -> list[int]:

@@ -143,7 +143,7 @@ def apply_discovery(
         raise ConfigError(job.several_per_node)
     if "rendezvous.node_rank" in filled and getattr(args, "rdzv_backend", None) not in node_rank_backends:
         # the user's backend assigns ranks itself: a discovered rank would only be warned about
-        setattr(args, "node_rank", keys["rendezvous.node_rank"].kind.structure(0))
+        args.node_rank = keys["rendezvous.node_rank"].kind.structure(0)
         sources["rendezvous.node_rank"] = make_source("default")
         filled.remove("rendezvous.node_rank")
     return filled

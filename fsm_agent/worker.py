@@ -7,7 +7,8 @@ torch.distributed.elastic users recognise them; times are in seconds.
 from __future__ import annotations
 
 import signal
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -208,7 +209,7 @@ class NodeProblem(str):
 
     def __new__(
         cls, text: str, failure_class: str = FailureClass.HEALTH_CHECK, global_rank: int | None = None
-    ) -> "NodeProblem":
+    ) -> NodeProblem:
         problem = super().__new__(cls, text)
         problem.failure_class, problem.global_rank = failure_class, global_rank
         return problem
@@ -340,7 +341,7 @@ class RestartDecision:
             raise ValueError(f"RestartDecision: delay_s must be >= 0 seconds, got {self.delay_s}")
 
 
-def first_failure(failures: "dict[int, WorkerFailure]") -> WorkerFailure | None:
+def first_failure(failures: dict[int, WorkerFailure]) -> WorkerFailure | None:
     """The root cause among ``failures``: the earliest error (error.json time, else exit time),
     then the lowest global rank; None when empty. Mirrors torch's ``get_first_failure``."""
     if not failures:

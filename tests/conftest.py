@@ -20,6 +20,7 @@ line to stdout and one to stderr.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -204,10 +205,8 @@ class Proc:
 
 
 def _killpg(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class Launcher:
@@ -339,10 +338,8 @@ class Launcher:
             if proc.alive():
                 _killpg(proc.pid)
         for proc in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.popen.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
         deadline = time.monotonic() + 5.0
         leftovers = self._token_pids()
         while leftovers and time.monotonic() < deadline:

@@ -197,21 +197,15 @@ class NetnsHosts:
 
     def destroy(self) -> None:
         for pid in [agent.pid for agent in self.agents] + [p.pid for p in self._processes]:  # their groups first
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         for name in self._created:  # then whatever still lives in our namespaces, by pid
             for pid in self.pids_in(name):
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
         for proc in [agent.proc for agent in self.agents] + self._processes:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(self.pids_in(n) for n in self._created):
             time.sleep(0.05)
@@ -337,10 +331,8 @@ class NetnsHosts:
         workers = [r["pid"] for r in self.records("start") if r["host"] == agent.name]
         killed_at = time.time()
         for pgid in [agent.pid, *workers]:  # the agent leads its group; each worker leads its own
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         agent.killed_at = killed_at
         agent.proc.wait(timeout=30)
         return killed_at
@@ -349,10 +341,8 @@ class NetnsHosts:
     def records(self, kind: str) -> list[dict]:
         records = []
         for path in sorted(self.out.glob(f"{kind}_*.json")):
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 records.append(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                pass
         return records
 
     def diagnostics(self) -> str:

@@ -29,7 +29,7 @@ mode = sys.argv[1] if len(sys.argv) > 1 else "exit"
 if mode == "sleep":
     time.sleep(float(sys.argv[2]))
 elif mode == "crash" and ATTEMPT == 0:
-    if RANK == int(sys.argv[2]):
+    if int(sys.argv[2]) == RANK:
         time.sleep(float(sys.argv[3]))
         emit("crash")
         os._exit(1)
@@ -40,11 +40,11 @@ elif mode == "hang" and ATTEMPT == 0:
     hang_rank, deadline = int(sys.argv[2]), time.time() + float(sys.argv[3])
     while True:
         heartbeat(min_interval=0.0)
-        if RANK == hang_rank and time.time() >= deadline:
+        if hang_rank == RANK and time.time() >= deadline:
             emit("hang")
             sleep_forever()
         time.sleep(0.05)
-elif mode == "idle" and (WORLD_SIZE >= int(sys.argv[2]) or not os.path.exists(sys.argv[3])):
+elif mode == "idle" and (int(sys.argv[2]) <= WORLD_SIZE or not os.path.exists(sys.argv[3])):
     sleep_forever()
 elif mode not in ("exit", "crash", "hang", "idle"):
     sys.exit(f"plain.py: unknown mode {mode!r}")

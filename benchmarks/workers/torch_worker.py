@@ -48,13 +48,13 @@ if mode == "crashes":  # crashes N RANK DELAY: the crash of mode crash, in attem
     mode, last_crash, crash_args = "crash", int(sys.argv[2]) - 1, sys.argv[3:]
 else:
     last_crash, crash_args = 0, sys.argv[2:]
-if mode == "crash" and ATTEMPT <= last_crash:
-    if RANK == int(crash_args[0]):
+if mode == "crash" and last_crash >= ATTEMPT:
+    if int(crash_args[0]) == RANK:
         time.sleep(float(crash_args[1]))
         emit("crash")
         os._exit(1)
     sleep_forever()
-elif (mode == "loop" and WORLD_SIZE >= int(sys.argv[2])) or (mode == "spare" and not os.path.exists(sys.argv[2])):
+elif (mode == "loop" and int(sys.argv[2]) <= WORLD_SIZE) or (mode == "spare" and not os.path.exists(sys.argv[2])):
     while True:
         try:
             dist.all_reduce(value)

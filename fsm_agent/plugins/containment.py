@@ -190,10 +190,8 @@ class WorkerCgroup:
             if not pids:
                 return
             for pid in pids:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             self.wait_empty(0.1)
 
     def wait_empty(self, timeout: float) -> bool:
@@ -222,10 +220,8 @@ class WorkerCgroup:
             return False
         for root, dirs, _files in os.walk(self.path, topdown=False):  # e.g. a nested agent's cgroup
             for name in dirs:
-                try:
+                with contextlib.suppress(OSError):
                     os.rmdir(os.path.join(root, name))
-                except OSError:
-                    pass
         try:
             os.rmdir(self.path)
         except FileNotFoundError:

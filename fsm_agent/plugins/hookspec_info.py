@@ -27,7 +27,8 @@ _ARG_ENTRY = re.compile(r"^(\w+)(?:\s*\([^)]*\))?:\s*(.*)$")
 
 def hookspecs() -> dict[str, Hookspec]:
     """Every ``@hookspec`` function of ``fsm_agent.plugins.hookspecs``, in declaration order."""
-    from fsm_agent.plugins import PROJECT_NAME, hookspecs as module
+    from fsm_agent.plugins import PROJECT_NAME
+    from fsm_agent.plugins import hookspecs as module
 
     marker = f"{PROJECT_NAME}_spec"
     found = [obj for obj in vars(module).values() if inspect.isfunction(obj) and hasattr(obj, marker)]

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 @hookspec
-def fsm_agent_addoption(options: "OptionRegistry") -> None:
+def fsm_agent_addoption(options: OptionRegistry) -> None:
     """Declare this plugin's configuration options: flags, environment variables and file keys.
 
     Args:
@@ -47,7 +47,7 @@ def fsm_agent_addoption(options: "OptionRegistry") -> None:
 
 
 @hookspec
-def fsm_agent_register_backends(registry: "BackendRegistry") -> None:
+def fsm_agent_register_backends(registry: BackendRegistry) -> None:
     """Contribute named rendezvous backends and launchers (the selectable kinds).
 
     Args:
@@ -74,7 +74,7 @@ def fsm_agent_register_backends(registry: "BackendRegistry") -> None:
 
 
 @hookspec
-def fsm_agent_configure(config: "LaunchConfig", agent: "ElasticAgent") -> None:
+def fsm_agent_configure(config: LaunchConfig, agent: ElasticAgent) -> None:
     """Let a plugin read the configuration and keep a reference to the agent.
 
     Args:
@@ -95,7 +95,7 @@ def fsm_agent_configure(config: "LaunchConfig", agent: "ElasticAgent") -> None:
 
 
 @hookspec(firstresult=True)
-def fsm_agent_discover_job(environ: Mapping[str, str], scheduler: str) -> "DiscoveredJob | None":
+def fsm_agent_discover_job(environ: Mapping[str, str], scheduler: str) -> DiscoveredJob | None:
     """Discover the job step a batch scheduler started this process in (Slurm, LSF, PBS, ...).
 
     Args:
@@ -128,7 +128,7 @@ def fsm_agent_discover_job(environ: Mapping[str, str], scheduler: str) -> "Disco
 
 
 @hookspec
-def fsm_agent_rendezvous_completed(worker_group: "WorkerGroup", duration_s: float) -> None:
+def fsm_agent_rendezvous_completed(worker_group: WorkerGroup, duration_s: float) -> None:
     """Observe a completed rendezvous round and the ranks it assigned.
 
     Args:
@@ -151,7 +151,7 @@ def fsm_agent_rendezvous_completed(worker_group: "WorkerGroup", duration_s: floa
 
 
 @hookspec
-def fsm_agent_worker_env(worker: "Worker", worker_group: "WorkerGroup") -> dict[str, str] | None:
+def fsm_agent_worker_env(worker: Worker, worker_group: WorkerGroup) -> dict[str, str] | None:
     """Contribute extra environment variables for one worker process.
 
     Args:
@@ -170,7 +170,7 @@ def fsm_agent_worker_env(worker: "Worker", worker_group: "WorkerGroup") -> dict[
 
 
 @hookspec
-def fsm_agent_workers_started(worker_group: "WorkerGroup", pids: dict[int, int]) -> None:
+def fsm_agent_workers_started(worker_group: WorkerGroup, pids: dict[int, int]) -> None:
     """Observe that every worker of the group has been spawned.
 
     Args:
@@ -186,7 +186,7 @@ def fsm_agent_workers_started(worker_group: "WorkerGroup", pids: dict[int, int])
 
 
 @hookspec
-def fsm_agent_worker_exited(worker: "Worker", worker_group: "WorkerGroup", exitcode: int) -> None:
+def fsm_agent_worker_exited(worker: Worker, worker_group: WorkerGroup, exitcode: int) -> None:
     """Observe one worker's exit as soon as the launcher sees it (event-driven, not polled).
 
     Args:
@@ -205,8 +205,8 @@ def fsm_agent_worker_exited(worker: "Worker", worker_group: "WorkerGroup", exitc
 
 @hookspec(firstresult=True)
 def fsm_agent_restart_policy(
-    failures: "dict[int, WorkerFailure]", worker_group: "WorkerGroup", restart_count: int, failure_class: str
-) -> "RestartDecision | None":
+    failures: dict[int, WorkerFailure], worker_group: WorkerGroup, restart_count: int, failure_class: str
+) -> RestartDecision | None:
     """Decide whether a failed attempt is restarted, after how long, given up, or this node leaves.
 
     Args:
@@ -236,7 +236,7 @@ def fsm_agent_restart_policy(
 
 
 @hookspec
-def fsm_agent_health_check(worker_group: "WorkerGroup") -> str | None:
+def fsm_agent_health_check(worker_group: WorkerGroup) -> str | None:
     """Check this node's health while its workers run (GPUs, disks, network, ...).
 
     Implement it only when a check is configured: while any plugin implements it, the run loop
@@ -321,7 +321,7 @@ def fsm_agent_record_event(event: dict[str, Any]) -> None:
 
 
 @hookspec
-def fsm_agent_state_changed(transition: "TransitionRecord") -> None:
+def fsm_agent_state_changed(transition: TransitionRecord) -> None:
     """Observe every state change of the worker group.
 
     Args:
@@ -336,7 +336,7 @@ def fsm_agent_state_changed(transition: "TransitionRecord") -> None:
 
 
 @hookspec
-def fsm_agent_unconfigure(result: "RunResult") -> None:
+def fsm_agent_unconfigure(result: RunResult) -> None:
     """Flush and release plugin resources; the last hook of a run.
 
     Args:

@@ -26,14 +26,15 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
-from fsm_agent.plugins.containment import Keeper, WorkerCgroup, enter_cgroup, keeper_pids
 from fsm_agent.env import substitute_local_rank
 from fsm_agent.logs import WorkerLogs
 from fsm_agent.plugins import hookimpl
+from fsm_agent.plugins.containment import Keeper, WorkerCgroup, enter_cgroup, keeper_pids
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -104,10 +105,8 @@ def sweep_orphans(keep: set[int] = frozenset()) -> list[int]:
     skip = set(keep) | _helper_pids()
     victims = [p for p in me.children(recursive=True) if p.pid not in skip]
     for proc in victims:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(victims, timeout=5)
     _reap_children(skip)
     return [p.pid for p in victims]
@@ -131,10 +130,8 @@ def _direct_children() -> set[int]:
 def _reap_children(skip: set[int]) -> None:
     """Reap the zombies among our direct children (reparented orphans), except ``skip``."""
     for pid in _direct_children() - skip:
-        try:
+        with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
 
 
 def _child_preexec(cgroup: str | None = None) -> None:
@@ -277,7 +274,7 @@ class SubprocessLauncher:
         handle = _Handle(
             local_rank=local_rank, pid=popen.pid, wait_fd=os.pidfd_open(popen.pid), popen=popen, owns_fd=True
         )
-        for index, (pipe, path, tee, console) in enumerate(
+        for index, (pipe, path, _tee, console) in enumerate(
             (
                 (popen.stdout, wlogs.stdout, wlogs.tee_stdout, sys.stdout),
                 (popen.stderr, wlogs.stderr, wlogs.tee_stderr, sys.stderr),
@@ -419,10 +416,8 @@ class SubprocessLauncher:
                 reader.join(2.0)
             h.readers.clear()
             if h.owns_fd:
-                try:
+                with contextlib.suppress(OSError):
                     os.close(h.wait_fd)
-                except OSError:
-                    pass
                 h.owns_fd = False
         for sink in self._filtered:
             if sink is not None:
@@ -463,10 +458,8 @@ def _killpg(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
     except ProcessLookupError:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
     except PermissionError:
         pass
 

@@ -11,17 +11,17 @@ import functools
 import importlib
 import logging
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 import attrs
 import pluggy
 
 from fsm_agent.config import OptionRegistry
 from fsm_agent.errors import ConfigError, FsmAgentError, PluginError
-from fsm_agent.settings import DISABLE_PLUGINS_ENV, parse_names
 from fsm_agent.plugins import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
 from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.plugins.registry import BackendRegistry
+from fsm_agent.settings import DISABLE_PLUGINS_ENV, parse_names
 
 log = logging.getLogger(__name__)
 

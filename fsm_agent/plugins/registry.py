@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Iterable
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import attrs
 

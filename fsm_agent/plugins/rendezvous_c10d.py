@@ -37,7 +37,6 @@ from fsm_agent.hosts import is_this_host
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.registry import require_positive_seconds
 
-
 log = logging.getLogger(__name__)
 
 #: The ``--rdzv-conf`` keys torch's DynamicRendezvousHandler reads (``dynamic_rendezvous.create_handler``);

@@ -38,10 +38,9 @@ import uuid
 
 from fsm_agent.errors import ConfigError, RendezvousFailed
 from fsm_agent.finished_nodes import finished_key
-from fsm_agent.store_looks import look_interval
-from fsm_agent.plugins.registry import require_positive_seconds
 from fsm_agent.plugins import hookimpl
-from fsm_agent.plugins.registry import torch_parameters
+from fsm_agent.plugins.registry import require_positive_seconds, torch_parameters
+from fsm_agent.store_looks import look_interval
 
 #: Seconds the static rendezvous waits for every node (torch's ``LaunchConfig`` default, so torchrun's).
 DEFAULT_TIMEOUT_S = 900

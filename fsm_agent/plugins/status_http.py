@@ -44,6 +44,8 @@ State is tracked through hooks (``fsm_agent_rendezvous_completed``, ``fsm_agent_
 from __future__ import annotations
 
 import collections
+import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -53,9 +55,6 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-
-import hmac
-import ipaddress
 from urllib.parse import parse_qs, urlsplit
 
 import attrs

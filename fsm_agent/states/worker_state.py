@@ -28,7 +28,7 @@ class WorkerState(str, enum.Enum):
     FAILED = "FAILED"
 
     @staticmethod
-    def is_running(state: "WorkerState") -> bool:
+    def is_running(state: WorkerState) -> bool:
         """True for HEALTHY and UNHEALTHY, as torch's ``WorkerState.is_running``."""
         return state in (WorkerState.HEALTHY, WorkerState.UNHEALTHY)
 

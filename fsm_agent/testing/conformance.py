@@ -28,6 +28,7 @@ lists them.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -38,8 +39,9 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 import pytest
@@ -109,7 +111,7 @@ class RendezvousSetup:
 class _Nodes:
     """The handlers one test created (shut down at teardown) and helpers to drive them."""
 
-    def __init__(self, suite: "RendezvousConformance", tmp_path: Path):
+    def __init__(self, suite: RendezvousConformance, tmp_path: Path):
         self.suite, self.tmp_path = suite, tmp_path
         self.handlers: list[Any] = []
 
@@ -158,7 +160,7 @@ class _Nodes:
             if call.wait(timeout or self.suite.wait_timeout)
         ]
 
-    def start_join(self, handler: Any) -> "_Call":
+    def start_join(self, handler: Any) -> _Call:
         return _Call(handler.next_rendezvous)
 
     def shutdown(self, handler: Any) -> Any:
@@ -411,7 +413,7 @@ def conformance_callable(prefix: str) -> str:
 class _Workers:
     """Starts workers through one launcher and kills by pid whatever is left at teardown."""
 
-    def __init__(self, suite: "LauncherConformance", tmp_path: Path):
+    def __init__(self, suite: LauncherConformance, tmp_path: Path):
         import psutil
 
         self._psutil = psutil
@@ -472,10 +474,8 @@ class _Workers:
 
     def track(self, *pids: int) -> None:
         for pid in pids:
-            try:
+            with contextlib.suppress(self._psutil.NoSuchProcess):
                 self._processes.append(self._psutil.Process(pid))
-            except self._psutil.NoSuchProcess:
-                pass
 
     # -- observing -------------------------------------------------------------------------------
     def marker(self, name: str, rank: int) -> Path:
@@ -525,10 +525,8 @@ class _Workers:
     # -- teardown --------------------------------------------------------------------------------
     def cleanup(self) -> None:
         for call in (lambda: self.launcher.stop(signal.SIGKILL, 0.0), self.launcher.close, self.shutdown):
-            try:
+            with contextlib.suppress(Exception):
                 call()
-            except Exception:
-                pass
         self.track(*(p.pid for p in self.descendants()))
         for proc in self._processes:
             try:

@@ -14,6 +14,7 @@ machine, however slow.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -21,7 +22,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 from torch.distributed.elastic.rendezvous import RendezvousHandler
@@ -300,9 +302,12 @@ class FakeRendezvous(RendezvousHandler):
             peer.start()
         for peer in peers:
             peer.join(self.store_timeout)
-        if script.peers_reach_exit_barrier:  # torch's barrier: whoever brings the count to world_size sets last_member
-            if store.add(f"{EXIT_BARRIER_PREFIX}/num_members", script.world_size - 1) == script.world_size:
-                store.set(f"{EXIT_BARRIER_PREFIX}/last_member", "<val_ignored>")
+        # torch's barrier: whoever brings the count to world_size sets last_member
+        if (
+            script.peers_reach_exit_barrier
+            and store.add(f"{EXIT_BARRIER_PREFIX}/num_members", script.world_size - 1) == script.world_size
+        ):
+            store.set(f"{EXIT_BARRIER_PREFIX}/last_member", "<val_ignored>")
 
     @staticmethod
     def _play_peer(store, rank: int, script: Round, own: dict) -> None:
@@ -484,7 +489,7 @@ class FakeLauncher:
         """Index of the current attempt, i.e. of the last ``start`` call (None before the first)."""
         return self.start_calls - 1 if self.start_calls else None
 
-    def __call__(self, agent: Any = None) -> "FakeLauncher":
+    def __call__(self, agent: Any = None) -> FakeLauncher:
         """Registry factory form: ``registry.add_launcher("fake", launcher)`` returns this instance."""
         return self
 
@@ -621,10 +626,8 @@ class FakeLauncher:
     def _release_fds(self) -> None:
         for worker in self._workers.values():
             for fd in (worker.read_fd, worker.write_fd):
-                try:
+                with contextlib.suppress(OSError):
                     os.close(fd)
-                except OSError:
-                    pass
             worker.read_fd = worker.write_fd = -1
         # keep the records (exit codes) but drop the fds: wait_fds() must not return closed fds
         for worker in self._workers.values():

@@ -25,6 +25,7 @@ workers itself. ``close`` SIGKILLs every agent's process group and every recorde
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -106,10 +107,8 @@ class NodeLossJob:
     def records(self) -> list[dict]:
         found = []
         for path in sorted(self.out.glob("start_*.json")):
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 found.append(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                pass
         return found
 
     def names_in_world(self, world: int, since: float = 0.0) -> set[str]:
@@ -218,21 +217,15 @@ class NodeLossJob:
             self._killpg(proc.pid)
         for record in self.records():
             self._killpg(record["pid"])
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(record["pid"], signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         for proc in self.procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
         remove_worker_cgroups(proc.pid for proc in self.procs.values())
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     @staticmethod
     def _killpg(pgid: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass

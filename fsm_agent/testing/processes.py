@@ -17,6 +17,7 @@ and ``remove_worker_cgroups`` to leave nothing behind either.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -168,12 +169,10 @@ class AgentProcesses:
 
     @staticmethod
     def _kill(proc: subprocess.Popen) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
-    def __enter__(self) -> "AgentProcesses":
+    def __enter__(self) -> AgentProcesses:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

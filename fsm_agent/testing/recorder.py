@@ -21,7 +21,8 @@ from __future__ import annotations
 import difflib
 import inspect
 import types
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import attrs
 import pluggy
@@ -149,7 +150,7 @@ class HookRecorder:
                 )
         return spy
 
-    def attach(self, agent: Any) -> "HookRecorder":
+    def attach(self, agent: Any) -> HookRecorder:
         """Follow ``agent``'s transitions so that hooks can be split per transition.
 
         The calls recorded so far (construction: ``fsm_agent_configure``) become ``"setup"``.
@@ -175,7 +176,7 @@ class HookRecorder:
         if self._agent is not None and self._on_finalize in self._agent.machine.finalize_event:
             self._agent.machine.finalize_event.remove(self._on_finalize)
 
-    def __enter__(self) -> "HookRecorder":
+    def __enter__(self) -> HookRecorder:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -22,7 +22,8 @@ import functools
 import os
 import re
 import signal as _signal
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
 
@@ -271,22 +272,22 @@ class Scenario:
             self.slots.append(_Slot())
         return self._slot
 
-    def rendezvous(self, rank: int = 0, world_size: int = 1, **round_fields: Any) -> "Scenario":
+    def rendezvous(self, rank: int = 0, world_size: int = 1, **round_fields: Any) -> Scenario:
         """Script the next rendezvous round (see ``Round``)."""
         self._open_slot().round.update(rank=rank, world_size=world_size, **round_fields)
         return self
 
-    def rendezvous_fails(self, kind: Any = "timeout") -> "Scenario":
+    def rendezvous_fails(self, kind: Any = "timeout") -> Scenario:
         """The next rendezvous raises: ``timeout``, ``closed``, ``graceful_exit``, ``error`` or an exception."""
         self._open_slot().round["raises"] = kind
         return self
 
-    def signal_in_rendezvous(self, sig: int = _signal.SIGTERM) -> "Scenario":
+    def signal_in_rendezvous(self, sig: int = _signal.SIGTERM) -> Scenario:
         """The agent receives ``sig`` inside the next rendezvous call."""
         self._open_slot().round["action"] = ("signal", int(sig))
         return self
 
-    def attempt(self, exits: Any = "all_ok", **attempt_fields: Any) -> "Scenario":
+    def attempt(self, exits: Any = "all_ok", **attempt_fields: Any) -> Scenario:
         """Script the next attempt (see ``Attempt``: ``exits``, ``at``, ``return_values``, ``start_raises``...)."""
         slot = self._open_slot()
         slot.attempt = {"exits": exits, **attempt_fields}
@@ -298,17 +299,17 @@ class Scenario:
             raise ValueError(f"Scenario.{what}: script an attempt() first")
         return self._slot.attempt
 
-    def join(self, at: int = 0, count: int = 1) -> "Scenario":
+    def join(self, at: int = 0, count: int = 1) -> Scenario:
         """``count`` nodes start waiting at tick ``at`` of the last attempt (membership_changed follows)."""
         self._add_action(self._current_attempt("join"), at, ("join", count))
         return self
 
-    def signal(self, sig: int = _signal.SIGTERM, at: int = 0) -> "Scenario":
+    def signal(self, sig: int = _signal.SIGTERM, at: int = 0) -> Scenario:
         """The agent receives ``sig`` at tick ``at`` of the last attempt."""
         self._add_action(self._current_attempt("signal"), at, ("signal", int(sig)))
         return self
 
-    def expect(self, expected: Iterable[str]) -> "Scenario":
+    def expect(self, expected: Iterable[str]) -> Scenario:
         """The state trace ``run()`` asserts (see ``assert_trace``)."""
         self.expected = list(expected)
         return self
@@ -318,7 +319,7 @@ class Scenario:
         attempt["actions"].setdefault(tick, []).append(action)
 
     # -- text ------------------------------------------------------------------------------------
-    def parse(self, text: str) -> "Scenario":
+    def parse(self, text: str) -> Scenario:
         """Append the steps of ``text`` (see ``PHRASES``)."""
         for step in (s.strip() for s in text.split("->")):
             if not step:
@@ -452,7 +453,7 @@ class Scenario:
             return send_signal(action[1])
         return action
 
-    def run(self, factory: Any = None) -> "ScenarioResult":
+    def run(self, factory: Any = None) -> ScenarioResult:
         """Build the fakes, build the agent with ``factory`` (the ``make_agent`` fixture, or a
         fresh ``AgentFactory()``), run it, and check ``expect``'s trace if one was given."""
         rendezvous, launcher = self.build()

@@ -9,6 +9,7 @@ the worker's wait fd readable, as a real worker's pidfd is when it exits.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -118,9 +119,7 @@ class ManualLauncher:
     def _release(self) -> None:
         for worker in self._workers.values():
             for fd in (worker.read_fd, worker.write_fd):
-                try:
+                with contextlib.suppress(OSError):
                     os.close(fd)
-                except OSError:
-                    pass
             worker.read_fd = worker.write_fd = -1
             worker.reported = True

@@ -41,6 +41,7 @@ restart, so the new round reuses ``attempt_0`` and the earlier one moves to ``at
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -55,8 +56,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fsm_agent.testing.processes import remove_worker_cgroups, tmpdir_env, wait_until
 from fsm_agent.testing.conformance import free_port
+from fsm_agent.testing.processes import remove_worker_cgroups, tmpdir_env, wait_until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
@@ -169,10 +170,8 @@ def _listens(pid: int, port: int) -> bool:
 def _killpg(pgid: int) -> None:
     if pgid == os.getpgrp():  # never the test's own group
         return
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _end_all(agents: list[subprocess.Popen], pids: set[int]) -> tuple[bool, list[int], list[str]]:
@@ -194,10 +193,8 @@ def _end_all(agents: list[subprocess.Popen], pids: set[int]) -> tuple[bool, list
     gone = wait_until(lambda: not any(_alive(p) for p in pids), 10)
     leftover = [p for p in sorted(pids) if _alive(p)]
     for pid in leftover:  # never leave them behind, even when the invariant failed
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     return gone, leftover, remove_worker_cgroups(agent.pid for agent in agents)
 
 
@@ -417,10 +414,8 @@ def run_node_loss_trial(tmp: Path, fault: str, rank: int, delay: float, victim: 
         # session, so the agent's process group alone would leave them to the parent-death signal).
         _killpg(agents[v].pid)
         for pid in doomed:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 _killpg(os.getpgid(pid))
-            except ProcessLookupError:
-                pass
         try:
             agents[1 - v].wait(timeout=NODE_LOSS_BOUND_S)
             ended_at = time.time()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -15,7 +16,6 @@ import psutil
 import pytest
 
 from fsm_agent.testing.processes import wait_until
-
 from tests.conftest import assert_excluded_node_left, free_port, read_events, transitions
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -153,10 +153,8 @@ def test_nohup_keeps_sighup_ignored(tmp_path):
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def test_hang_detected_within_timeout_with_stack_dump(tmp_path, agents):

@@ -20,25 +20,22 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TIMES = 3
 
-REINIT = (
-    r"""
+REINIT = r"""
 import datetime, json, os, sys
 import torch
 import torch.distributed as dist
 
 sums = []
-for _ in range(%d):
+for _ in range(TIMES):
     dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=60))
     value = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(value)
     sums.append(value.item())
     dist.barrier()
     dist.destroy_process_group()
-with open(os.path.join(os.environ["FSM_E2E_OUT"], "reinit_%%s.json" %% os.environ["RANK"]), "w") as f:
+with open(os.path.join(os.environ["FSM_E2E_OUT"], "reinit_%s.json" % os.environ["RANK"]), "w") as f:
     json.dump({"sums": sums, "store": os.environ["TORCHELASTIC_USE_AGENT_STORE"]}, f)
-"""
-    % TIMES
-)
+""".replace("TIMES", str(TIMES))
 
 
 def two_node_flags(backend: str, port: int, node: int) -> list[str]:

@@ -15,7 +15,6 @@ import pytest
 
 from fsm_agent.testing.processes import wait_until
 from fsm_agent.testing.stragglers import FACTOR, WINDOWS, check_found, events, straggler_flags, write_worker
-
 from tests.conftest import assert_excluded_node_left, free_port, read_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -27,10 +26,8 @@ def _common(backend: str, port: int, run_id: str, *extra: str, host: bool) -> li
     agent (it completes at once when both joined): with a 1 s window, an agent more than 1 s late
     (a loaded machine) made the first run alone and restart when it came. fsm keeps 1 s: its
     window is also the re-rendezvous one, which the exclusion test needs short."""
-    if backend == "fsm":
-        conf = f"last_call_timeout=1,is_host={int(host)}"
-    else:
-        conf = "last_call_timeout=60"  # c10d's one window; these c10d runs never re-rendezvous
+    # c10d's one window is 60 s: these c10d runs never re-rendezvous
+    conf = f"last_call_timeout=1,is_host={int(host)}" if backend == "fsm" else "last_call_timeout=60"
     return [
         "--nnodes",
         "1:2",

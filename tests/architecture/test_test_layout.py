@@ -7,8 +7,9 @@ module lies at the top of tests/ (it would belong to no component).
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"

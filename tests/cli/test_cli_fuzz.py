@@ -378,7 +378,7 @@ def run_cli(argv: list[str], cwd: Path, env_extra: dict[str, str] | None = None)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise AssertionError(f"fsm-agent run {argv!r} did not exit within 120 s")
+        raise AssertionError(f"fsm-agent run {argv!r} did not exit within 120 s") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

@@ -776,7 +776,7 @@ def test_help_states_each_default_once(capsys):
 
     parser = cli.get_run_parser(options=collect_options(get_plugin_manager(load_entry_points=False)))
     helps = {action.dest: parser._get_formatter()._expand_help(action) for action in parser._actions if action.help}
-    for dest, text in helps.items():
+    for text in helps.values():
         assert text.count("(default:") <= 1, text
         for shown in ("(default: None)", "(default: '')", "(default: )", "(default: [])", "(default: ())"):
             assert shown not in text, text

@@ -464,7 +464,7 @@ def run_cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise AssertionError(f"fsm-agent run {argv!r} did not exit within 120 s")
+        raise AssertionError(f"fsm-agent run {argv!r} did not exit within 120 s") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

@@ -24,9 +24,8 @@ import pytest
 from fsm_agent import LaunchConfig, run_agent
 from fsm_agent.errors import ConfigError
 from fsm_agent.plugins.launcher_subprocess import is_subreaper
-
-from tests.conftest import free_port
 from tests.agent.test_agent_behaviour import _fail_on_rank_one, _square_rank
+from tests.conftest import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -8,6 +8,7 @@ Skipped where this process's cgroup v2 directory is not writable (``cgroup_unava
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -72,10 +73,8 @@ def gone(pid: int) -> bool:
             return False
     except psutil.NoSuchProcess:
         return True
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
     return True
 
 
@@ -96,10 +95,8 @@ def sleepers():
     procs: list[subprocess.Popen] = []
     yield procs
     for proc in procs:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait()
 
 

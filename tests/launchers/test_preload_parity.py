@@ -49,7 +49,7 @@ main()
 """
 
 
-def run_dir_of(log_dir) -> "Path":  # noqa: F821
+def run_dir_of(log_dir) -> Path:  # noqa: F821
     (run_dir,) = [p for p in log_dir.iterdir() if p.is_dir()]
     return run_dir
 

@@ -470,7 +470,7 @@ def test_two_stop_signals_at_once_before_the_workers(launcher, flags):
         time.sleep(at)
         proc.send_signal(signal.SIGTERM)
         proc.send_signal(signal.SIGTERM)
-        if not wait_until(lambda: not proc.alive(), STOP_BOUND_S):
+        if not wait_until(lambda proc=proc: not proc.alive(), STOP_BOUND_S):
             os.killpg(proc.pid, signal.SIGKILL)
         result = proc.wait(60)
         why = f"at {at}s: exit {result.returncode}\n--- stderr ---\n{result.stderr[-4000:]}"

@@ -16,7 +16,6 @@ import sys
 
 import pytest
 
-
 COUNTING_PLUGIN = """\
 import os
 

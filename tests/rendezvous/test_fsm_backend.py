@@ -263,7 +263,7 @@ def test_scale_up_one_by_one_causes_one_restart(nodes):
     assert readable(running[0].membership_fd(), 5)
     assert running[0].num_nodes_waiting() == 3
     second, _ = rendezvous_all(running)
-    for h, t, box in joiners:
+    for _h, t, box in joiners:
         t.join(10)
         assert box["info"].world_size == 5
     assert {r.world_size for r in second} == {5}

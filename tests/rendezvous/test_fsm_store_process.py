@@ -10,6 +10,7 @@ the endpoint (no traceback). etcd with three members survives that too
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -38,10 +39,8 @@ def store_process():
         proc.endpoint = line.split()[4]
         yield proc
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout=30)
         proc.stdout.close()
 

@@ -85,5 +85,5 @@ def test_a_node_stops_with_one_line_when_the_store_host_is_gone(launcher):
     assert result.returncode != 0, result
     assert time.monotonic() - killed < STOP_WITHIN_S
     lines = [line for line in result.stderr.splitlines() if "hosted by node rank 0" in line]
-    assert len(lines) == 1 and "127.0.0.1:%d" % port in lines[0], result.stderr
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0], result.stderr
     assert "sendBytes failed" not in result.stderr and "frame #" not in result.stderr, result.stderr

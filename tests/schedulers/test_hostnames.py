@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.netns import RDZV_PORT, NetnsHosts
 from tests.agent.test_netns import JOB_TIMEOUT_S, check_world, fsm_flags
+from tests.netns import RDZV_PORT, NetnsHosts
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 

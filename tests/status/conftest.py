@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from fsm_agent.testing.conformance import free_port  # noqa: F401 (re-exported for the status tests)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -9,8 +9,7 @@ import pytest
 
 from fsm_agent.config import LaunchConfig
 from fsm_agent.errors import ConfigError
-from fsm_agent.plugins import hookimpl
-from fsm_agent.plugins import status_http
+from fsm_agent.plugins import hookimpl, status_http
 from fsm_agent.testing.fakes import FakeLauncher
 from tests.status.conftest import get, get_json
 

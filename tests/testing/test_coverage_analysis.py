@@ -21,8 +21,8 @@ from fsm_agent.testing.coverage import (
     Edge,
     Observation,
     build_report,
-    read_observations,
     reachable_edges,
+    read_observations,
     run_loop_rules,
     table_edges,
 )

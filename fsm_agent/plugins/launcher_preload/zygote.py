@@ -26,6 +26,7 @@ The workers' store is no business of the zygote's: the workers' rank 0 hosts it 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import io
@@ -233,10 +234,8 @@ class _Zygote:
         """Each standby told to exit (its link closed), all reaped."""
         for pid, link in list(self.standbys.items()):
             link.close()
-            try:
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
         self.standbys.clear()
 
 

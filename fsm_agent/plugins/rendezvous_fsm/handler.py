@@ -3,6 +3,7 @@ driven by the planner (see the package docstring for the protocol)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -10,8 +11,9 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fsm_agent.errors import ConfigError, RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.plugins.rendezvous_fsm.params import (
@@ -29,7 +31,6 @@ from fsm_agent.plugins.rendezvous_fsm.store import (
     StoreServer,
     format_endpoint,
 )
-
 
 log = logging.getLogger(__name__)
 
@@ -446,10 +447,8 @@ class FsmRendezvousHandler:
                 for t in self._threads:
                     if t.name.startswith("fsm-rdzv-keep-alive"):
                         t.join(timeout=self.settings.handshake_timeout)
-                try:
+                with contextlib.suppress(StoreError):
                     self._client.delete_key(self._alive_key)
-                except StoreError:
-                    pass
                 if self._server is not None:
                     self._linger()
         except (StoreError, RendezvousFailed) as exc:
@@ -461,10 +460,8 @@ class FsmRendezvousHandler:
             if self._server is not None:
                 self._server.close()
             for fd in (self._fd_r, self._fd_w):
-                try:
+                with contextlib.suppress(OSError):
                     os.close(fd)
-                except OSError:
-                    pass
         return ok
 
     def _linger(self) -> None:
@@ -480,10 +477,8 @@ class FsmRendezvousHandler:
     def _signal(self) -> None:  # holds self._cv
         if not self._signalled:
             self._signalled = True
-            try:
+            with contextlib.suppress(OSError):
                 os.write(self._fd_w, b"!")
-            except OSError:
-                pass
 
     def _drain(self) -> None:  # holds self._cv
         self._signalled = False

@@ -13,7 +13,6 @@ from fsm_agent.hosts import is_loopback  # noqa: F401  (the handler's, re-export
 from fsm_agent.plugins.rendezvous_fsm.planner import DEFAULT_LAST_CALL_TIMEOUT_S
 from fsm_agent.settings import bool_word
 
-
 BACKEND = "fsm"
 DEFAULT_PORT = 29400
 #: Keep-alive renewals per second one store is asked for at most: with more than
@@ -49,7 +48,7 @@ class FsmRendezvousParameters:
         self.config = config
 
     @classmethod
-    def from_launch_config(cls, config: Any) -> "FsmRendezvousParameters":
+    def from_launch_config(cls, config: Any) -> FsmRendezvousParameters:
         """From a ``LaunchConfig`` (``rdzv_*`` fields, ``local_addr``, ``node_rank``)."""
         configs = dict(config.rdzv_configs)
         configs.setdefault("node_rank", config.node_rank)
@@ -137,7 +136,7 @@ class FsmRendezvousSettings:
         return interval, interval * self.keep_alive_max_attempt
 
     @classmethod
-    def from_params(cls, params: Any) -> "FsmRendezvousSettings":
+    def from_params(cls, params: Any) -> FsmRendezvousSettings:
         values: dict[str, Any] = {}
         for f in fields(cls):
             raw = _param(params, f.name)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import array
 import base64
+import contextlib
 import fcntl
 import heapq
 import itertools
@@ -50,8 +51,9 @@ import termios
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from fsm_agent.errors import RendezvousFailed
 from fsm_agent.plugins.rendezvous_fsm.planner import Node, Rendezvous
@@ -219,7 +221,7 @@ class StoreServer:
         self.port = port
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def bind(self) -> "StoreServer":
+    def bind(self) -> StoreServer:
         """Bind and listen (no serving yet). Raises StoreBindError."""
         try:
             infos = socket.getaddrinfo(
@@ -244,7 +246,7 @@ class StoreServer:
         self.port = sock.getsockname()[1]
         return self
 
-    def start(self) -> "StoreServer":
+    def start(self) -> StoreServer:
         """Bind (if not yet) and serve from a daemon thread."""
         if self._listener is None:
             self.bind()
@@ -275,10 +277,8 @@ class StoreServer:
             return
         self._stopping = True
         if self._thread is not None and self._thread.is_alive():
-            try:
+            with contextlib.suppress(OSError):
                 self._wake_w.send(b"x")
-            except OSError:
-                pass
             if self._thread is not threading.current_thread():
                 self._thread.join(timeout=10)
         else:
@@ -292,17 +292,13 @@ class StoreServer:
 
     def _cleanup(self) -> None:
         for conn in list(self._conns):
-            try:
+            with contextlib.suppress(OSError):
                 conn.sock.close()
-            except OSError:
-                pass
         self._conns.clear()
         for s in (self._listener, self._wake_r, self._wake_w):
             if s is not None:
-                try:
+                with contextlib.suppress(OSError):
                     s.close()
-                except OSError:
-                    pass
         if self._sel is not None:
             self._sel.close()
 
@@ -323,10 +319,8 @@ class StoreServer:
                 timeout = 3600.0 if nxt == float("inf") else min(3600.0, max(0.0, nxt - time.monotonic()))
                 for key, mask in sel.select(timeout):
                     if key.data == "wake":
-                        try:
+                        with contextlib.suppress(OSError):
                             key.fileobj.recv(64)
-                        except OSError:
-                            pass
                     elif key.data is None:
                         self._accept()
                     else:
@@ -438,24 +432,18 @@ class StoreServer:
             if conn.close_after_flush:
                 self._drop(conn)
                 return
-            try:
+            with contextlib.suppress(KeyError, ValueError):
                 self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
-            except (KeyError, ValueError):
-                pass
 
     def _drop(self, conn: _Conn) -> None:
         if conn.closed:
             return
         conn.closed = True
         self._conns.discard(conn)
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
-        try:
+        with contextlib.suppress(OSError):
             conn.sock.close()
-        except OSError:
-            pass
         if conn.waiter is not None:
             self._unregister(conn.waiter)
         for key in list(conn.owned):
@@ -982,7 +970,7 @@ class StoreClient:
         return f"StoreClient({self.endpoint})"
 
     # -- connection ------------------------------------------------------------------------------
-    def connect(self) -> "StoreClient":
+    def connect(self) -> StoreClient:
         """Open the connection now (retrying refused connects for ``connect_timeout``) and shake hands."""
         with self._lock:
             if self._sock is None:
@@ -1070,10 +1058,8 @@ class StoreClient:
 
     def _reset(self) -> None:
         if self._sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self._sock.close()
-            except OSError:
-                pass
         self._sock, self._buf = None, bytearray()
 
     def close(self) -> None:
@@ -1091,10 +1077,8 @@ class StoreClient:
             self._closed = True
             sock = self._sock
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def _send(self, obj: dict) -> None:
         try:
@@ -1131,7 +1115,7 @@ class StoreClient:
             self._sock.settimeout(remaining)
             try:
                 chunk = self._sock.recv(_RECV)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError as exc:
                 self._reset()

@@ -9,6 +9,7 @@ etcd comes from Debian's ``etcd-server`` package (``.ci/install-etcd.sh`` instal
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -43,7 +44,7 @@ class TlsFiles:
     key: Path
 
     @classmethod
-    def make(cls, directory: Path) -> "TlsFiles":
+    def make(cls, directory: Path) -> TlsFiles:
         openssl = shutil.which("openssl")
         if not openssl:
             pytest.fail("no openssl on PATH (Debian's openssl package) to make the TLS test certificates")
@@ -191,10 +192,8 @@ class EtcdMember:
         """SIGKILL the member's process group (a machine dying) and reap it."""
         if self.proc is None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait(timeout=30)
         self._log.close()
 

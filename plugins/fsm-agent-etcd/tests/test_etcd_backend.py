@@ -10,12 +10,11 @@ import sys
 import time
 import uuid
 
+import fsm_agent_etcd
 import pytest
 from torch.distributed import DistStoreError, PrefixStore
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
-
-import fsm_agent_etcd
 
 
 def params(endpoint: str, run_id: str | None = None, **conf) -> RendezvousParameters:

@@ -12,11 +12,11 @@ import signal
 import time
 import uuid
 
+import fsm_agent_etcd
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-import fsm_agent_etcd
 from fsm_agent.testing.node_loss import NodeLossJob
 
 

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
+from tests.agent.test_netns import JOB_TIMEOUT_S
 from tests.netns import netns_hosts  # noqa: F401  (the fixture)
 from tests.schedulers.test_hostnames import HOSTNAME_MODES, check_cluster_world, cluster_hosts
-from tests.agent.test_netns import JOB_TIMEOUT_S
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 

@@ -105,9 +105,8 @@ def redundancy_list(etcd_server, run_id: str) -> set:
     """torch's redundancy list of ``run_id``, read through this plugin's backend."""
     import pickle
 
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-
     from fsm_agent_etcd import create_backend
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     backend, _ = create_backend(RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 2))
     state = backend.get_state()

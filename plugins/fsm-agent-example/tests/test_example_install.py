@@ -7,9 +7,9 @@ import json
 import textwrap
 from importlib.metadata import PackageNotFoundError, distribution
 
+import fsm_agent_example
 import pytest
 
-import fsm_agent_example
 from fsm_agent.plugins.manager import build_registry, get_plugin_manager
 from fsm_agent.testing import AgentProcesses
 

@@ -6,10 +6,11 @@ import sys
 import textwrap
 
 import fsm_agent_example
+from fsm_agent_example import ExampleLauncher
+
 from fsm_agent.config import LaunchConfig
 from fsm_agent.testing import trace
 from fsm_agent.testing.conformance import LauncherConformance
-from fsm_agent_example import ExampleLauncher
 
 
 class TestExampleLauncher(LauncherConformance):

@@ -7,12 +7,12 @@ every test runs in milliseconds and says exactly which path through the statecha
 
 from __future__ import annotations
 
-import pytest
-
 import fsm_agent_example
+import pytest
+from fsm_agent_example import ATTEMPT_ENV
+
 from fsm_agent.config import LaunchConfig
 from fsm_agent.testing import Scenario
-from fsm_agent_example import ATTEMPT_ENV
 
 #: The plugin's option on, as ``--example-attempt-env true`` would set it.
 ON = LaunchConfig(plugins={"example": {"attempt_env": True}})

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import fsm_agent_otel
+import pytest
 
 testing = pytest.importorskip("fsm_agent.testing", reason="fsm-agent's test kit is not installed")
 

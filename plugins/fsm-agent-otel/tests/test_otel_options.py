@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from fsm_agent_otel import read_options
 
 
@@ -20,8 +19,9 @@ def test_options_are_flags_env_vars_and_file_keys(tmp_path, monkeypatch, capsys)
     """Declared with fsm_agent_addoption: flag > env var > [plugins.otel] > default, shown by fsm-agent config."""
     import json
 
-    from fsm_agent import LaunchConfig, cli
     from fsm_agent_otel import run_options
+
+    from fsm_agent import LaunchConfig, cli
 
     for name in ("EXPORTER", "JSONL_FILE", "SERVICE_NAME"):
         monkeypatch.delenv(f"FSM_AGENT_OTEL_{name}", raising=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from fsm_agent_prometheus import PrometheusExporter
 
 testing = pytest.importorskip("fsm_agent.testing", reason="fsm-agent's test kit is not installed")

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import fsm_agent_prometheus
+import pytest
 from fsm_agent_prometheus import metric_for, read_options
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.netns import NetnsHosts
 from tests.agent.test_netns import JOB_TIMEOUT_S, check_world
+from tests.netns import NetnsHosts
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 

@@ -14,6 +14,7 @@ network namespaces refused, or Slurm not installed and ``.ci/install-slurm.sh`` 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -122,10 +123,8 @@ class SlurmCluster:
         self.killed.add(node)
         for _ in range(3):  # a process may fork while the first ones are killed
             for pid in self.node_pids(node):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
             time.sleep(0.1)
 
     def revive(self) -> None:

@@ -8,8 +8,8 @@ nodes, node rank, endpoint and run id come from the job step (scheduler-slurm).
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys

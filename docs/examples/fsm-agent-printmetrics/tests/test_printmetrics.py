@@ -1,6 +1,6 @@
-from fsm_agent.testing import Scenario
-
 from fsm_agent_printmetrics import Printer
+
+from fsm_agent.testing import Scenario
 
 
 def test_prints_metrics_and_sees_exits_across_a_restart(make_agent, hook_recorder, capsys):

@@ -15,7 +15,8 @@ from __future__ import annotations
 import base64
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import requests
 from etcd3gw import exceptions as etcd_exceptions

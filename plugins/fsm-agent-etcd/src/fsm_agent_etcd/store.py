@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 from torch.distributed import DistStoreError, Store
 

@@ -8,6 +8,7 @@ checks each of them with real processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -30,10 +31,8 @@ class _Worker:
 
 
 def _killpg(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class ExampleLauncher:

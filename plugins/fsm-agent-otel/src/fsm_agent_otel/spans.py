@@ -27,7 +27,8 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -61,7 +62,7 @@ class StateSpans:
         self._membership: dict[str, int] = {}
 
     @classmethod
-    def for_agent(cls, agent, config, provider=None) -> "StateSpans":
+    def for_agent(cls, agent, config, provider=None) -> StateSpans:
         tracer_provider = provider if provider is not None else trace.get_tracer_provider()
         from fsm_agent_otel import TRACER_NAME
 

@@ -36,7 +36,8 @@ import re
 import socket
 import sys
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
@@ -243,9 +244,8 @@ class PrometheusExporter:
     @hookimpl
     def fsm_agent_unconfigure(self, result):
         self._final = True
-        if self.linger_s > 0 and self._server is not None:
-            if not self._final_scrape.wait(self.linger_s):
-                log.info("prometheus: no scrape within %ss after the run ended", self.linger_s)
+        if self.linger_s > 0 and self._server is not None and not self._final_scrape.wait(self.linger_s):
+            log.info("prometheus: no scrape within %ss after the run ended", self.linger_s)
         self.close()
 
     # -- helpers ------------------------------------------------------------------------------------
