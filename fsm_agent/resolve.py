@@ -188,7 +188,7 @@ def config_from_args(
     *,
     set_omp_num_threads: bool = True,
     registry: BackendRegistry | None = None,
-) -> tuple[LaunchConfig, str | Callable[..., Any], tuple[str, ...]]:
+) -> tuple[LaunchConfig, str | Callable[..., Any] | None, tuple[str, ...]]:
     """Build the launch from ``get_run_parser()``'s namespace, with torchrun's semantics.
 
     ``resolve_run_args`` adds what the file and plugins set: ``args.rdzv_conf_file`` (rendezvous
@@ -650,7 +650,7 @@ def effective_rows(resolved: ResolvedRun, config: LaunchConfig) -> list[tuple[st
     reason = standalone_reason(args, config.max_nodes)
     rows: list[tuple[str, Any, Source]] = []
     for key in KEYS:
-        if key.dest is None or key.key == "rendezvous.conf":
+        if key.dest is None or key.key is None or key.key == "rendezvous.conf":
             continue
         source = sources[key.key]
         if key.key == "nnodes":
@@ -673,6 +673,6 @@ def effective_rows(resolved: ResolvedRun, config: LaunchConfig) -> list[tuple[st
     after = max(i for i, row in enumerate(rows) if row[0].startswith("rendezvous.")) + 1
     rows[after:after] = conf_rows
     for option in resolved.plugins.options:
-        if option.key in sources:
-            rows.append((option.key, config.plugins.get(option.plugin, {}).get(option.name), sources[option.key]))
+        if option.key is not None and option.key in sources:
+            rows.append((option.key, config.plugins.get(option.plugin or "", {}).get(option.name), sources[option.key]))
     return rows

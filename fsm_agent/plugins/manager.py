@@ -12,6 +12,7 @@ import importlib
 import logging
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import attrs
 import pluggy
@@ -145,7 +146,8 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             pm.register(plugin, name=ep.name)
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"plugin {ep.name!r} from {dist} is invalid: {exc}") from None
-        pm._plugin_distinfo.append((plugin, ep.dist))  # what load_setuptools_entrypoints records
+        # what load_setuptools_entrypoints records (pluggy wraps the dist; its readers take either)
+        pm._plugin_distinfo.append((plugin, ep.dist))  # type: ignore[arg-type]
 
 
 @attrs.frozen
@@ -206,7 +208,7 @@ def collect_options(pm: pluggy.PluginManager) -> OptionRegistry:
     return options
 
 
-def _call_setup_hook(pm: pluggy.PluginManager, impl, hook_name: str, kwargs: dict) -> None:
+def _call_setup_hook(pm: pluggy.PluginManager, impl: Any, hook_name: str, kwargs: dict[str, Any]) -> None:
     """Call one plugin's setup hook; an unexpected exception becomes a PluginError naming the
     plugin, its distribution and the cause (one line from the CLI instead of a traceback)."""
     try:
@@ -241,7 +243,7 @@ _KIND_OF_HOOK = {
 _DECLARED_KINDS = {"events-jsonl": ("event recording",), "rendezvous-torchrun-handlers": ("rendezvous",)}
 
 
-def plugin_rows(pm: pluggy.PluginManager, registry: BackendRegistry | None = None) -> list[dict]:
+def plugin_rows(pm: pluggy.PluginManager, registry: BackendRegistry | None = None) -> list[dict[str, Any]]:
     """One row per registered plugin: name, kinds, backends, hooks, distribution/version, built-in or not.
 
     Kinds come from the hooks: ``fsm_agent_register_backends`` gives the kinds of the backends the
