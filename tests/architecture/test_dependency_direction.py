@@ -2,7 +2,8 @@
 
 Every ``import`` and ``from ... import`` of the package and of the shipped plugin packages is
 read with ``ast`` (imports inside functions included, ``if TYPE_CHECKING:`` blocks excluded: they
-are types, not dependencies), and each rule below names the rooms one room may not reach.
+are types, not dependencies), and each rule below names the rooms one room may not reach and the
+exact modules it may still import (``room.*``: that room's whole subtree).
 """
 
 from __future__ import annotations
@@ -12,22 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from fsm_agent.plugins.manager import BUILTIN_PLUGINS
+
 ROOT = Path(__file__).resolve().parents[2]
 
-#: Backends reached only through hooks and the registry.
-BACKENDS = (
-    "fsm_agent.plugins.rendezvous_",
-    "fsm_agent.plugins.launcher_",
-    "fsm_agent.plugins.containment",
-    "fsm_agent.plugins.restart_policy",
-    "fsm_agent.plugins.progress",
-    "fsm_agent.plugins.health_check",
-    "fsm_agent.plugins.status_http",
-    "fsm_agent.plugins.events_jsonl",
-    "fsm_agent.plugins.metrics_logging",
-    "fsm_agent.plugins.straggler",
-    "fsm_agent.plugins.drain",
-)
+#: Backends reached only through hooks and the registry: every registered built-in plugin, and the
+#: worker containment both launchers share.
+BACKENDS = (*BUILTIN_PLUGINS.values(), "fsm_agent.plugins.containment")
 #: The commands and what only they use: the run parser, the merge of the sources, the doc generator.
 CLI = (
     "fsm_agent.cli",
@@ -46,10 +38,9 @@ RULES = [
         lambda m: m.startswith("fsm_agent.states"),
         ("fsm_agent.",),
         (
-            "fsm_agent.states",
+            "fsm_agent.states.*",
             "fsm_agent.plugins.hookspec_info",
             "fsm_agent.plugins.hookspecs",
-            "fsm_agent.plugins",
             "fsm_agent.argparsing",
             "fsm_agent.errors",
         ),
@@ -120,6 +111,15 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+def _allows(allowance: str, imported: str) -> bool:
+    """An exact module (and the names imported from it: ``from M import x`` reads as ``M.x``), or
+    ``room.*`` for the room and everything under it."""
+    if allowance.endswith(".*"):
+        room = allowance[:-2]
+        return imported == room or imported.startswith(room + ".")
+    return imported == allowance or (imported.startswith(allowance + ".") and "." not in imported[len(allowance) + 1 :])
+
+
 def violations(rule, root: Path = ROOT) -> list[str]:
     """``path:line imports MODULE`` for each import that breaks ``rule`` (one per import statement)."""
     name, applies, banned, allowed = rule
@@ -133,9 +133,7 @@ def violations(rule, root: Path = ROOT) -> list[str]:
                 continue
             if imported.startswith(module + ".") or imported == module:
                 continue  # a room's own modules
-            if any(imported.startswith(b) for b in banned) and not any(
-                imported == a or imported.startswith(a + ".") for a in allowed
-            ):
+            if any(imported.startswith(b) for b in banned) and not any(_allows(a, imported) for a in allowed):
                 problems[(str(path), line)] = f"{path.relative_to(root)}:{line} imports {imported}"
     return sorted(problems.values())
 
@@ -156,6 +154,14 @@ def test_the_check_sees_a_violation(tmp_path):
     )
     agent_rule = RULES[1]
     assert violations(agent_rule, tmp_path) == ["fsm_agent/agent.py:5 imports fsm_agent.plugins.rendezvous_c10d"]
+
+
+def test_the_statechart_may_import_no_backend(tmp_path):
+    """The statechart's allowances are exact: a built-in backend under fsm_agent.plugins is refused."""
+    fake = tmp_path / "fsm_agent" / "states"
+    fake.mkdir(parents=True)
+    (fake / "table.py").write_text("from fsm_agent.plugins.hookspecs import x\nimport fsm_agent.plugins.drain\n")
+    assert violations(RULES[0], tmp_path) == ["fsm_agent/states/table.py:2 imports fsm_agent.plugins.drain"]
 
 
 def test_every_module_is_read():
