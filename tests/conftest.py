@@ -135,6 +135,31 @@ def torchrun_cmd() -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run"]
 
 
+def run_cli(argv: list[str], cwd: Path, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m fsm_agent run ARGV`` in ``cwd`` from this checkout, without PET_/FSM_AGENT_ variables
+    (plus ``env_extra``), in its own session; killed by process group past 120 s (the fuzzers)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "FSM_AGENT_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
+    env.update(env_extra or {})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsm_agent", "run", *argv],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"fsm-agent run {argv!r} did not exit within 120 s") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def write_script(directory: Path, name: str, body: str, executable: bool = False) -> Path:
     path = Path(directory) / name
     path.write_text(body)

@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ from hypothesis import strategies as st
 
 from fsm_agent import cli
 from fsm_agent.errors import FsmAgentError
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.fuzz
 
@@ -357,29 +356,6 @@ BAD_ITEMS = [
     ["--exit-barrier-timeout", "-1"],
     [],  # [] : only the missing script is wrong
 ]
-
-
-def run_cli(argv: list[str], cwd: Path, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "FSM_AGENT_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env.update(env_extra or {})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fsm_agent", "run", *argv],
-        cwd=cwd,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise AssertionError(f"fsm-agent run {argv!r} did not exit within 120 s") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def assert_one_error_line(proc: subprocess.CompletedProcess, argv: list[str]) -> None:

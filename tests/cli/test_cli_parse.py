@@ -656,7 +656,9 @@ def test_std_errors(flag, value):
         parse(flag, value, "x.py")
 
 
-@pytest.mark.parametrize("value,match", [("SIGFOO", "SIGFOO"), ("SIGTERM,NOPE", "'NOPE' is not a signal"), ("SIGKILL", "cannot be")])
+@pytest.mark.parametrize(
+    "value,match", [("SIGFOO", "SIGFOO"), ("SIGTERM,NOPE", "'NOPE' is not a signal"), ("SIGKILL", "cannot be")]
+)
 def test_signals_errors(value, match):
     with pytest.raises(ConfigError, match=match):
         parse("--signals-to-handle", value, "x.py")

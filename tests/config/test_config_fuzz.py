@@ -24,9 +24,6 @@ import json
 import math
 import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -39,6 +36,7 @@ from fsm_agent import config as cfg
 from fsm_agent import settings as schema
 from fsm_agent.errors import ConfigError, FsmAgentError
 from fsm_agent.plugins.manager import collect_options, get_plugin_manager
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.fuzz
 
@@ -444,28 +442,6 @@ def test_config_command_with_a_date_in_rendezvous_conf(workdir, flags):
 
 
 # -- as a subprocess -----------------------------------------------------------------------------------
-
-
-def run_cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "FSM_AGENT_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fsm_agent", "run", *argv],
-        cwd=cwd,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise AssertionError(f"fsm-agent run {argv!r} did not exit within 120 s") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @settings(FUZZ, max_examples=12)
