@@ -17,7 +17,6 @@ import contextlib
 import io
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -29,7 +28,6 @@ from tests.conftest import run_cli
 
 pytestmark = pytest.mark.fuzz
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 MISSING_SCRIPT = "/nonexistent/fsm-agent-fuzz/train.py"
 
 FUZZ = settings(

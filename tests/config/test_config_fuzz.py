@@ -40,7 +40,6 @@ from tests.conftest import run_cli
 
 pytestmark = pytest.mark.fuzz
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 MISSING_SCRIPT = "/nonexistent/fsm-agent-fuzz/train.py"
 
 FUZZ = settings(
