@@ -18,9 +18,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# Bound now, not lazily: the function ``heartbeat`` shares its name with its module, and importing
+# ``fsm_agent.heartbeat`` (a worker's ``from fsm_agent.heartbeat import ...``) would otherwise leave
+# the module where the function belongs. Standard library only, no side effects.
+from fsm_agent.heartbeat import compute, heartbeat
+
 if TYPE_CHECKING:
     from fsm_agent.config import LaunchConfig
-    from fsm_agent.heartbeat import compute, heartbeat
     from fsm_agent.launch import AgentFailedError as AgentFailedError
     from fsm_agent.launch import WorkerGroupFailedError as WorkerGroupFailedError
     from fsm_agent.launch import elastic_launch, launch_agent, run_agent
@@ -38,8 +42,6 @@ _EXPORTS = {
     "WorkerFailure": "fsm_agent.worker",
     "RunResult": "fsm_agent.worker",
     "hookimpl": "fsm_agent.plugins",
-    "heartbeat": "fsm_agent.heartbeat",
-    "compute": "fsm_agent.heartbeat",
     "launch_agent": "fsm_agent.launch",
     "elastic_launch": "fsm_agent.launch",
     "run_agent": "fsm_agent.launch",

@@ -50,7 +50,16 @@ def test_every_public_name_resolves_and_star_leaves_out_only_the_torch_errors():
     import fsm_agent
 
     assert set(fsm_agent._EXPORTS) - set(fsm_agent.__all__) == {"WorkerGroupFailedError", "AgentFailedError"}
-    for name in fsm_agent._EXPORTS:
+    for name in (*fsm_agent._EXPORTS, *fsm_agent.__all__):
         assert getattr(fsm_agent, name) is not None
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         fsm_agent.nope  # noqa: B018
+
+
+def test_heartbeat_is_the_function_even_after_its_module_was_imported():
+    """A worker that imports ``fsm_agent.heartbeat`` the module first still calls ``fsm_agent.heartbeat()``."""
+    code = (
+        "import fsm_agent.heartbeat as m, fsm_agent; print(callable(fsm_agent.heartbeat), callable(fsm_agent.compute))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["True", "True"], done.stderr
