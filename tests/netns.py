@@ -49,7 +49,8 @@ RDZV_PORT = 29400
 #: argv: OUT_DIR HOST FINAL_WORLD. A worker whose WORLD_SIZE is not FINAL_WORLD reduces, then
 #: waits to be stopped by its agent (a re-rendezvous); one in the final world reduces and exits 0.
 #: With ``FSM_TEST_WORKER_EXIT=N`` in its environment it exits N right after it started; with
-#: ``FSM_TEST_WORKER_REINIT=N`` it destroys and re-creates its process group N times before "done".
+#: ``FSM_TEST_WORKER_REINIT=N`` it destroys and re-creates its process group N times before "done", rank 0 destroying each one a second
+#: late (the others re-initialize while rank 0's store still runs: the race fsm_agent/pg_generations.py closes).
 WORKER = r"""
 import json, os, sys, time
 started = time.time()
@@ -82,14 +83,19 @@ if not ok:
 if world != final:
     time.sleep(600)  # the agent stops this worker when the membership changes
     sys.exit(5)
+reinit = int(os.environ.get("FSM_TEST_WORKER_REINIT", "0"))
 dist.barrier()
+if reinit and dist.get_rank() == 0:
+    time.sleep(1.0)  # rank 0 destroys late, so the others re-initialize while its store still runs
 dist.destroy_process_group()
-for again in range(int(os.environ.get("FSM_TEST_WORKER_REINIT", "0"))):  # re-create the group N times
+for again in range(reinit):  # re-create the group N times
     dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=60))
     value = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(value)
     dump("reinit_%d" % again, sum=value.item(), ok=value.item() == world * (world + 1) / 2)
     dist.barrier()
+    if dist.get_rank() == 0:
+        time.sleep(1.0)
     dist.destroy_process_group()
 dump("done", ts=time.time())
 """

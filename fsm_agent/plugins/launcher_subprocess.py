@@ -33,6 +33,8 @@ import attrs
 
 from fsm_agent.env import substitute_local_rank
 from fsm_agent.logs import WorkerLogs
+from fsm_agent.pg_generations import install as install_pg_generations
+from fsm_agent.pg_generations import with_generations_site
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.containment import Keeper, WorkerCgroup, enter_cgroup, keeper_pids
 
@@ -265,6 +267,8 @@ class SubprocessLauncher:
             spawn = {"start_new_session": True}
         else:
             spawn = {"preexec_fn": functools.partial(_child_preexec, self._cgroup_path)}
+        if spec.entrypoint == sys.executable:
+            env = with_generations_site(env)
         popen = subprocess.Popen(
             args, env=env, stdout=streams[0][0], stderr=streams[1][0], stdin=subprocess.DEVNULL, close_fds=True, **spawn
         )
@@ -581,6 +585,7 @@ def _callable_worker(
     set_parent_death_signal()
     os.environ.clear()
     os.environ.update(env)
+    install_pg_generations()
     for path, fd in ((stdout, 1), (stderr, 2)):
         if path:
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -1,6 +1,7 @@
 """A worker that destroys and re-creates its process group (#39.1) across namespaced hosts
-(``tests/netns.py``): the workers' store lives on group rank 0's host, a new one for each init,
-reached over the hosts' own addresses. The loopback tests: ``test_reinit_process_group.py``."""
+(``tests/netns.py``): the workers' store lives on group rank 0's host,
+reached over the hosts' own addresses, kept by rank 0 for every later group
+(fsm_agent/pg_generations.py), which rank 0 destroys late on purpose. The loopback tests: ``test_reinit_process_group.py``."""
 
 from __future__ import annotations
 
@@ -23,12 +24,6 @@ def backend_flags(hosts, backend: str, host: int) -> list[str]:
     ]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open race (#39 item 1, closing note of 2026-12-06): under load a rank > 0 re-initializes and "
-    "connects to rank 0's previous store before rank 0's destroy_process_group freed it, then loses that "
-    "connection; seen in a suite run beside two CPU hogs, not in runs of its own",
-)
 @pytest.mark.parametrize("backend", ["c10d", "static"])
 def test_workers_re_create_their_process_group_across_hosts(netns_hosts, backend):
     hosts = netns_hosts

@@ -41,7 +41,8 @@ import time
 
 MAX_FDS = 2
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_helpers: dict = {}  # "boot": fsm_agent/_early_zygote.py, "containment": fsm_agent/plugins/containment.py
+_helpers: dict = {}  # "boot": fsm_agent/_early_zygote.py, "containment": fsm_agent/plugins/containment.py,
+# "pg_generations": fsm_agent/pg_generations.py
 
 
 def _load(name: str, path: str):
@@ -85,6 +86,7 @@ def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     _threads_from_env()
+    _helpers["pg_generations"].install()
     argv, mode = request["argv"], request["mode"]
     if mode == "exec":
         os.execvpe(argv[0], argv, request["env"])
@@ -257,6 +259,9 @@ def main() -> None:
             _send(sock, {"ready": False, "module": name, "error": f"{type(exc).__name__}: {exc}"})
             return
     _helpers["containment"] = _load("_fsm_agent_containment", os.path.join(_HERE, "..", "containment.py"))
+    _helpers["pg_generations"] = _load(
+        "_fsm_agent_pg_generations", os.path.join(_HERE, "..", "..", "pg_generations.py")
+    )
     _send(sock, {"ready": True, "import_s": time.monotonic() - started})
     serve(sock)
 
