@@ -10,19 +10,15 @@ membership, errors) into triggers with their data. Hooks fire from the steps and
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import random
 import select
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from datetime import timedelta
 from types import MappingProxyType
 from typing import Any
 
@@ -30,11 +26,14 @@ import attrs
 import pluggy
 
 from fsm_agent import errorfile
-from fsm_agent._early_signals import note_stop, take_early_drain, take_early_stop
+from fsm_agent._early_signals import take_early_drain, take_early_stop
+from fsm_agent.drain import NodeDrain
 from fsm_agent.env import worker_env
-from fsm_agent.errors import ConfigError, FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
-from fsm_agent.finished_nodes import count_finished, mark_finished
+from fsm_agent.errors import FsmAgentError, PluginError, RendezvousFailed, RendezvousNotNeeded
+from fsm_agent.exit_barrier import ExitBarrier
+from fsm_agent.finished_nodes import count_finished
 from fsm_agent.hang import HangDetector, announce_stack_dump, dump_stacks
+from fsm_agent.interrupts import DrainInterrupt, Interrupts, SignalStop
 from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, WorkerLogs
 from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.plugins.protocols import LauncherAdapter, RendezvousAdapter
@@ -42,10 +41,7 @@ from fsm_agent.progress import Cycle, next_cycle, read_progress_file
 from fsm_agent.ranks import assign_ranks
 from fsm_agent.signal_names import signal_numbers
 from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine
-from fsm_agent.store_looks import STORE_LOOKS_PER_S, look_interval
 from fsm_agent.worker import (
-    DRAIN_EXIT_CODE,
-    DRAIN_SCOPES,
     HANG_EXIT_CODE,
     HEALTH_CHECK_EXIT_CODE,
     DrainSettings,
@@ -62,62 +58,11 @@ from fsm_agent.worker import (
 
 log = logging.getLogger(__name__)
 S = WorkerState
-EXIT_BARRIER_PREFIX = "torchelastic/agent/terminal_state"  # torch's key: torchrun peers share it
 #: Triggers that report an error (data: ``error="..."``); firing one must not fail, so when a step
 #: of theirs raises the agent takes its last resort (see ``_fire_error``).
 ERROR_TRIGGERS = ("rendezvous_failed", "agent_errored")
 STACK_DUMP_WAIT_S = 5.0  # at most this long for an aborted hung worker to write its stacks and exit
 EXIT_BARRIER_RELEASE_WAIT_S = 5.0  # at most this long for a failing agent's exit-barrier check-in
-#: The rendezvous-store key (in the round's store, shared by its agents) of a job-wide drain.
-JOB_DRAIN_KEY = "fsm_agent/drain/job"
-#: The same store's count of nodes that left the round by a node drain: a peer's workers that
-#: fail meanwhile (a collective with the departed node) are a membership change, not a failure.
-NODE_DRAIN_KEY = "fsm_agent/drain/nodes"
-#: Peers that saw the job-wide drain count themselves here, so its announcer (maybe the store's
-#: host, c10d) waits for them before it leaves and takes the store along.
-JOB_DRAIN_SEEN_KEY = "fsm_agent/drain/job_seen"
-#: At most this long (seconds) the announcer of a job-wide drain waits for every peer to see it.
-JOB_DRAIN_SEEN_WAIT_S = 30.0
-#: Seconds between looks at the --drain-file (a local stat) while the workers run; also the
-#: shortest time between two looks at the store for a peer's job-wide drain.
-DRAIN_POLL_S = 0.5
-#: Looks for a peer's job-wide drain that the whole job makes per second at its rendezvous store.
-#: Every agent looks once per ``job_drain_look_interval`` seconds, so the store's load stays flat in
-#: the number of nodes (10,000 nodes: 1,000 requests/s, not 20,000 at ``DRAIN_POLL_S``).
-JOB_DRAIN_LOOKS_PER_S = STORE_LOOKS_PER_S
-#: The longest time (seconds) between two looks: well within ``JOB_DRAIN_SEEN_WAIT_S``, so that an
-#: announcer still sees every peer see its drain before it leaves.
-JOB_DRAIN_LOOK_MAX_S = JOB_DRAIN_SEEN_WAIT_S / 3
-
-
-def _own_connection(store: Any) -> Any:
-    """``store.clone()`` (torch's Store API: the same store on a new connection), or ``store``
-    itself for a store that cannot be cloned (a Python store, whose calls do not queue)."""
-    try:
-        return store.clone()
-    except (AttributeError, NotImplementedError, RuntimeError):
-        return store
-
-
-def job_drain_look_interval(group_world_size: int) -> float:
-    """Seconds between one agent's looks at the rendezvous store for a job-wide drain, in a job of
-    ``group_world_size`` nodes: ``group_world_size / JOB_DRAIN_LOOKS_PER_S``, at least
-    ``DRAIN_POLL_S`` and at most ``JOB_DRAIN_LOOK_MAX_S``. (torch has no job-wide drain.) A lost
-    peer (the announcer leaving) still makes every agent look at once."""
-    return look_interval(group_world_size, DRAIN_POLL_S, JOB_DRAIN_LOOK_MAX_S)
-
-
-class SignalStop(BaseException):
-    """Raised by the signal handler to interrupt a blocking rendezvous or exit barrier."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"received signal {signal.Signals(signum).name}")
-        self.signum = signum
-
-
-class DrainInterrupt(BaseException):
-    """Raised to cut a rendezvous wait short when a drain is requested; the run loop's next step
-    fires ``drain_requested`` from the state the interrupted transition left the group in."""
 
 
 @attrs.frozen
@@ -250,37 +195,23 @@ class ElasticAgent:
         self._decided_class: str | None = None
         self._decided_event: Any = None
         self._closed = False
-        # A store call abandoned to a stop signal (``_interruptible_call``) still holds its client:
-        # any other call on that client would block behind it, so the way out makes none.
-        self._abandoned_call: str | None = None
         #: Lost peers of this round known to have finished (their loss is no membership change).
         self._finished_peers_seen = 0
-        self._exit_barrier_store: Any = None
-        self._checked_in_at_exit_barrier = False
+        self._barrier = ExitBarrier(self._hostname, spec.exit_barrier_timeout)
         self._error: str | None = None
-        self._signal: int | None = None
-        self._signal_stopped_workers = False
-        self._interruptible = False
-        self._drain_settings = DrainSettings()
-        self._drain_lock = threading.RLock()  # RLock: a drain signal may arrive while the loop holds it
-        self._drain_interruptible = False  # the call running now may be cut short by a drain
-        self._drain_request: dict[str, str] | None = None  # set by any thread, fired by the run loop
-        self._next_drain_check = 0.0
-        self._next_job_drain_look: float | None = None  # None: at a random phase of the first interval
-        self._drain: dict[str, Any] | None = None
         self._state_since = time.monotonic()
         self._next_tick = 0.0
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        # signals, the wake-up pipe, interruptible calls (fsm_agent/interrupts.py); the drain (drain.py)
+        self._interrupts = Interrupts(self._signals, self._forwarded, launcher, self._rdzv.interruptible)
+        self._drains = NodeDrain(spec.role, self._interrupts.wake_w)
+        self._interrupts.drains = self._drains
         self.machine = build_machine(self)
         try:
             reject_listener_wrappers(plugin_manager)
             self._configure_plugins(config)
         except BaseException:  # no run() will release these: do it here
             self._hang.close()
-            for fd in (self._wake_r, self._wake_w):
-                os.close(fd)
+            self._interrupts.close()
             raise
 
     def _configure_plugins(self, config: Any) -> None:
@@ -360,7 +291,7 @@ class ElasticAgent:
         """The drain that ended (or is ending) the run: scope, source, by, ts, and once the workers
         are stopped checkpoint_signal, timeout_s (seconds), exits, checkpointed, duration_s
         (seconds); None when no drain was taken. ``drain_request`` is one not taken yet."""
-        return None if self._drain is None else MappingProxyType(self._drain)
+        return None if self._drains.taken is None else MappingProxyType(self._drains.taken)
 
     def run(self) -> RunResult:
         """Drive the statechart from INIT to a terminal state and return the RunResult.
@@ -368,25 +299,25 @@ class ElasticAgent:
         Never raises for worker failures, rendezvous failures, plugin errors or signals: each of
         those ends in a terminal state whose RunResult says why.
         """
-        previous = self._install_signal_handlers()
+        previous = self._interrupts.install()
         # A stop signal the early handlers took before the agent ran, whose SystemExit some startup
         # code swallowed (seen under load): they ignore stop signals from then on, so act on it here.
-        if self._signal is None and (stopped := take_early_stop()) is not None:
-            self._signal = stopped
+        if self._interrupts.signal is None and (stopped := take_early_stop()) is not None:
+            self._interrupts.signal = stopped
         early = take_early_drain()  # a preemption notice can come before the agent ran
-        if early is not None and early in self._drain_settings.signals:
+        if early is not None and early in self._drains.settings.signals:
             self.request_drain(source="signal", by=signal.Signals(early).name)
         try:
             return self._run_to_the_end(previous)
         finally:  # the agent's handlers stay to the very end: a second stop signal never cuts the way out short
-            self._restore_signal_handlers(previous)
+            self._interrupts.restore(previous)
 
     def _run_to_the_end(self, previous: dict[int, Any]) -> RunResult:
         try:
             while self.state not in (S.SUCCEEDED, S.FAILED, S.UNKNOWN):
                 self._step()
         finally:
-            self._restore_wakeup_fd(previous)  # before _release closes the wake-up pipe
+            self._interrupts.restore_wakeup_fd(previous)  # before _release closes the wake-up pipe
             self._release()
         gave_up = self.state == S.FAILED and self._decision is not None and not self._decision.restart
         result = RunResult(
@@ -394,8 +325,8 @@ class ElasticAgent:
             return_values=dict(self._return_values),
             failures=dict(self._failures),
             error=self._error,
-            signal=self._signal,
-            stopped_workers=self._signal_stopped_workers,
+            signal=self._interrupts.signal,
+            stopped_workers=self._interrupts.stopped_workers,
             restart_count=self.restart_count,
             verdict=(self._decision.reason or None) if gave_up else self._drain_verdict(),
             verdict_exit_code=self._decision.exit_code if gave_up else None,
@@ -412,13 +343,13 @@ class ElasticAgent:
 
     # -- the run loop: observations in, triggers out --------------------------------------------
     def _step(self) -> None:
-        if self._signal is not None:
+        if self._interrupts.signal is not None:
             self._fire("stop_requested")
             return
         if self.state in (S.INIT, S.STOPPED):  # no workers to watch: look for a drain before going on
-            self._look_for_drain()
-        if self._drain_request is not None and "drain_requested" in self.machine.get_triggers(self.state):
-            self._fire("drain_requested", **self._drain_request)
+            self._drains.look(self._worker_group, healthy=False)
+        if self._drains.request is not None and "drain_requested" in self.machine.get_triggers(self.state):
+            self._fire("drain_requested", **self._drains.request)
             return
         auto = AUTO_TRIGGERS.get(self.state)
         if auto is not None:
@@ -465,9 +396,9 @@ class ElasticAgent:
         try:
             self.trigger(trigger, **data)
         except SignalStop:
-            pass  # self._signal is set: the next step fires stop_requested
+            pass  # self._interrupts.signal is set: the next step fires stop_requested
         except DrainInterrupt:
-            pass  # self._drain_request is set: the next step fires drain_requested
+            pass  # self._drains.request is set: the next step fires drain_requested
         except Exception as exc:
             kind = _classify_rendezvous_error(exc)
             if kind == "not_needed":
@@ -501,31 +432,33 @@ class ElasticAgent:
         means with its data (see the table's comments), or None when nothing happened."""
         tick = self._tick_interval
         timeout = None if tick is None else max(0.0, self._next_tick - time.monotonic())
-        if self._watches_drain:
-            drain_wait = max(0.0, self._next_drain_check - time.monotonic())
+        watches_drain = self._drains.watches(self._worker_group)
+        if watches_drain:
+            drain_wait = self._drains.seconds_to_next_look()
             timeout = drain_wait if timeout is None else min(timeout, drain_wait)
         # A backend's membership fd stays readable until the next rendezvous: watch it only here.
         membership = [self._membership_fd] if self._membership_fd is not None else []
         launcher_fds = list(self._launcher.wait_fds())
-        ready, _, _ = select.select([self._wake_r, *launcher_fds, *self._hang.wait_fds(), *membership], [], [], timeout)
+        ready, _, _ = select.select(
+            [self._interrupts.wake_r, *launcher_fds, *self._hang.wait_fds(), *membership], [], [], timeout
+        )
         ticked = tick is not None and time.monotonic() >= self._next_tick
-        if self._wake_r in ready:
-            self._empty_wake_pipe()
-        if self._signal is not None:
+        if self._interrupts.wake_r in ready:
+            self._interrupts.empty_wake_pipe()
+        if self._interrupts.signal is not None:
             return "stop_requested", {}
-        if self._watches_drain and (now := time.monotonic()) >= self._next_drain_check:
-            self._next_drain_check = now + DRAIN_POLL_S
-            self._look_for_drain(peers=self._job_drain_look_due(now))
-        if self._drain_request is not None:
-            return "drain_requested", dict(self._drain_request)
+        if watches_drain:
+            self._drains.look_if_due(self._worker_group, healthy=self.state == S.HEALTHY)
+        if self._drains.request is not None:
+            return "drain_requested", dict(self._drains.request)
         self._hang.read_timer_requests()
         if membership and membership[0] in ready and (change := self._membership_change()):
             # A peer that drains the job leaves it at once: its announcement, not its leaving, is
             # what happened, whenever the last look for it was.
-            if self._watches_drain:
-                self._look_for_drain()
-                if self._drain_request is not None:
-                    return "drain_requested", dict(self._drain_request)
+            if watches_drain:
+                self._drains.look(self._worker_group, healthy=self.state == S.HEALTHY)
+                if self._drains.request is not None:
+                    return "drain_requested", dict(self._drains.request)
             # A lost peer usually fails our workers too (their collectives break); the cause is the
             # membership change, which is not counted as a restart.
             return "membership_changed", {"change": change}
@@ -536,7 +469,7 @@ class ElasticAgent:
             self._reported_exits.add(local_rank)
             self._on_worker_exit(local_rank, exits[local_rank])
         failed = {r: code for r, code in exits.items() if code != 0}
-        if failed and self._peer_left_by_drain():
+        if failed and self._drains.peer_left(self._worker_group):
             log.warning(
                 "[%s] workers failed after a peer left the job by a drain: a membership change, not counted",
                 self.spec.role,
@@ -631,7 +564,7 @@ class ElasticAgent:
 
     def drains_whole_job(self, event=None) -> bool:
         """The drain ``_decide_on_drain`` took is job-wide (scope ``job``), not this node's alone."""
-        return self.drain is not None and self.drain["scope"] == "job"
+        return self._drains.whole_job
 
     @property
     def _tick_interval(self) -> float | None:
@@ -704,24 +637,10 @@ class ElasticAgent:
         if self._decided_event is event:
             return
         self._decided_event = event
-        scope = str(event.kwargs.get("scope") or self._drain_settings.scope)
-        if scope not in DRAIN_SCOPES:
-            raise ValueError(f"drain_requested: scope {scope!r} is not one of {', '.join(DRAIN_SCOPES)}")
-        self._drain = {
-            "scope": scope,
-            "source": str(event.kwargs.get("source") or "api"),
-            "by": str(event.kwargs.get("by") or ""),
-            "ts": time.time(),
-        }
+        kwargs = event.kwargs
+        self._drains.take(kwargs.get("scope"), kwargs.get("source"), kwargs.get("by"))
         # A drain decides nothing about restarts: no earlier verdict or failure class applies.
         self._decision, self._decided_class = None, None
-        log.warning(
-            "[%s] draining (%s scope), requested by %s %s",
-            self.spec.role,
-            scope,
-            self.drain["source"],
-            self.drain["by"],
-        )
 
     def drain_on(self, settings: DrainSettings) -> None:
         """Watch for drain requests as ``settings`` says (signals, the drain file) and drain that way.
@@ -733,20 +652,7 @@ class ElasticAgent:
                 (``--forward-signals``).
             ValueError: the scope is unknown.
         """
-        if settings.scope not in DRAIN_SCOPES:
-            raise ValueError(f"drain scope {settings.scope!r} is not one of {', '.join(DRAIN_SCOPES)}")
-        for sig in settings.signals:
-            for flag, taken in (("--signals-to-handle", self._signals), ("--forward-signals", self._forwarded)):
-                if sig in taken:
-                    name = signal.Signals(sig).name
-                    meaning = (
-                        "stops the job, torchrun's meaning" if flag == "--signals-to-handle" else "goes to the workers"
-                    )
-                    raise ConfigError(
-                        f"--drain-signals {name}: {name} is both a drain signal and in {flag} (it {meaning}): "
-                        f"give --drain-signals another signal (e.g. SIGUSR2), or leave {name} out of {flag}"
-                    )
-        self._drain_settings = settings
+        self._drains.configure(settings, self._signals, self._forwarded)
 
     def request_drain(self, scope: str | None = None, source: str = "api", by: str = "") -> bool:
         """Ask for a drain; safe from any thread (the status endpoint's, a signal handler).
@@ -762,183 +668,41 @@ class ElasticAgent:
         Raises:
             ValueError: ``scope`` is neither ``node`` nor ``job``.
         """
-        scope = scope or self._drain_settings.scope
-        if scope not in DRAIN_SCOPES:
-            raise ValueError(f"drain scope {scope!r} is not one of {', '.join(DRAIN_SCOPES)}")
-        with self._drain_lock:
-            if self._drain_request is not None or self.drain is not None or self._closed:
-                return False
-            self._drain_request = {"scope": scope, "source": source, "by": by}
-        try:
-            os.write(self._wake_w, b"d")  # wake the run loop
-        except OSError:  # the pipe is full (the loop wakes anyway) or closed (the run ended)
-            pass
-        return True
+        return self._drains.ask(scope, source, by)
 
     @property
     def drain_request(self) -> dict[str, str] | None:
         """The drain request the run loop has not acted on yet (scope, source, by), or None."""
-        return self._drain_request
-
-    @property
-    def _watches_drain(self) -> bool:
-        """While the workers run: look for the drain file, and for a peer's job-wide drain in a job of
-        several nodes."""
-        group = self._worker_group
-        return bool(self._drain_settings.file) or (group.store is not None and (group.group_world_size or 0) > 1)
-
-    def _job_drain_look_due(self, now: float) -> bool:
-        """Whether this check also looks at the store for a peer's job-wide drain; schedules the
-        next look. Agents look at random phases (spread over the first interval, then jittered by
-        +-50 %) so that nodes started together do not all ask at the same instant."""
-        interval = job_drain_look_interval(self._worker_group.group_world_size or 1)
-        if self._next_job_drain_look is None:
-            self._next_job_drain_look = now + interval * random.random()
-        if now < self._next_job_drain_look:
-            return False
-        self._next_job_drain_look = now + interval * random.uniform(0.5, 1.5)
-        return True
-
-    def _look_for_drain(self, peers: bool = True) -> None:
-        """Request a drain if the drain file exists or (``peers``) a peer announced a job-wide drain."""
-        if self._drain_request is not None:
-            return
-        path = self._drain_settings.file
-        if path and os.path.exists(path):
-            self.request_drain(source="file", by=path)
-            return
-        group = self._worker_group
-        if not peers or self.state != S.HEALTHY or group.store is None or (group.group_world_size or 0) <= 1:
-            return
-        try:
-            announced = group.store.check([JOB_DRAIN_KEY])
-        except Exception as exc:  # the store is gone: the membership checks report that
-            log.debug("could not look for a job-wide drain: %s", exc)
-            return
-        if announced:
-            try:
-                by = group.store.get(JOB_DRAIN_KEY)
-                by = by.decode() if isinstance(by, bytes) else str(by)
-            except Exception:
-                by = "a peer"
-            try:
-                group.store.add(JOB_DRAIN_SEEN_KEY, 1)
-            except Exception as exc:  # the announcer then waits out JOB_DRAIN_SEEN_WAIT_S
-                log.debug("could not count this node as having seen the job-wide drain: %s", exc)
-            self.request_drain(scope="job", source="peer", by=by)
+        return self._drains.request
 
     def _announce_drain(self, event=None) -> None:
-        """Tell the other nodes of the round, through its rendezvous store, before any worker
-        stops: a job-wide drain asked here (``JOB_DRAIN_KEY``: every agent looks for it while its
-        workers run, ``_look_for_drain``), or this node's leaving (``NODE_DRAIN_KEY``: a peer whose
-        workers fail meanwhile takes it as a membership change, ``_peer_left_by_drain``)."""
-        group, drain = self._worker_group, self.drain
-        if drain is None or drain["source"] == "peer" or group.store is None or (group.group_world_size or 0) <= 1:
+        """Tell the round's other nodes of this drain before any worker stops (``NodeDrain.announce``),
+        bounded as the exit-barrier check-in: a store host that is gone must not hold the drain."""
+        if self._interrupts.abandoned_call is not None:  # the store client is still busy with it
             return
-        if self._abandoned_call is not None:  # the store client is still busy with it
-            return
-        store = group.store
-        if drain["scope"] == "job":
-            who = f"{self.hostname} (group_rank {group.group_rank}): {drain['source']} {drain['by']}".strip()
-            announce = functools.partial(store.set, JOB_DRAIN_KEY, who)
-        else:
-            announce = functools.partial(store.add, NODE_DRAIN_KEY, 1)
-        try:  # bounded, as the exit-barrier check-in: a store host that is gone must not hold the drain
-            self._interruptible_call(
-                "announce-drain", announce, interruptible=False, timeout=EXIT_BARRIER_RELEASE_WAIT_S
-            )
-        except Exception as exc:  # the others then see this node leave, later
-            log.warning("could not tell the other nodes of the drain: %s", exc)
 
-    def _peer_left_by_drain(self) -> bool:
-        """Whether another node of this round announced it leaves by a node drain."""
-        group = self._worker_group
-        if group.store is None or (group.group_world_size or 0) <= 1 or self.drain is not None:
-            return False
-        try:
-            return bool(group.store.check([NODE_DRAIN_KEY]))
-        except Exception as exc:  # the store is gone: the failure stands as it is
-            log.debug("could not look for a peer's drain: %s", exc)
-            return False
+        self._drains.announce(self._worker_group, self.hostname, self._bounded_call)
 
     def _drain_workers(self, event=None) -> None:
-        """The orderly stop: the checkpoint signal to every live worker, up to ``timeout_s`` seconds
-        for them to exit by themselves, then the usual stop (SIGTERM, SIGKILL after shutdown_timeout
-        s). A stop signal meanwhile cuts the wait short. Records the ``drain`` event."""
-        settings, drain = self._drain_settings, self._drain
-        started = time.monotonic()
-        exits = dict(self._launcher.poll())
-        live = [r for r in self._launcher.pids() if r not in exits]
-        for local_rank in live:
-            self._launcher.signal_worker(local_rank, settings.checkpoint_signal)
-        deadline = started + settings.timeout_s
-        while live and self._signal is None and not set(live) <= set(exits):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            select.select([self._wake_r, *self._launcher.wait_fds()], [], [], min(remaining, 1.0))
-            self._empty_wake_pipe()
-            exits = dict(self._launcher.poll())
-        by_themselves = {r: exits[r] for r in live if r in exits}
-        if len(by_themselves) < len(live):
-            log.warning(
-                "[%s] drain: %d of %d workers still running after %gs: stopping them",
-                self.spec.role,
-                len(live) - len(by_themselves),
-                len(live),
-                settings.timeout_s,
-            )
-        self._stop_workers()
-        self._wait_for_peers_to_see_the_drain()
-        if drain is not None:
-            drain.update(
-                checkpoint_signal=signal.Signals(settings.checkpoint_signal).name,
-                timeout_s=settings.timeout_s,
-                exits={str(r): c for r, c in sorted(by_themselves.items())},
-                checkpointed=bool(live)
-                and len(by_themselves) == len(live)
-                and all(c == 0 for c in by_themselves.values()),
-                duration_s=round(time.monotonic() - started, 6),
-            )
-            self._broadcast("fsm_agent_record_event", event=self._event("drain", **drain))
+        """The orderly stop (``NodeDrain.stop_workers``: the checkpoint signal, up to ``timeout_s``
+        seconds, then ``_stop_workers``); a job-wide drain's announcer then waits for its peers to
+        see it. A stop signal cuts both short. Records the ``drain`` event."""
+        drains = self._drains
+        outcome = drains.stop_workers(self._launcher, self._interrupts.wake_r, self._signalled, self._stop_workers)
+        if self._interrupts.abandoned_call is None:
+            drains.wait_for_peers_to_see_it(self._worker_group, self._interrupts.wake_r, self._signalled)
+        if drains.taken is not None:
+            started = outcome.pop("started")
+            drains.taken.update(outcome, duration_s=round(time.monotonic() - started, 6))
+            self._broadcast("fsm_agent_record_event", event=self._event("drain", **drains.taken))
 
-    def _wait_for_peers_to_see_the_drain(self) -> None:
-        """The announcer of a job-wide drain waits (at most ``JOB_DRAIN_SEEN_WAIT_S`` s, cut short
-        by a stop signal) until every other node has counted itself as having seen it: leaving
-        first would take the store (c10d's, on its host) with it before they look."""
-        group, drain = self._worker_group, self.drain
-        if (
-            drain is None
-            or drain["scope"] != "job"
-            or drain["source"] == "peer"
-            or group.store is None
-            or (group.group_world_size or 0) <= 1
-            or self._abandoned_call is not None
-        ):
-            return
-        others = group.group_world_size - 1
-        deadline = time.monotonic() + JOB_DRAIN_SEEN_WAIT_S
-        while self._signal is None and time.monotonic() < deadline:
-            try:
-                if group.store.add(JOB_DRAIN_SEEN_KEY, 0) >= others:
-                    return
-            except Exception as exc:  # the store is gone: nobody left to wait for
-                log.debug("could not read who saw the job-wide drain: %s", exc)
-                return
-            select.select([self._wake_r], [], [], 0.1)
-            self._empty_wake_pipe()
-        log.warning(
-            "[%s] drain: not every node saw the job-wide drain within %gs", self.spec.role, JOB_DRAIN_SEEN_WAIT_S
-        )
+    def _signalled(self) -> bool:
+        return self._interrupts.signal is not None
 
     def _drain_verdict(self) -> str | None:
-        drain = self.drain
-        if drain is None or self.state != S.FAILED or self._signal is not None:
+        if self.state != S.FAILED or self._interrupts.signal is not None:
             return None
-        return (
-            f"drained ({drain['scope']} scope, requested by {drain['source']} {drain['by']}".rstrip()
-            + f"): requeue (exit code {DRAIN_EXIT_CODE})"
-        )
+        return self._drains.verdict()
 
     def track_progress(self, progress_file: str | None = None, max_no_progress_restarts: int = 0) -> None:
         """Read progress for the cycle records: every worker gets a heartbeat file (so
@@ -1023,7 +787,7 @@ class ElasticAgent:
                 info.store, info.rank, info.world_size, self.spec.role, self.spec.local_world_size, self.restart_count
             )
 
-        info, ((base_global, world, base_role, role_world), job_restart_count) = self._interruptible_call(
+        info, ((base_global, world, base_role, role_world), job_restart_count) = self._interrupts.call(
             "rendezvous", join, drainable=True
         )
         self._standby = None  # ranked: a standby's seat, or it never was one
@@ -1031,9 +795,7 @@ class ElasticAgent:
             self.restart_count = max(self.restart_count, job_restart_count)
         group.store, group.group_rank, group.group_world_size = info.store, info.rank, info.world_size
         self._finished_peers_seen = 0  # of this round
-        # The exit barrier's own connection, opened now while the store is surely there: a clone
-        # made at the barrier would retry a gone store host for the store's whole timeout.
-        self._exit_barrier_store = _own_connection(info.store) if info.world_size > 1 else None
+        self._barrier.new_round(info.store, info.world_size)
         group.workers = [
             Worker(
                 local_rank=r,
@@ -1088,13 +850,7 @@ class ElasticAgent:
         """Wait the restart policy's backoff delay; a stop signal cuts it short."""
         delay = self._decision.delay_s if self._decision is not None else 0.0
         if delay > 0:
-            self._interruptible = True
-            try:
-                if self._signal is not None:
-                    raise SignalStop(self._signal)
-                select.select([], [], [], delay)
-            finally:
-                self._interruptible = False
+            self._interrupts.sleep(delay)
 
     def _start_workers(self, event=None) -> None:
         """Spawn ``local_world_size`` workers with torchrun's environment."""
@@ -1132,7 +888,7 @@ class ElasticAgent:
         """Stop every live worker: the stop signal the agent received (torch's ``_shutdown(death_sig=
         e.sigval)``: SIGINT as SIGINT, SIGHUP as SIGHUP, ...), else SIGTERM (a restart, a failure);
         then SIGKILL after shutdown_timeout s. A second stop signal meanwhile SIGKILLs them at once."""
-        death_sig = self._signal if self._signal is not None else signal.SIGTERM
+        death_sig = self._interrupts.signal if self._interrupts.signal is not None else signal.SIGTERM
         self._launcher.stop(death_sig, self.spec.shutdown_timeout)
 
     def _count_restart(self, event=None) -> None:
@@ -1231,67 +987,18 @@ class ElasticAgent:
         return failures
 
     def _exit_barrier(self, event=None) -> None:
-        """Wait (up to exit_barrier_timeout s) until every agent is done, as torch's ``_exit_barrier``.
-
-        Same keys as torch (``torchelastic/agent/terminal_state/num_members`` and ``.../last_member``),
-        so torchrun peers share it. A failed agent checks in too (``_check_in_at_exit_barrier``), so
-        its peers stop waiting at once instead of for the whole timeout (torch waits 300 s).
-        """
-        group = self._worker_group
-        if not group.group_world_size or group.group_world_size <= 1:
-            return
-
-        def barrier():
-            # Its own connection: on one TCPStore connection a blocked wait holds every other call
-            # (c10d's keep-alive among them, so the peers would take this finished node for lost).
-            store = self._exit_barrier_store or group.store
-            mark_finished(store, group.group_rank, self.hostname)
-            store.wait([self._check_in_at_exit_barrier(store)], timedelta(seconds=self.spec.exit_barrier_timeout))
-
-        try:
-            self._interruptible_call("exit-barrier", barrier, busies_store=False)
-        except SignalStop:
-            raise
-        except Exception as exc:  # torch swallows barrier errors too: the local result stands
-            network_error = getattr(sys.modules.get("torch.distributed"), "DistNetworkError", ())
-            if isinstance(exc, network_error):  # the connection broke: no timeout passed
-                log.warning(
-                    "the store host left before the exit barrier completed (%s); this node's result stands", exc
-                )
-            else:
-                log.warning("exit barrier did not complete within %ss: %s", self.spec.exit_barrier_timeout, exc)
+        """Wait (up to exit_barrier_timeout s) until every agent is done (``ExitBarrier.wait``, torch's
+        ``_exit_barrier``); a stop signal cuts it short."""
+        self._barrier.wait(self._worker_group, lambda name, call: self._interrupts.call(name, call, busies_store=False))
 
     def _release_exit_barrier(self, event=None) -> None:
         """A failing agent checks in at the exit barrier so its peers stop waiting for it."""
-        group = self._worker_group
-        if group.store is None or not group.group_world_size or group.group_world_size <= 1:
-            return
-        if self._checked_in_at_exit_barrier:
-            return  # stopped while waiting in the barrier: this node is counted already
-        if self._abandoned_call is not None:
-            log.warning(
-                "not releasing the exit barrier: the store is still busy with the abandoned %s; "
-                "the other nodes wait for the barrier's timeout",
-                self._abandoned_call,
-            )
-            return
-        try:  # bounded: a store host that is gone without a reset would hold a stop for the store's timeout
-            self._interruptible_call(
-                "exit-barrier-release",
-                self._check_in_at_exit_barrier,
-                interruptible=False,
-                timeout=EXIT_BARRIER_RELEASE_WAIT_S,
-            )
-        except Exception as exc:  # the store may be gone with the failure; peers then time out
-            log.warning("could not release the exit barrier: %s", exc)
+        self._barrier.release(self._worker_group, self._bounded_call, self._interrupts.abandoned_call)
 
-    def _check_in_at_exit_barrier(self, store=None) -> str:
-        self._checked_in_at_exit_barrier = True
-        store = store if store is not None else self._worker_group.store
-        world = self._worker_group.group_world_size
-        if store.add(f"{EXIT_BARRIER_PREFIX}/num_members", 1) == world:
-            store.set(f"{EXIT_BARRIER_PREFIX}/last_member", "<val_ignored>")
-        return f"{EXIT_BARRIER_PREFIX}/last_member"
+    def _bounded_call(self, name: str, call: Callable[[], Any]) -> Any:
+        """``call()`` on the way out: not cut short by a stop signal, at most
+        ``EXIT_BARRIER_RELEASE_WAIT_S`` seconds (a store host that is gone must not hold the stop)."""
+        return self._interrupts.call(name, call, interruptible=False, timeout=EXIT_BARRIER_RELEASE_WAIT_S)
 
     # -- observations -----------------------------------------------------------------------------
     def _on_worker_exit(self, local_rank: int, exitcode: int) -> None:
@@ -1457,168 +1164,6 @@ class ElasticAgent:
             except Exception:
                 log.exception("plugin %r failed in %s; continuing", impl.plugin_name, hook_name)
 
-    # -- signals and cleanup ---------------------------------------------------------------------
-    def _on_signal(self, signum: int, frame) -> None:
-        """A stop signal (``--signals-to-handle``): the first stops the job (its workers get the same
-        signal, the agent exits 128+N); another while they stop SIGKILLs them at once (a second Ctrl-C)."""
-        if self._signal is None:
-            self._signal = signum
-            note_stop(signum)  # the CLI's early handlers, back once run() ends, then ignore stop signals
-            name = signal.Signals(signum).name
-            self._signal_stopped_workers = bool(self._launcher.pids())
-            if self._signal_stopped_workers:
-                log.warning("received %s: stopping the workers with %s", name, name)
-            else:
-                log.warning("received %s: stopping (no workers running)", name)
-            if self._interruptible:
-                raise SignalStop(signum)
-            return
-        pids = self._launcher.pids()
-        if pids:
-            log.warning("received %s again: killing the workers (SIGKILL)", signal.Signals(signum).name)
-        for local_rank in pids:
-            self._launcher.signal_worker(local_rank, signal.SIGKILL)
-
-    def _interruptible_call(
-        self,
-        name: str,
-        call: Callable[[], Any],
-        *,
-        interruptible: bool = True,
-        timeout: float | None = None,
-        drainable: bool = False,
-        busies_store: bool = True,
-    ) -> Any:
-        """``call()`` (a rendezvous or store call that may block), cut short by a stop signal.
-
-        torch's store calls (TCPStore's connect and ``wait_for_workers`` in StaticTCPRendezvous,
-        ``store.wait`` in the exit barrier, a plugin's network client) block in C++ and retry on EINTR: a
-        Python signal handler runs only once they return, minutes later. So ``call`` runs in a
-        daemon thread and this thread waits on the signal wakeup fd, which every signal makes
-        readable whatever thread the kernel delivers it to. A stop signal then raises SignalStop at
-        once; the abandoned call ends with the process (the CLI exits with ``os._exit``; the
-        rendezvous ``shutdown()`` is skipped on a signal, as in torch). Short timeouts in a retry
-        loop would not do: a store host that gives up after each short wait drops the clients that
-        already joined it. A backend whose blocking calls are Python (``interruptible = True``, as
-        the ``fsm`` backend's select-based waits) runs in this thread, where SignalStop interrupts
-        it, so its ``shutdown()`` (called on a signal too) never races a join still running.
-
-        Args:
-            name: the helper thread's name (``fsm-agent-<name>``).
-            interruptible: False: a stop signal does not cut the wait short (a check-in on the way out).
-            timeout: seconds to wait at most (None: as long as ``call`` takes).
-            busies_store: False: ``call`` uses a store connection of its own, so abandoning it
-                leaves the rendezvous store free for the way out (leave, release).
-            drainable: a drain request cuts the wait short too (a rendezvous: a node given notice
-                while it waits for others leaves at once). A backend whose waits are Python is cut
-                short only by a drain signal; a drain by file or HTTP then acts once the call returns.
-
-        Returns:
-            what ``call`` returned.
-
-        Raises:
-            SignalStop: a stop signal arrived first (``interruptible``), or had arrived before.
-            DrainInterrupt: a drain was requested first (``drainable``), or had been before.
-            TimeoutError: ``timeout`` passed first.
-            whatever ``call`` raised.
-        """
-        if interruptible and self._signal is not None:
-            raise SignalStop(self._signal)
-        if drainable and self._drain_request is not None:
-            raise DrainInterrupt()
-        if self._rdzv.interruptible:
-            self._interruptible = interruptible  # the handler raises SignalStop into call()
-            self._drain_interruptible = drainable
-            try:
-                return call()
-            finally:
-                self._interruptible = self._drain_interruptible = False
-        outcome: dict[str, Any] = {}
-        done_r, done_w = os.pipe()
-
-        def run_call() -> None:
-            try:
-                outcome["value"] = call()
-            except BaseException as exc:  # re-raised in the agent's thread
-                outcome["error"] = exc
-            finally:
-                try:
-                    os.write(done_w, b"x")
-                except OSError:  # the agent stopped waiting and closed its end
-                    pass
-                os.close(done_w)
-
-        finished = False
-        try:
-            threading.Thread(target=run_call, name=f"fsm-agent-{name}", daemon=True).start()
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while True:  # the handler only records the signal here; the loop's next turn acts on it
-                if interruptible and self._signal is not None:
-                    raise SignalStop(self._signal)
-                if drainable and self._drain_request is not None:
-                    raise DrainInterrupt()
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                ready, _, _ = select.select([done_r, self._wake_r], [], [], remaining)
-                if done_r in ready:
-                    finished = True
-                    break
-                if not ready:
-                    raise TimeoutError(f"{name} did not finish within {timeout:g}s")
-                self._empty_wake_pipe()  # a signal woke us: its Python handler runs before the next turn
-        finally:
-            os.close(done_r)
-            if not finished and busies_store:
-                self._abandoned_call = name
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["value"]
-
-    def _on_drain_signal(self, signum: int, frame) -> None:
-        """A drain signal (``--drain-signals``): request a drain of the configured scope."""
-        self.request_drain(source="signal", by=signal.Signals(signum).name)
-        if self._interruptible and self._drain_interruptible:  # a Python rendezvous wait: cut it short
-            raise DrainInterrupt()
-
-    def _empty_wake_pipe(self) -> None:
-        """Read what signals and ``request_drain`` wrote to the wake-up pipe (non-blocking)."""
-        try:
-            while os.read(self._wake_r, 512):
-                pass
-        except BlockingIOError:
-            pass
-
-    def _forward_signal(self, signum: int, frame) -> None:
-        """Relay ``signum`` to each running worker's process group; nothing is stopped."""
-        for local_rank in self._launcher.pids():
-            self._launcher.signal_worker(local_rank, signum)
-
-    def _install_signal_handlers(self) -> dict[int, Any]:
-        previous: dict[int, Any] = {}
-        if threading.current_thread() is not threading.main_thread():
-            log.warning("agent not in the main thread: signals are not handled")
-            return previous
-        for sig in self._signals:
-            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
-                continue  # started under nohup: keep ignoring SIGHUP
-            previous[sig] = signal.signal(sig, self._on_signal)
-        for sig in self._forwarded:
-            previous[sig] = signal.signal(sig, self._forward_signal)
-        for sig in self._drain_settings.signals:
-            previous[sig] = signal.signal(sig, self._on_drain_signal)
-        previous[-1] = signal.set_wakeup_fd(self._wake_w)
-        return previous
-
-    def _restore_signal_handlers(self, previous: dict[int, Any]) -> None:
-        self._restore_wakeup_fd(previous)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    @staticmethod
-    def _restore_wakeup_fd(previous: dict[int, Any]) -> None:
-        wakeup = previous.pop(-1, None)
-        if wakeup is not None:
-            signal.set_wakeup_fd(wakeup)
-
     def close(self) -> None:
         """Release what an agent built but never run holds: what ``run()`` releases on its way out
         (see ``_release``) and its temporary log directory (a ``--log-dir`` stays). Idempotent."""
@@ -1631,7 +1176,7 @@ class ElasticAgent:
         Idempotent."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = self._drains.closed = True
         self._launcher.close()
         self._launcher_extras.shutdown()  # e.g. the preload launcher's zygote
         self._hang.close()
@@ -1640,24 +1185,23 @@ class ElasticAgent:
         # whose shutdown only leaves says so and always gets it. A backend with ``leave()`` (c10d,
         # etcd-v3) leaves the round instead, so the others notice at once, not after a keep-alive.
         leaving_alone = (
-            self._signal is not None
+            self._interrupts.signal is not None
             or self.excludes_this_node()
             or (self.drain is not None and not self.drains_whole_job())
         )
         leave = self._rdzv.leave if leaving_alone else None
-        if leave is not None and self._abandoned_call is not None:
+        if leave is not None and self._interrupts.abandoned_call is not None:
             log.warning(
                 "not leaving the rendezvous: its store is still busy with the abandoned %s; the other "
                 "nodes notice this node after its keep-alive timeout",
-                self._abandoned_call,
+                self._interrupts.abandoned_call,
             )
         elif not leaving_alone or not self._rdzv.shutdown_closes_rendezvous or leave:
             try:
                 (leave or self._rdzv_handler.shutdown)()
             except Exception as exc:
                 log.warning("rendezvous %s failed: %s", "leave" if leave else "shutdown", exc)
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+        self._interrupts.close()
 
     def _describe_rendezvous_error(self, exc: BaseException) -> str:
         rdzv = self.spec.rendezvous

@@ -43,6 +43,7 @@ from fsm_agent.settings import (
     DEFAULT_MASTER_PORT,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     KEYS,
+    SETTINGS,
     SHUTDOWN_TIMEOUT_ENV,
     nproc_as_int,
     nproc_hint,
@@ -244,47 +245,53 @@ def config_from_args(
     _warn_missing_local_ranks(local_ranks_filter, nproc_per_node)
 
     config = LaunchConfig(
+        **_values_of_direct_settings(args),
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         nproc_per_node=nproc_per_node,
         run_id=run_id,
-        role=args.role,
         rdzv_endpoint=rdzv_endpoint,
         rdzv_backend=rdzv_backend,
         rdzv_configs=rdzv_configs,
-        max_restarts=args.max_restarts,
-        monitor_interval=args.monitor_interval,
-        start_method=args.start_method,
-        log_dir=args.log_dir,
-        redirects=args.redirects,
-        tee=args.tee,
         local_ranks_filter=local_ranks_filter,
         log_line_prefix_template=os.environ.get(LOG_LINE_PREFIX_TEMPLATE_ENV),
-        logs_specs=args.logs_specs,
-        local_addr=args.local_addr,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
         master_port=_master_port(args),
-        event_log_handler=args.event_log_handler,
-        numa_binding=args.numa_binding,
-        signals_to_handle=args.signals_to_handle,
         duplicate_stdout_filters=tuple(args.duplicate_stdout_filters),
         duplicate_stderr_filters=tuple(args.duplicate_stderr_filters),
-        virtual_local_rank=args.virtual_local_rank,
         shutdown_timeout=_shutdown_timeout(args.shutdown_timeout),
-        exit_barrier_timeout=args.exit_barrier_timeout,
-        hang_timeout=args.hang_timeout,
-        forward_signals=args.forward_signals,
-        events_file=args.events_file,
-        launcher=args.launcher,
         disabled_plugins=tuple(dict.fromkeys(args.disabled_plugins)),
         standalone=args.standalone,
-        scheduler=args.scheduler,
         plugins={plugin: dict(values) for plugin, values in getattr(args, "plugin_options", {}).items()},
     )
     if set_omp_num_threads:
         _default_omp_num_threads(nproc_per_node)
     return config, entrypoint, entrypoint_args
+
+
+#: LaunchConfig fields that config_from_args computes from more than their setting's parsed value.
+COMPUTED_FIELDS = frozenset(
+    {
+        "nproc_per_node",
+        "rdzv_backend",
+        "rdzv_endpoint",
+        "local_ranks_filter",
+        "master_port",
+        "duplicate_stdout_filters",
+        "duplicate_stderr_filters",
+        "shutdown_timeout",
+        "disabled_plugins",
+    }
+)
+
+
+def _values_of_direct_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``{field: value}`` for every setting whose ``LaunchConfig`` field is its parsed value as is
+    (``Setting.field == Setting.dest``): a new setting of that kind needs no line here."""
+    return {
+        s.field: getattr(args, s.dest)
+        for s in SETTINGS
+        if s.dest and s.field == s.dest and s.field not in COMPUTED_FIELDS
+    }
 
 
 def _master_port(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ A look that every agent makes on a fixed period costs the store ``nodes / period
 second: 20,000 at 0.5 s for 10,000 nodes. ``look_interval`` spreads the job's looks to
 ``STORE_LOOKS_PER_S`` in all (10,000 nodes: one look per agent every 10 s), never more often than
 ``least_s`` (small jobs) nor less often than ``most_s``. Used by the job-wide drain's looks
-(``fsm_agent.agent.job_drain_look_interval``) and the static rendezvous' look whether its store's
+(``fsm_agent.drain.job_drain_look_interval``) and the static rendezvous' look whether its store's
 host finished.
 """
 

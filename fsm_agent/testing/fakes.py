@@ -281,7 +281,7 @@ class FakeRendezvous(RendezvousHandler):
     def _play_peers(self, store, script: Round, stop: threading.Event) -> None:
         """Once this node has written its role info, every other group rank runs fsm-agent's own
         ``assign_ranks`` (one thread each), then the peers check in at the exit barrier."""
-        from fsm_agent.agent import EXIT_BARRIER_PREFIX
+        from fsm_agent.exit_barrier import EXIT_BARRIER_PREFIX
         from fsm_agent.ranks import ROLE_INFO_PREFIX
 
         own_key = f"{ROLE_INFO_PREFIX}{script.rank}"

@@ -170,7 +170,7 @@ class AgentRuns(RuleBasedStateMachine):
             events_path=self.events_path,
             exit_barrier_timeout=10.0,
         )
-        self.previous_handlers = self.agent._install_signal_handlers()
+        self.previous_handlers = self.agent._interrupts.install()
         self.settle()
 
     def teardown(self):
@@ -189,7 +189,7 @@ class AgentRuns(RuleBasedStateMachine):
                 LAST_RESORT["examples"] += 1
                 LAST_RESORT["ended with live workers"] += bool(self.launcher.running())
         finally:
-            self.agent._restore_signal_handlers(self.previous_handlers)
+            self.agent._interrupts.restore(self.previous_handlers)
             shutil.rmtree(self.tmp, ignore_errors=True)
 
     # -- driving the run loop --------------------------------------------------------------------
@@ -209,7 +209,7 @@ class AgentRuns(RuleBasedStateMachine):
         """Let the states that move by themselves move: INIT/STOPPED (start, restart), UNHEALTHY
         (the hang is the failure), and any state once a signal is pending."""
         for _ in range(MAX_AGENT_STEPS):
-            if self.terminal or not (self.state in (S.INIT, S.STOPPED, S.UNHEALTHY) or self.agent._signal):
+            if self.terminal or not (self.state in (S.INIT, S.STOPPED, S.UNHEALTHY) or self.agent._interrupts.signal):
                 return
             self.step()
         raise AssertionError(f"the agent did not settle: still {self.state.value}")

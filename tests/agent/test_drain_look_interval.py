@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsm_agent.agent import (
+from fsm_agent.drain import (
     DRAIN_POLL_S,
     JOB_DRAIN_LOOKS_PER_S,
     JOB_DRAIN_SEEN_WAIT_S,

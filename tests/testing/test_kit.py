@@ -21,7 +21,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.utils.store import barrier
 
-from fsm_agent.agent import EXIT_BARRIER_PREFIX
+from fsm_agent.exit_barrier import EXIT_BARRIER_PREFIX
 from fsm_agent.heartbeat import HEARTBEAT_FILE_ENV
 from fsm_agent.plugins import hookimpl
 from fsm_agent.ranks import assign_ranks
@@ -361,7 +361,7 @@ def test_factory_releases_agents_that_never_ran(plugin_manager, hook_recorder):
     factory = AgentFactory(plugin_manager=plugin_manager, recorder=hook_recorder)
     rdzv, launcher = FakeRendezvous(), FakeLauncher()
     agent = factory(rdzv, launcher)
-    wake = agent._wake_r
+    wake = agent._interrupts.wake_r
     factory.close()
     with pytest.raises(OSError):
         os.fstat(wake)
