@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from fsm_agent.testing.processes import remove_worker_cgroups, wait_until
+from fsm_agent.testing.processes import remove_worker_cgroups, tmpdir_env, wait_until
 
 REPO = Path(__file__).resolve().parents[3]
 UP, DOWN, INSTALL = REPO / ".ci" / "slurm-up.sh", REPO / ".ci" / "slurm-down.sh", REPO / ".ci" / "install-slurm.sh"
@@ -68,6 +68,9 @@ class SlurmCluster:
         self.env["SLURM_CONF"] = str(directory / "slurm.conf")
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
         self.env["PYTHONUNBUFFERED"] = "1"
+        # Agents that die with a killed node leave their temporary directories: in the cluster's
+        # directory, removed with it, not in /tmp.
+        self.env.update(tmpdir_env(directory / "tmp"))
         self.killed: set[int] = set()
 
     def run(self, *argv: str, timeout: float = 60, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
