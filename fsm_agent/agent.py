@@ -688,16 +688,15 @@ class ElasticAgent:
         seconds, then ``_stop_workers``); a job-wide drain's announcer then waits for its peers to
         see it. A stop signal cuts both short. Records the ``drain`` event."""
         drains = self._drains
-        outcome = drains.stop_workers(self._launcher, self._interrupts.wake_r, self._signalled, self._stop_workers)
+        outcome = drains.stop_workers(
+            self._launcher, self._interrupts.wake_r, self._interrupts.signalled, self._stop_workers
+        )
         if self._interrupts.abandoned_call is None:
-            drains.wait_for_peers_to_see_it(self._worker_group, self._interrupts.wake_r, self._signalled)
+            drains.wait_for_peers_to_see_it(self._worker_group, self._interrupts.wake_r, self._interrupts.signalled)
         if drains.taken is not None:
             started = outcome.pop("started")
             drains.taken.update(outcome, duration_s=round(time.monotonic() - started, 6))
             self._broadcast("fsm_agent_record_event", event=self._event("drain", **drains.taken))
-
-    def _signalled(self) -> bool:
-        return self._interrupts.signal is not None
 
     def _drain_verdict(self) -> str | None:
         if self.state != S.FAILED or self._interrupts.signal is not None:

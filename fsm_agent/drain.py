@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsm_agent.errors import ConfigError
+from fsm_agent.interrupts import empty_pipe
 from fsm_agent.store_looks import STORE_LOOKS_PER_S, look_interval
 from fsm_agent.worker import DRAIN_EXIT_CODE, DRAIN_SCOPES, DrainSettings, WorkerGroup
 
@@ -258,7 +259,7 @@ class NodeDrain:
             if remaining <= 0:
                 break
             select.select([wake_r, *launcher.wait_fds()], [], [], min(remaining, 1.0))
-            _empty(wake_r)
+            empty_pipe(wake_r)
             exits = dict(launcher.poll())
         by_themselves = {r: exits[r] for r in live if r in exits}
         if len(by_themselves) < len(live):
@@ -297,7 +298,7 @@ class NodeDrain:
                 log.debug("could not read who saw the job-wide drain: %s", exc)
                 return
             select.select([wake_r], [], [], 0.1)
-            _empty(wake_r)
+            empty_pipe(wake_r)
         log.warning("[%s] drain: not every node saw the job-wide drain within %gs", self._role, JOB_DRAIN_SEEN_WAIT_S)
 
     def verdict(self) -> str | None:
@@ -309,12 +310,3 @@ class NodeDrain:
             f"drained ({drain['scope']} scope, requested by {drain['source']} {drain['by']}".rstrip()
             + f"): requeue (exit code {DRAIN_EXIT_CODE})"
         )
-
-
-def _empty(fd: int) -> None:
-    """Read what is in a non-blocking wake-up pipe."""
-    try:
-        while os.read(fd, 512):
-            pass
-    except BlockingIOError:
-        pass

@@ -26,6 +26,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def empty_pipe(fd: int) -> None:
+    """Read whatever is in the non-blocking pipe ``fd`` (a wake-up pipe)."""
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
+
+
 class SignalStop(BaseException):
     """Raised by the signal handler to interrupt a blocking rendezvous or exit barrier."""
 
@@ -209,11 +218,11 @@ class Interrupts:
 
     def empty_wake_pipe(self) -> None:
         """Read what signals and ``request_drain`` wrote to the wake-up pipe (non-blocking)."""
-        try:
-            while os.read(self.wake_r, 512):
-                pass
-        except BlockingIOError:
-            pass
+        empty_pipe(self.wake_r)
+
+    def signalled(self) -> bool:
+        """A stop signal has arrived."""
+        return self.signal is not None
 
     def forward_signal(self, signum: int, frame: Any) -> None:
         """Relay ``signum`` to each running worker's process group; nothing is stopped."""

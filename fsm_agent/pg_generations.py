@@ -33,7 +33,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qsl, urlparse
@@ -92,9 +92,10 @@ def _with_generations(module: Any, scheme: str, torch_handler: Any) -> Any:
         query = dict(parse_qsl(parsed.query))
         # the address, rank and world size as torch's handlers read them: tcp:// from the URL;
         # env:// from the environment unless init_process_group put explicit ones in the query
-        env = os.environ if scheme == "env" else {}
-        host = env.get("MASTER_ADDR") if scheme == "env" else parsed.hostname
-        port = env.get("MASTER_PORT") if scheme == "env" else parsed.port
+        env: Mapping[str, str] = os.environ if scheme == "env" else {}
+        host, port = (
+            (env.get("MASTER_ADDR"), env.get("MASTER_PORT")) if env is os.environ else (parsed.hostname, parsed.port)
+        )
         rank = int(query.get("rank") or env.get("RANK") or -1)
         world_size = int(query.get("world_size") or env.get("WORLD_SIZE") or -1)
         key = (str(host), str(port), rank, world_size)
