@@ -159,17 +159,44 @@ class Interrupts:
             TimeoutError: ``timeout`` passed first.
             whatever ``call`` raised.
         """
+        self._raise_if_cut_short(interruptible, drainable)
+        if self._python_waits:
+            return self._call_here(call, interruptible=interruptible, drainable=drainable)
+        return self._call_in_thread(
+            name, call, interruptible=interruptible, timeout=timeout, drainable=drainable, busies_store=busies_store
+        )
+
+    def _raise_if_cut_short(self, interruptible: bool, drainable: bool) -> None:
+        """Raise SignalStop for a stop signal that arrived (``interruptible``), DrainInterrupt for a
+        drain that was requested (``drainable``): a wait they cut short must not start or go on."""
         if interruptible and self.signal is not None:
             raise SignalStop(self.signal)
         if drainable and self.drains.request is not None:
             raise DrainInterrupt()
-        if self._python_waits:
-            self.interruptible = interruptible  # the handler raises SignalStop into call()
-            self.drains.interruptible = drainable
-            try:
-                return call()
-            finally:
-                self.interruptible = self.drains.interruptible = False
+
+    def _call_here(self, call: Callable[[], Any], *, interruptible: bool, drainable: bool) -> Any:
+        """``call()`` (a backend's Python wait) in this thread, where the stop and drain signals'
+        handlers raise SignalStop and DrainInterrupt into it while it runs."""
+        self.interruptible = interruptible  # the handler raises SignalStop into call()
+        self.drains.interruptible = drainable
+        try:
+            return call()
+        finally:
+            self.interruptible = self.drains.interruptible = False
+
+    def _call_in_thread(
+        self,
+        name: str,
+        call: Callable[[], Any],
+        *,
+        interruptible: bool,
+        timeout: float | None,
+        drainable: bool,
+        busies_store: bool,
+    ) -> Any:
+        """``call()`` (a wait blocked in C++) in a daemon thread ``fsm-agent-<name>``, while this
+        thread waits for it, a signal or ``timeout`` seconds; an abandoned call that ``busies_store``
+        is recorded in ``abandoned_call``. Returns what ``call`` returned, or raises what it raised."""
         outcome: dict[str, Any] = {}
         done_r, done_w = os.pipe()
 
@@ -188,20 +215,8 @@ class Interrupts:
         finished = False
         try:
             threading.Thread(target=run_call, name=f"fsm-agent-{name}", daemon=True).start()
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while True:  # the handler only records the signal here; the loop's next turn acts on it
-                if interruptible and self.signal is not None:
-                    raise SignalStop(self.signal)
-                if drainable and self.drains.request is not None:
-                    raise DrainInterrupt()
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                ready, _, _ = select.select([done_r, self.wake_r], [], [], remaining)
-                if done_r in ready:
-                    finished = True
-                    break
-                if not ready:
-                    raise TimeoutError(f"{name} did not finish within {timeout:g}s")
-                self.empty_wake_pipe()  # a signal woke us: its Python handler runs before the next turn
+            self._wait_until_done(name, done_r, interruptible=interruptible, timeout=timeout, drainable=drainable)
+            finished = True
         finally:
             os.close(done_r)
             if not finished and busies_store:
@@ -209,6 +224,27 @@ class Interrupts:
         if "error" in outcome:
             raise outcome["error"]
         return outcome["value"]
+
+    def _wait_until_done(
+        self, name: str, done_r: int, *, interruptible: bool, timeout: float | None, drainable: bool
+    ) -> None:
+        """Wait until ``done_r`` (the helper thread's end-of-call pipe) is readable.
+
+        Raises:
+            SignalStop: a stop signal arrived first (``interruptible``).
+            DrainInterrupt: a drain was requested first (``drainable``).
+            TimeoutError: ``timeout`` seconds (None: no limit) passed first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:  # the handler only records the signal here; the loop's next turn acts on it
+            self._raise_if_cut_short(interruptible, drainable)
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([done_r, self.wake_r], [], [], remaining)
+            if done_r in ready:
+                return
+            if not ready:
+                raise TimeoutError(f"{name} did not finish within {timeout:g}s")
+            self.empty_wake_pipe()  # a signal woke us: its Python handler runs before the next turn
 
     def on_drain_signal(self, signum: int, frame: Any) -> None:
         """A drain signal (``--drain-signals``): request a drain of the configured scope."""

@@ -21,7 +21,7 @@ import os
 import shutil
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import attrs
@@ -45,6 +45,7 @@ from fsm_agent.settings import (
     KEYS,
     SETTINGS,
     SHUTDOWN_TIMEOUT_ENV,
+    Setting,
     nproc_as_int,
     nproc_hint,
     parse_local_ranks_filter,
@@ -213,34 +214,13 @@ def config_from_args(
     """
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     entrypoint, entrypoint_args = _entrypoint(args) if args.training_script is not None else (None, ())
-    try:
-        nproc_per_node = resolve_nproc_per_node(args.nproc_per_node)
-    except ConfigError as exc:
-        var = getattr(args, "from_env", {}).get("nproc_per_node")
-        if var is None:
-            raise
-        flag = f"--nproc-per-node {args.nproc_per_node!r}: "
-        raise ConfigError(f"{var}={args.nproc_per_node!r}: {str(exc).removeprefix(flag)}; fix or unset it") from None
+    nproc_per_node = _nproc_per_node(args)
     registry = registry if registry is not None else _builtin_registry()
     rdzv_backend, rdzv_endpoint, run_id = _rendezvous(args, max_nodes, min_nodes)
     if rdzv_backend == args.rdzv_backend and registry.host_port_endpoint(rdzv_backend):
         check_rdzv_endpoint(args.rdzv_endpoint)  # not the standalone or MASTER_ADDR:MASTER_PORT one
     rdzv_configs: dict[str, Any] = {**getattr(args, "rdzv_conf_file", {}), **parse_rdzv_conf(args.rdzv_conf)}
-    node_rank_use = registry.node_rank_use(rdzv_backend)
-    if node_rank_use == "rank":  # torch's static backend: this node's rank
-        if not 0 <= args.node_rank < max_nodes:
-            raise ConfigError(
-                f"--node-rank {args.node_rank}: with --nnodes {args.nnodes} the node ranks are "
-                f"0..{max_nodes - 1}; give each node its own rank in that range"
-            )
-        rdzv_configs["rank"] = args.node_rank  # an int, as torch's static handler expects
-    elif args.node_rank != 0 and node_rank_use is None:  # "hint": the fsm backend's (docs/schedulers.md)
-        log.warning(
-            "--node-rank %s is only used by the rendezvous backends %s; ignored for %s",
-            args.node_rank,
-            ", ".join(registry.node_rank_backends()),
-            rdzv_backend,
-        )
+    rdzv_configs.update(_node_rank_conf(args, registry, rdzv_backend, max_nodes))
     local_ranks_filter = parse_local_ranks_filter(args.local_ranks_filter)
     _warn_missing_local_ranks(local_ranks_filter, nproc_per_node)
 
@@ -266,6 +246,47 @@ def config_from_args(
     if set_omp_num_threads:
         _default_omp_num_threads(nproc_per_node)
     return config, entrypoint, entrypoint_args
+
+
+def _nproc_per_node(args: argparse.Namespace) -> int:
+    """``resolve_nproc_per_node(args.nproc_per_node)``; when the value came from an env var, the
+    error names that variable rather than a flag the user never typed."""
+    try:
+        return resolve_nproc_per_node(args.nproc_per_node)
+    except ConfigError as exc:
+        var = getattr(args, "from_env", {}).get("nproc_per_node")
+        if var is None:
+            raise
+        flag = f"--nproc-per-node {args.nproc_per_node!r}: "
+        raise ConfigError(f"{var}={args.nproc_per_node!r}: {str(exc).removeprefix(flag)}; fix or unset it") from None
+
+
+def _node_rank_conf(
+    args: argparse.Namespace, registry: BackendRegistry, backend: str, max_nodes: int
+) -> dict[str, int]:
+    """The rendezvous options ``--node-rank`` adds for ``backend``: ``{"rank": N}`` for one that
+    takes it as this node's rank (torch's static backend), else none (a warning when the backend
+    ignores a rank that was given).
+
+    Raises:
+        ConfigError: a rank the backend takes is outside ``0..max_nodes - 1``.
+    """
+    node_rank_use = registry.node_rank_use(backend)
+    if node_rank_use == "rank":  # torch's static backend: this node's rank
+        if not 0 <= args.node_rank < max_nodes:
+            raise ConfigError(
+                f"--node-rank {args.node_rank}: with --nnodes {args.nnodes} the node ranks are "
+                f"0..{max_nodes - 1}; give each node its own rank in that range"
+            )
+        return {"rank": args.node_rank}  # an int, as torch's static handler expects
+    if args.node_rank != 0 and node_rank_use is None:  # "hint": the fsm backend's (docs/schedulers.md)
+        log.warning(
+            "--node-rank %s is only used by the rendezvous backends %s; ignored for %s",
+            args.node_rank,
+            ", ".join(registry.node_rank_backends()),
+            backend,
+        )
+    return {}
 
 
 #: LaunchConfig fields that config_from_args computes from more than their setting's parsed value.
@@ -508,21 +529,9 @@ def resolve_run_args(
         ConfigError: a bad flag, env var or file value (the file's errors all in one message).
         PluginError: a plugin failed to load or declared a clashing option.
     """
-    from fsm_agent.plugins.manager import check_disabled, disabled_from_env
-
     argv = list(argv)
     core = get_run_parser(prog, for_config=for_config)
-    pre = prescan(argv, core)
-    explicit, origin = (
-        (pre["config"][-1], "--config")
-        if pre["config"]
-        else (os.environ.get("FSM_AGENT_CONFIG") or None, "FSM_AGENT_CONFIG")
-    )
-    config_file = find_config_file(explicit, origin)
-    file_disabled = raw_disabled_plugins(config_file.data) if config_file else ()
-    cli_disabled = tuple(n for value in pre["disabled_plugins"] for n in parse_names(value))
-    check_disabled(cli_disabled, file_disabled, config_file.label if config_file else "")
-    disabled = tuple(dict.fromkeys((*file_disabled, *disabled_from_env(), *cli_disabled)))
+    config_file, disabled = _config_file_and_disabled(argv, core)
     plugins = _plugins_for(argv, core, disabled, load_entry_points)
     options = plugins.options
 
@@ -531,9 +540,12 @@ def resolve_run_args(
     args = parser.parse_args(argv)  # a bad flag raises here; bad env vars are collected
     errors: list[str] = list(parser.env_errors)  # type: ignore[attr-defined]
     details: list[str] = list(errors)  # one line per error, for the CLI when the config file has errors
-    env_sources = dict(parser.env_sources)  # type: ignore[attr-defined]
-    given = cli_given(argv, prog, options, for_config=for_config)
-    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    origins = _Origins(
+        given=cli_given(argv, prog, options, for_config=for_config),
+        flags={a.dest: a.option_strings[0] for a in parser._actions if a.option_strings},
+        env=dict(parser.env_sources),  # type: ignore[attr-defined]
+        file_label=config_file.label if config_file else "",
+    )
     file_values = FileValues(values={}, plugins={})
     file_failed = False
     if config_file:
@@ -543,28 +555,8 @@ def resolve_run_args(
             errors.insert(0, str(exc))
             details[:0] = exc.details or [str(exc)]
             file_failed = True
-    label = config_file.label if config_file else ""
 
-    # Per setting, fsm-agent's and the plugins' alike: flag > variable > file > default.
-    sources: dict[str, Source] = {}
-    for setting in (*KEYS, *options):
-        if setting.dest is None:  # a typed rendezvous option: merged with --rdzv-conf below
-            continue
-        key = cast(str, setting.key)
-        from_file = file_values.get(setting, _NOT_IN_FILE)
-        if setting.dest in given:
-            sources[key] = Source("cli", flags[setting.dest])
-        elif setting.dest in env_sources:
-            sources[key] = Source("env", env_sources[setting.dest])
-        elif setting.fallback_env and os.environ.get(setting.fallback_env):
-            sources[key] = Source("env", setting.fallback_env)  # torch's env var, above the file
-        elif from_file is not _NOT_IN_FILE:
-            if setting.dest != "rdzv_conf":  # merged per option below
-                setattr(args, setting.dest, from_file)
-            sources[key] = Source("file", label)
-        else:
-            sources[key] = Source("default")
-
+    sources = _merge_settings(args, (*KEYS, *options), file_values, origins)
     # Defaults the batch scheduler's job step gives (Slurm, ...): below flags, env vars and the file.
     registry = plugins.registry
     apply_discovery(
@@ -575,37 +567,122 @@ def resolve_run_args(
         Source,
         node_rank_backends=registry.node_rank_backends(),
     )
-
-    # Disabled plugins add up: the file's, the env var's, the flags'.
-    from_file = file_values.values.get("disabled_plugins", ())
-    args.disabled_plugins = tuple(dict.fromkeys((*from_file, *args.disabled_plugins)))
-    parts = [str(Source("file", label))] if from_file else []
-    parts += [str(Source("env", env_sources["disabled_plugins"]))] if "disabled_plugins" in env_sources else []
-    parts += [str(Source("cli", flags["disabled_plugins"]))] if "disabled_plugins" in given else []
-    sources["disabled_plugins"] = Source(" + ".join(parts) if parts else "default")
-
-    # Rendezvous options: the file's table and typed keys, under --rdzv-conf (or its env var), per option.
-    rdzv_file = dict(file_values.values.get("rendezvous.conf", {}))
-    rdzv_file.update({k.name: v for name, v in file_values.values.items() if (k := BY_KEY[name]).dest is None})
-    args.rdzv_conf_file = rdzv_file
+    _merge_disabled_plugins(args, sources, file_values, origins)
+    _merge_rdzv_conf(args, sources, file_values, origins.file_label)
     # Which values came from the environment, so a late check (--nproc-per-node names a device)
     # names the variable to fix rather than a flag the user never typed.
-    args.from_env = {dest: var for dest, var in env_sources.items() if dest not in given}
-    conf_source = sources["rendezvous.conf"]
-    for name in rdzv_file:
-        sources[f"rendezvous.{name}"] = Source("file", label)
-    if conf_source.kind in ("cli", "env"):
-        for name in parse_rdzv_conf(args.rdzv_conf):
-            sources[f"rendezvous.{name}"] = conf_source
+    args.from_env = {dest: var for dest, var in origins.env.items() if dest not in origins.given}
 
     if errors:  # the file's and the env vars' errors, all at once
         raise ConfigError("; ".join(errors), details=details if file_failed else ())
     # What the plugins read back with config.plugin_options(NAME).
+    args.plugin_options = _plugin_values(args, options)
+    return ResolvedRun(args=args, sources=sources, config_file=config_file, plugins=plugins)
+
+
+def _config_file_and_disabled(
+    argv: Sequence[str], core: argparse.ArgumentParser
+) -> tuple[ConfigFile | None, tuple[str, ...]]:
+    """The config file (``--config``, ``$FSM_AGENT_CONFIG`` or ``./pyproject.toml``; None: none)
+    and the plugins to disable (the file's, the env var's and the flags'), from a pre-scan of the
+    flags before the training script: they decide which plugins load, hence which flags exist.
+
+    Raises:
+        ConfigError: the file named cannot be read, or a name to disable is no plugin's.
+    """
+    from fsm_agent.plugins.manager import check_disabled, disabled_from_env
+
+    pre = prescan(argv, core)
+    explicit, origin = (
+        (pre["config"][-1], "--config")
+        if pre["config"]
+        else (os.environ.get("FSM_AGENT_CONFIG") or None, "FSM_AGENT_CONFIG")
+    )
+    config_file = find_config_file(explicit, origin)
+    file_disabled = raw_disabled_plugins(config_file.data) if config_file else ()
+    cli_disabled = tuple(n for value in pre["disabled_plugins"] for n in parse_names(value))
+    check_disabled(cli_disabled, file_disabled, config_file.label if config_file else "")
+    return config_file, tuple(dict.fromkeys((*file_disabled, *disabled_from_env(), *cli_disabled)))
+
+
+@attrs.frozen
+class _Origins:
+    """Where the parse found each value, for ``Source``.
+
+    Attributes:
+        given: the dests set on the command line itself.
+        flags: ``{dest: its first flag}``.
+        env: ``{dest: the env var that set it}``.
+        file_label: the config file's label ("" without a file).
+    """
+
+    given: set[str]
+    flags: dict[str, str]
+    env: dict[str, str]
+    file_label: str
+
+
+def _merge_settings(
+    args: argparse.Namespace, settings: Iterable[Setting], file_values: FileValues, origins: _Origins
+) -> dict[str, Source]:
+    """Fill in ``args`` from the file per setting, fsm-agent's and the plugins' alike, with the
+    precedence flag > variable > file > default; returns ``{key: Source}`` of each."""
+    sources: dict[str, Source] = {}
+    for setting in settings:
+        if setting.dest is None:  # a typed rendezvous option: merged with --rdzv-conf (_merge_rdzv_conf)
+            continue
+        key = cast(str, setting.key)
+        from_file = file_values.get(setting, _NOT_IN_FILE)
+        if setting.dest in origins.given:
+            sources[key] = Source("cli", origins.flags[setting.dest])
+        elif setting.dest in origins.env:
+            sources[key] = Source("env", origins.env[setting.dest])
+        elif setting.fallback_env and os.environ.get(setting.fallback_env):
+            sources[key] = Source("env", setting.fallback_env)  # torch's env var, above the file
+        elif from_file is not _NOT_IN_FILE:
+            if setting.dest != "rdzv_conf":  # merged per option (_merge_rdzv_conf)
+                setattr(args, setting.dest, from_file)
+            sources[key] = Source("file", origins.file_label)
+        else:
+            sources[key] = Source("default")
+    return sources
+
+
+def _merge_disabled_plugins(
+    args: argparse.Namespace, sources: dict[str, Source], file_values: FileValues, origins: _Origins
+) -> None:
+    """Disabled plugins add up: the file's, the env var's, the flags' (``args.disabled_plugins``,
+    and a source that names each of them)."""
+    from_file = file_values.values.get("disabled_plugins", ())
+    args.disabled_plugins = tuple(dict.fromkeys((*from_file, *args.disabled_plugins)))
+    parts = [str(Source("file", origins.file_label))] if from_file else []
+    parts += [str(Source("env", origins.env["disabled_plugins"]))] if "disabled_plugins" in origins.env else []
+    parts += [str(Source("cli", origins.flags["disabled_plugins"]))] if "disabled_plugins" in origins.given else []
+    sources["disabled_plugins"] = Source(" + ".join(parts) if parts else "default")
+
+
+def _merge_rdzv_conf(
+    args: argparse.Namespace, sources: dict[str, Source], file_values: FileValues, file_label: str
+) -> None:
+    """Rendezvous options: the file's table and typed keys (``args.rdzv_conf_file``), under
+    ``--rdzv-conf`` (or its env var), per option; a ``rendezvous.<name>`` source for each."""
+    rdzv_file = dict(file_values.values.get("rendezvous.conf", {}))
+    rdzv_file.update({k.name: v for name, v in file_values.values.items() if (k := BY_KEY[name]).dest is None})
+    args.rdzv_conf_file = rdzv_file
+    conf_source = sources["rendezvous.conf"]
+    for name in rdzv_file:
+        sources[f"rendezvous.{name}"] = Source("file", file_label)
+    if conf_source.kind in ("cli", "env"):
+        for name in parse_rdzv_conf(args.rdzv_conf):
+            sources[f"rendezvous.{name}"] = conf_source
+
+
+def _plugin_values(args: argparse.Namespace, options: Iterable[Setting]) -> dict[str, dict[str, Any]]:
+    """``{plugin: {option name: value}}`` of the plugins' options in ``args``."""
     plugin_values: dict[str, dict[str, Any]] = {}
     for option in options:
         plugin_values.setdefault(cast(str, option.plugin), {})[option.name] = getattr(args, cast(str, option.dest))
-    args.plugin_options = plugin_values
-    return ResolvedRun(args=args, sources=sources, config_file=config_file, plugins=plugins)
+    return plugin_values
 
 
 #: ``FileValues.get``'s answer for a setting the file does not set.

@@ -51,9 +51,9 @@ import termios
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 from fsm_agent.errors import RendezvousFailed
 from fsm_agent.plugins.rendezvous_fsm.planner import Node, Rendezvous
@@ -594,198 +594,272 @@ class StoreServer:
         self._traffic["requests"] += 1
         if isinstance(op, str):
             self._ops[op] = self._ops.get(op, 0) + 1
-        if op == "hello":
-            self._reply(conn, {"ok": True, "proto": PROTO, "now": now})
-        elif op == "set":
-            key = str(req["key"])
-            entry = self._put(key, _unb64(req["value"]))
-            self._lease(key, entry, req.get("ttl"), now, conn)
-            if req.get("ephemeral"):
-                entry.owner = conn
-                conn.owned.add(key)
-            self._reply(conn, {"ok": True, "version": entry.version})
-        elif op == "multi_set":
-            keys, values = [str(k) for k in req["keys"]], req["values"]
-            if len(keys) != len(values):
-                raise ValueError("keys and values differ in length")
-            for k, v in zip(keys, values):
-                self._put(k, _unb64(v))
-            self._reply(conn, {"ok": True})
-        elif op == "get":
-            self._block(conn, "get", [str(req["key"])], req.get("timeout"))
-        elif op == "multi_get":
-            self._block(conn, "multi_get", [str(k) for k in req["keys"]], req.get("timeout"))
-        elif op == "wait":
-            self._block(conn, "wait", [str(k) for k in req["keys"]], req.get("timeout"))
-        elif op == "watch":
-            versions = {str(k): int(v) for k, v in dict(req["versions"]).items()}
-            self._block(conn, "watch", list(versions), req.get("timeout"), versions)
-        elif op == "add":
-            key, amount = str(req["key"]), int(req["amount"])
-            entry = self._data.get(key)
-            current = int(entry.value) if entry is not None else 0
-            value = current + amount
-            self._put(key, str(value).encode())
-            self._reply(conn, {"ok": True, "value": value})
-        elif op == "compare_set":
-            key, expected, desired = str(req["key"]), _unb64(req["expected"]), _unb64(req["desired"])
-            entry = self._data.get(key)
-            if entry is None:
-                if expected == b"":
-                    self._put(key, desired)
-                    result = desired
-                else:
-                    result = expected  # torch's TCPStore answers so too: "not swapped"
-            elif entry.value == expected:
-                result = self._put(key, desired).value
+            handler = self._HANDLERS.get(op)
+            if handler is not None:
+                handler(self, conn, req, now)
+                return
+            if op.startswith("rdzv_"):
+                self._rdzv_handle(conn, op, req, now)
+                return
+        self._reply(conn, {"ok": False, "error": "bad_request", "message": f"unknown op {op!r}"})
+
+    # One handler per op, ``handler(self, conn, req, now)`` with ``now`` the server's monotonic
+    # clock (seconds); each replies on ``conn`` or blocks it (``_block``) until it can.
+    def _op_hello(self, conn: _Conn, req: dict, now: float) -> None:
+        self._reply(conn, {"ok": True, "proto": PROTO, "now": now})
+
+    def _op_set(self, conn: _Conn, req: dict, now: float) -> None:
+        key = str(req["key"])
+        entry = self._put(key, _unb64(req["value"]))
+        self._lease(key, entry, req.get("ttl"), now, conn)
+        if req.get("ephemeral"):  # deleted when this connection closes
+            entry.owner = conn
+            conn.owned.add(key)
+        self._reply(conn, {"ok": True, "version": entry.version})
+
+    def _op_multi_set(self, conn: _Conn, req: dict, now: float) -> None:
+        keys, values = [str(k) for k in req["keys"]], req["values"]
+        if len(keys) != len(values):
+            raise ValueError("keys and values differ in length")
+        for k, v in zip(keys, values):
+            self._put(k, _unb64(v))
+        self._reply(conn, {"ok": True})
+
+    def _op_get(self, conn: _Conn, req: dict, now: float) -> None:
+        self._block(conn, "get", [str(req["key"])], req.get("timeout"))
+
+    def _op_multi_get(self, conn: _Conn, req: dict, now: float) -> None:
+        self._block(conn, "multi_get", [str(k) for k in req["keys"]], req.get("timeout"))
+
+    def _op_wait(self, conn: _Conn, req: dict, now: float) -> None:
+        self._block(conn, "wait", [str(k) for k in req["keys"]], req.get("timeout"))
+
+    def _op_watch(self, conn: _Conn, req: dict, now: float) -> None:
+        versions = {str(k): int(v) for k, v in dict(req["versions"]).items()}
+        self._block(conn, "watch", list(versions), req.get("timeout"), versions)
+
+    def _op_add(self, conn: _Conn, req: dict, now: float) -> None:
+        key, amount = str(req["key"]), int(req["amount"])
+        entry = self._data.get(key)
+        current = int(entry.value) if entry is not None else 0
+        value = current + amount
+        self._put(key, str(value).encode())
+        self._reply(conn, {"ok": True, "value": value})
+
+    def _op_compare_set(self, conn: _Conn, req: dict, now: float) -> None:
+        key, expected, desired = str(req["key"]), _unb64(req["expected"]), _unb64(req["desired"])
+        entry = self._data.get(key)
+        if entry is None:
+            if expected == b"":
+                self._put(key, desired)
+                result = desired
             else:
-                result = entry.value
-            self._reply(conn, {"ok": True, "value": _b64(result), "version": self._version(key), "now": now})
-        elif op == "check":
-            self._reply(conn, {"ok": True, "value": all(str(k) in self._data for k in req["keys"])})
-        elif op == "exists":
-            self._reply(conn, {"ok": True, "values": [str(k) in self._data for k in req["keys"]]})
-        elif op == "delete":
-            self._reply(conn, {"ok": True, "value": self._delete(str(req["key"]))})
-        elif op == "num_keys":
-            self._reply(conn, {"ok": True, "value": len(self._data)})
-        elif op == "get_versioned":
-            keys = [str(k) for k in req.get("keys", ())]
-            entries = [self._data.get(k) for k in keys]
-            reply = {
-                "ok": True,
-                "now": now,
-                "values": [_b64(e.value) if e is not None else None for e in entries],
-                "versions": [e.version if e is not None else 0 for e in entries],
-            }
-            prefix = req.get("prefix")
-            if prefix is not None:
-                prefix = str(prefix)
-                reply["listing"] = {k: e.version for k, e in self._data.items() if k.startswith(prefix)}
-            self._reply(conn, reply)
-        elif op == "touch":
-            ttl = float(req["ttl"])
-            found = []
-            for k in req["keys"]:
-                entry = self._data.get(str(k))
-                if entry is not None:
-                    self._lease(str(k), entry, ttl, now, conn)
-                found.append(entry is not None)
-            self._reply(conn, {"ok": True, "values": found})
-        elif op == "time":
-            self._reply(conn, {"ok": True, "now": now})
-        elif op == "stats":
-            self._reply(
-                conn,
-                {
-                    "ok": True,
-                    **self._traffic,
-                    "connections": len(self._conns),
-                    "keys": len(self._data),
-                    "ops": self._ops,
-                },
-            )
-        elif op.startswith("rdzv_") if isinstance(op, str) else False:
-            self._rdzv_handle(conn, op, req, now)
+                result = expected  # torch's TCPStore answers so too: "not swapped"
+        elif entry.value == expected:
+            result = self._put(key, desired).value
         else:
-            self._reply(conn, {"ok": False, "error": "bad_request", "message": f"unknown op {op!r}"})
+            result = entry.value
+        self._reply(conn, {"ok": True, "value": _b64(result), "version": self._version(key), "now": now})
+
+    def _op_check(self, conn: _Conn, req: dict, now: float) -> None:
+        self._reply(conn, {"ok": True, "value": all(str(k) in self._data for k in req["keys"])})
+
+    def _op_exists(self, conn: _Conn, req: dict, now: float) -> None:
+        self._reply(conn, {"ok": True, "values": [str(k) in self._data for k in req["keys"]]})
+
+    def _op_delete(self, conn: _Conn, req: dict, now: float) -> None:
+        self._reply(conn, {"ok": True, "value": self._delete(str(req["key"]))})
+
+    def _op_num_keys(self, conn: _Conn, req: dict, now: float) -> None:
+        self._reply(conn, {"ok": True, "value": len(self._data)})
+
+    def _op_get_versioned(self, conn: _Conn, req: dict, now: float) -> None:
+        keys = [str(k) for k in req.get("keys", ())]
+        entries = [self._data.get(k) for k in keys]
+        reply = {
+            "ok": True,
+            "now": now,
+            "values": [_b64(e.value) if e is not None else None for e in entries],
+            "versions": [e.version if e is not None else 0 for e in entries],
+        }
+        prefix = req.get("prefix")
+        if prefix is not None:
+            prefix = str(prefix)
+            reply["listing"] = {k: e.version for k, e in self._data.items() if k.startswith(prefix)}
+        self._reply(conn, reply)
+
+    def _op_touch(self, conn: _Conn, req: dict, now: float) -> None:
+        ttl = float(req["ttl"])
+        found = []
+        for k in req["keys"]:
+            entry = self._data.get(str(k))
+            if entry is not None:
+                self._lease(str(k), entry, ttl, now, conn)
+            found.append(entry is not None)
+        self._reply(conn, {"ok": True, "values": found})
+
+    def _op_time(self, conn: _Conn, req: dict, now: float) -> None:
+        self._reply(conn, {"ok": True, "now": now})
+
+    def _op_stats(self, conn: _Conn, req: dict, now: float) -> None:
+        self._reply(
+            conn,
+            {
+                "ok": True,
+                **self._traffic,
+                "connections": len(self._conns),
+                "keys": len(self._data),
+                "ops": self._ops,
+            },
+        )
+
+    #: op -> its handler: one dict lookup per request, whatever the op (functions, not bound methods).
+    _HANDLERS: ClassVar[dict[str, Callable[[StoreServer, _Conn, dict, float], None]]] = {
+        "hello": _op_hello,
+        "set": _op_set,
+        "multi_set": _op_multi_set,
+        "get": _op_get,
+        "multi_get": _op_multi_get,
+        "wait": _op_wait,
+        "watch": _op_watch,
+        "add": _op_add,
+        "compare_set": _op_compare_set,
+        "check": _op_check,
+        "exists": _op_exists,
+        "delete": _op_delete,
+        "num_keys": _op_num_keys,
+        "get_versioned": _op_get_versioned,
+        "touch": _op_touch,
+        "time": _op_time,
+        "stats": _op_stats,
+    }
 
     # -- the rendezvous: planner.Rendezvous per run, applied in this thread (the handler is the client) --
     def _rdzv_handle(self, conn: _Conn, op: str, req: dict, now: float) -> None:
         run_id, node = str(req["run"]), str(req.get("node", ""))
         run = self._runs.get(run_id)
         if op == "rdzv_join":
-            lease = str(req["lease"])
-            if "lease_ttl" in req:  # the join (re)creates the node's lease, owned by this connection
-                entry = self._put(lease, node.encode())
-                self._lease(lease, entry, req["lease_ttl"], now, conn)
-                entry.owner = conn
-                conn.owned.add(lease)
-            if lease not in self._data:  # the lease lapsed before this join: the node renews it first
-                self._reply(conn, {"ok": True, "status": "no_lease"})
-                return
-            lo, hi = int(req["min"]), int(req["max"])
-            if run is None:
-                run = self._runs[run_id] = _Run(run_id, Rendezvous(lo, hi))
-            rdzv = run.rdzv
-            rdzv.min_nodes, rdzv.max_nodes = lo, hi
-            rdzv.last_call_timeout, rdzv.rejoin_timeout = float(req["last_call_timeout"]), float(req["rejoin_timeout"])
-            self._leases[lease] = (run_id, node)
-            info = req["info"]
-            me = Node(
-                str(info["addr"]),
-                int(info["port"]),
-                bool(info.get("host")),
-                None if info.get("node_rank") is None else int(info["node_rank"]),
-            )
-            returned = req.get("returned_round")
-
-            def join(rdzv: Rendezvous, now: float) -> None:
-                res = rdzv.join(node, me, now, None if returned is None else int(returned))
-                status = self._rdzv_spare_status(rdzv, node, req) if res.status == "wait" else res.status
-                if status == "wait":
-                    self._rdzv_block(conn, run, "rdzv_join", req, run.joins)
-                else:
-                    self._reply(conn, self._rdzv_joined(rdzv, status, node))
-
-            self._rdzv_apply(run_id, join)
-        elif run is None:  # nothing joined this run yet (or the store restarted)
-            self._reply(
-                conn,
-                {
-                    "ok": True,
-                    "closed": False,
-                    "round": -1,
-                    "complete": False,
-                    "nodes": 0,
-                    "lost": 0,
-                    "waiting": 1 if op == "rdzv_watch" else 0,
-                    "others": 0,
-                },
-            )
-        elif op == "rdzv_leave":
-            self._rdzv_apply(run_id, lambda rdzv, now: rdzv.leave(node, now, forget=bool(req.get("forget", True))))
-            self._reply(conn, {"ok": True})
-        elif op == "rdzv_close":
-            self._rdzv_apply(run_id, lambda rdzv, now: rdzv.close())
-            self._reply(conn, {"ok": True})
-        elif op == "rdzv_status":
-            r = run.rdzv
-            self._reply(
-                conn,
-                {
-                    "ok": True,
-                    "closed": r.closed,
-                    "round": r.round,
-                    "complete": r.complete,
-                    "nodes": len(r.nodes),
-                    "participants": len(r.participants),
-                    "waiting": len(r.wait_list),
-                },
-            )
-        elif op == "rdzv_watch":
-            # The watch renews the node's lease (``lease``, ``ttl``): keep-alive and membership on one connection.
-            leased = True
-            if req.get("lease") is not None:
-                lease, entry = str(req["lease"]), self._data.get(str(req["lease"]))
-                leased = entry is not None
-                if leased:
-                    self._lease(lease, entry, float(req["ttl"]), now, conn)
-            lost, waiting, _ = run.rdzv.membership(node, int(req["round"]), now)
-            if not leased:  # it lapsed: the node renews it at once, then watches again
-                self._reply(conn, {"ok": True, "lost": lost, "waiting": waiting, "leased": False})
-            elif self._rdzv_news(lost, waiting, req):
-                self._reply(conn, {"ok": True, "lost": lost, "waiting": waiting})
-            else:
-                self._rdzv_block(conn, run, "rdzv_watch", req, run.watchers)
-        elif op == "rdzv_linger":
-            others = len(run.rdzv.nodes) - (node in run.rdzv.nodes)
-            if others == 0:
-                self._reply(conn, {"ok": True, "others": 0})
-            else:
-                self._rdzv_block(conn, run, "rdzv_linger", req, None)
-        else:
+            self._op_rdzv_join(conn, run, run_id, node, req, now)
+            return
+        if run is None:  # nothing joined this run yet (or the store restarted)
+            self._reply(conn, self._rdzv_no_run_reply(op))
+            return
+        handler = self._RDZV_HANDLERS.get(op)
+        if handler is None:
             self._reply(conn, {"ok": False, "error": "bad_request", "message": f"unknown op {op!r}"})
+        else:
+            handler(self, conn, run, node, req, now)
+
+    @staticmethod
+    def _rdzv_no_run_reply(op: str) -> dict:
+        """The answer to a request about a run that nobody joined: an empty, open run."""
+        return {
+            "ok": True,
+            "closed": False,
+            "round": -1,
+            "complete": False,
+            "nodes": 0,
+            "lost": 0,
+            "waiting": 1 if op == "rdzv_watch" else 0,
+            "others": 0,
+        }
+
+    def _op_rdzv_join(self, conn: _Conn, run: _Run | None, run_id: str, node: str, req: dict, now: float) -> None:
+        """``node`` joins the run (made here on its first join): answered at once with its rank,
+        or blocked in ``run.joins`` until a round decides (``_rdzv_apply``)."""
+        lease = str(req["lease"])
+        if "lease_ttl" in req:  # the join (re)creates the node's lease, owned by this connection
+            entry = self._put(lease, node.encode())
+            self._lease(lease, entry, req["lease_ttl"], now, conn)
+            entry.owner = conn
+            conn.owned.add(lease)
+        if lease not in self._data:  # the lease lapsed before this join: the node renews it first
+            self._reply(conn, {"ok": True, "status": "no_lease"})
+            return
+        lo, hi = int(req["min"]), int(req["max"])
+        if run is None:
+            run = self._runs[run_id] = _Run(run_id, Rendezvous(lo, hi))
+        rdzv = run.rdzv
+        rdzv.min_nodes, rdzv.max_nodes = lo, hi
+        rdzv.last_call_timeout, rdzv.rejoin_timeout = float(req["last_call_timeout"]), float(req["rejoin_timeout"])
+        self._leases[lease] = (run_id, node)
+        me = self._rdzv_node(req["info"])
+        returned = req.get("returned_round")
+
+        def join(rdzv: Rendezvous, now: float) -> None:
+            res = rdzv.join(node, me, now, None if returned is None else int(returned))
+            status = self._rdzv_spare_status(rdzv, node, req) if res.status == "wait" else res.status
+            if status == "wait":
+                self._rdzv_block(conn, run, "rdzv_join", req, run.joins)
+            else:
+                self._reply(conn, self._rdzv_joined(rdzv, status, node))
+
+        self._rdzv_apply(run_id, join)
+
+    @staticmethod
+    def _rdzv_node(info: dict) -> Node:
+        """A join's ``info`` (its address, port, whether it hosts, its node rank hint) as a ``Node``."""
+        return Node(
+            str(info["addr"]),
+            int(info["port"]),
+            bool(info.get("host")),
+            None if info.get("node_rank") is None else int(info["node_rank"]),
+        )
+
+    def _op_rdzv_leave(self, conn: _Conn, run: _Run, node: str, req: dict, now: float) -> None:
+        self._rdzv_apply(run.run_id, lambda rdzv, now: rdzv.leave(node, now, forget=bool(req.get("forget", True))))
+        self._reply(conn, {"ok": True})
+
+    def _op_rdzv_close(self, conn: _Conn, run: _Run, node: str, req: dict, now: float) -> None:
+        self._rdzv_apply(run.run_id, lambda rdzv, now: rdzv.close())
+        self._reply(conn, {"ok": True})
+
+    def _op_rdzv_status(self, conn: _Conn, run: _Run, node: str, req: dict, now: float) -> None:
+        r = run.rdzv
+        self._reply(
+            conn,
+            {
+                "ok": True,
+                "closed": r.closed,
+                "round": r.round,
+                "complete": r.complete,
+                "nodes": len(r.nodes),
+                "participants": len(r.participants),
+                "waiting": len(r.wait_list),
+            },
+        )
+
+    def _op_rdzv_watch(self, conn: _Conn, run: _Run, node: str, req: dict, now: float) -> None:
+        # The watch renews the node's lease (``lease``, ``ttl``): keep-alive and membership on one connection.
+        leased = True
+        if req.get("lease") is not None:
+            lease, entry = str(req["lease"]), self._data.get(str(req["lease"]))
+            leased = entry is not None
+            if leased:
+                self._lease(lease, entry, float(req["ttl"]), now, conn)
+        lost, waiting, _ = run.rdzv.membership(node, int(req["round"]), now)
+        if not leased:  # it lapsed: the node renews it at once, then watches again
+            self._reply(conn, {"ok": True, "lost": lost, "waiting": waiting, "leased": False})
+        elif self._rdzv_news(lost, waiting, req):
+            self._reply(conn, {"ok": True, "lost": lost, "waiting": waiting})
+        else:
+            self._rdzv_block(conn, run, "rdzv_watch", req, run.watchers)
+
+    def _op_rdzv_linger(self, conn: _Conn, run: _Run, node: str, req: dict, now: float) -> None:
+        others = len(run.rdzv.nodes) - (node in run.rdzv.nodes)
+        if others == 0:
+            self._reply(conn, {"ok": True, "others": 0})
+        else:
+            self._rdzv_block(conn, run, "rdzv_linger", req, None)
+
+    #: rdzv_<op> -> its handler, for a run that exists (``rdzv_join`` makes one: ``_op_rdzv_join``).
+    _RDZV_HANDLERS: ClassVar[dict[str, Callable[[StoreServer, _Conn, _Run, str, dict, float], None]]] = {
+        "rdzv_leave": _op_rdzv_leave,
+        "rdzv_close": _op_rdzv_close,
+        "rdzv_status": _op_rdzv_status,
+        "rdzv_watch": _op_rdzv_watch,
+        "rdzv_linger": _op_rdzv_linger,
+    }
 
     @staticmethod
     def _rdzv_news(lost: int, waiting: int, req: dict) -> bool:
