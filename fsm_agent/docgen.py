@@ -24,6 +24,7 @@ GENERATED: dict[str, str] = {
     "docs/statechart.md": "fsm_agent.states.statechart:render_markdown",
     "docs/plugins.md": "fsm_agent.plugins.docs:render",
     "docs/configuration.md": "fsm_agent.reference:configuration_reference",
+    "docs/events.md": "fsm_agent.events_doc:render",
 }
 #: The repository root of a source checkout (the generated documents are not installed).
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsm_agent.errors import ConfigError
-from fsm_agent.interrupts import empty_pipe
+from fsm_agent.interrupts import Interrupts, empty_pipe
 from fsm_agent.store_looks import STORE_LOOKS_PER_S, look_interval
 from fsm_agent.worker import DRAIN_EXIT_CODE, DRAIN_SCOPES, DrainSettings, WorkerGroup
 
@@ -280,6 +280,26 @@ class NodeDrain:
             and all(c == 0 for c in by_themselves.values()),
             "started": started,
         }
+
+    def stop_and_settle(
+        self,
+        group: WorkerGroup,
+        launcher: Any,
+        interrupts: Interrupts,
+        stop_all: Callable[[], None],
+    ) -> dict[str, Any] | None:
+        """The orderly stop (``stop_workers``), then, for the announcer of a job-wide drain, the
+        wait for its peers to see it (unless the store client is still busy with an abandoned
+        call); a stop signal cuts both short. Returns the ``drain`` record's fields (the taken
+        drain with how the stop went and ``duration_s``, seconds), or None when none was taken."""
+        outcome = self.stop_workers(launcher, interrupts.wake_r, interrupts.signalled, stop_all)
+        if interrupts.abandoned_call is None:
+            self.wait_for_peers_to_see_it(group, interrupts.wake_r, interrupts.signalled)
+        if self.taken is None:
+            return None
+        started = outcome.pop("started")
+        self.taken.update(outcome, duration_s=round(time.monotonic() - started, 6))
+        return dict(self.taken)
 
     def wait_for_peers_to_see_it(self, group: WorkerGroup, wake_r: int, stopped: Callable[[], bool]) -> None:
         """The announcer of a job-wide drain waits (at most ``JOB_DRAIN_SEEN_WAIT_S`` s, cut short

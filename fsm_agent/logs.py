@@ -241,6 +241,9 @@ class TorchLogsSpecsLayout:
         dest = self._last
         return (getattr(dest, "filtered_stdout", "") or None, getattr(dest, "filtered_stderr", "") or None)
 
+    def cleanup(self) -> None:
+        """Nothing to remove: a torch ``LogsSpecs`` keeps its directories, as under torchrun."""
+
 
 def load_logs_specs(
     name: str, log_dir: str | None, redirects: str, tee: str, local_ranks_filter: frozenset[int] | None

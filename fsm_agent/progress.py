@@ -92,6 +92,47 @@ def next_cycle(
     )
 
 
+class CycleLog:
+    """The node's restart cycles so far, and where their progress is read from.
+
+    ``attempt_started()`` at each start of the workers; ``end(...)`` when a fact ends the attempt.
+    ``progress_file`` (``--progress-file``) gives the checkpoint step; ``no_progress_limit``
+    (``--max-no-progress-restarts``) goes into each ``cycle`` record, so replay applies it too.
+    """
+
+    def __init__(self) -> None:
+        self.cycles: list[Cycle] = []
+        self.progress_file: str | None = None
+        self.no_progress_limit = 0
+        self._start: float | None = None
+
+    def attempt_started(self) -> None:
+        self._start = time.time()
+
+    def end(
+        self, attempt: int, failure_class: str | None, last_step: int | None, checkpoint_step: int | None = None
+    ) -> dict[str, object]:
+        """Append the Cycle of the attempt that ended now; its ``cycle`` record's fields.
+
+        ``checkpoint_step`` None: read from ``progress_file`` now.
+        """
+        if checkpoint_step is None:
+            checkpoint_step = read_progress_file(self.progress_file)
+        now = time.time()
+        cycle = next_cycle(
+            self.cycles,
+            attempt=attempt,
+            start=self._start if self._start is not None else now,
+            end=now,
+            last_step=last_step,
+            checkpoint_step=checkpoint_step,
+            failure_class=failure_class,
+        )
+        self.cycles.append(cycle)
+        limit = {"max_no_progress_restarts": self.no_progress_limit} if self.no_progress_limit else {}
+        return {**attrs.asdict(cycle), **limit}
+
+
 _STEP = re.compile(r"\s*(-?\d+)\s*")
 
 

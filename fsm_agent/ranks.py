@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from typing import Any
+
+import attrs
+
+from fsm_agent.worker import Worker, WorkerSpec
 
 ROLE_INFO_PREFIX = "torchelastic/role_info/"
 ASSIGNED_RANKS_PREFIX = "torchelastic/assigned_ranks/"
@@ -22,7 +27,7 @@ def compute_assignments(role_infos: list[tuple[str, int]]) -> list[tuple[int, in
     for role, size in role_infos:
         role_sizes[role] += size
     global_size = sum(size for _, size in role_infos)
-    base, role_bases, result = 0, defaultdict(int), []
+    base, role_bases, result = 0, defaultdict[str, int](int), []
     for role, size in role_infos:
         result.append((base, global_size, role_bases[role], role_sizes[role]))
         base += size
@@ -31,7 +36,7 @@ def compute_assignments(role_infos: list[tuple[str, int]]) -> list[tuple[int, in
 
 
 def assign_ranks(
-    store, group_rank: int, group_world_size: int, role: str, local_world_size: int, restart_count: int = 0
+    store: Any, group_rank: int, group_world_size: int, role: str, local_world_size: int, restart_count: int = 0
 ) -> tuple[tuple[int, int, int, int], int | None]:
     """Exchange role info through the round's store.
 
@@ -64,3 +69,42 @@ def assign_ranks(
         )
     values = json.loads(bytes(store.get(f"{ASSIGNED_RANKS_PREFIX}{group_rank}")).decode())
     return tuple(values[:4]), (values[4] if len(values) > 4 else None)
+
+
+@attrs.frozen
+class JoinedRound:
+    """A rendezvous round this node joined, with its workers ranked.
+
+    Attributes:
+        info: the handler's ``RendezvousInfo`` (store, rank, world_size, bootstrap_store_info).
+        workers: the local workers, ranked (torch's ``_assign_worker_ranks``).
+        job_restart_count: the highest restart count of the round's nodes, or None (one node).
+    """
+
+    info: Any
+    workers: list[Worker]
+    job_restart_count: int | None
+
+
+def join_round(handler: Any, spec: WorkerSpec, restart_count: int) -> JoinedRound:
+    """``handler.next_rendezvous()`` (torch's name), then rank this node's workers through the
+    round's store.
+
+    Raises:
+        whatever the handler raises (torch's ``RendezvousError`` family, fsm-agent's).
+    """
+    info = handler.next_rendezvous()
+    (base_global, world, base_role, role_world), job_restart_count = assign_ranks(
+        info.store, info.rank, info.world_size, spec.role, spec.local_world_size, restart_count
+    )
+    workers = [
+        Worker(
+            local_rank=r,
+            global_rank=base_global + r,
+            role_rank=base_role + r,
+            world_size=world,
+            role_world_size=role_world,
+        )
+        for r in range(spec.local_world_size)
+    ]
+    return JoinedRound(info=info, workers=workers, job_restart_count=job_restart_count)

@@ -38,7 +38,7 @@ import logging
 import signal
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -46,6 +46,10 @@ from fsm_agent.argparsing import OneLineParser
 from fsm_agent.config import LaunchConfig
 from fsm_agent.errors import ConfigError, FsmAgentError
 from fsm_agent.plugins import hookimpl
+from fsm_agent.states.facts import FACTS, Fact, Progress, fact_for
+
+if TYPE_CHECKING:
+    from fsm_agent.testing.fakes import FakeRendezvous
 
 __all__ = ["Divergence", "ReplayResult", "RunReplay", "cli_main", "read_events", "replay"]
 
@@ -300,18 +304,35 @@ class _NoBackoff:
         return attrs.evolve(decision, delay_s=0.0) if decision is not None else None
 
 
-#: Triggers whose rows end a cycle: their data may say what progress it made (``progress=``).
-_CYCLE_TRIGGERS = ("workers_failed", "membership_changed", "workers_succeeded")
+def _recorded_fact(record: dict, source: str, exits: list[dict], cycle: dict | None) -> Fact:
+    """The fact a recorded transition fired: its ``fact`` field (``Fact.record()``), or, in files
+    written before transitions carried one, rebuilt from the record and the attempt's
+    ``worker_exit`` records. The ``cycle`` record the transition ended, if any, gives the progress
+    the agent read.
 
-
-def _trigger_data(record: dict, source: str, exits: list[dict], cycle: dict | None = None) -> dict[str, Any]:
-    """The data the run loop gave a recorded trigger, rebuilt from the record, the attempt's
-    ``worker_exit`` records and the ``cycle`` record it ended, if any (the table's comments name
-    each trigger's data)."""
+    Raises:
+        ValueError: the recorded trigger has no fact, or its fields do not fit it.
+    """
     trigger = record["trigger"]
-    if trigger in _CYCLE_TRIGGERS and cycle is not None:
-        progress = {"progress": {"last_step": cycle.get("last_step"), "checkpoint_step": cycle.get("checkpoint_step")}}
-        return {**_trigger_data(record, source, exits), **progress}
+    if trigger not in FACTS:
+        raise ValueError(f"{trigger!r} is no trigger of today's table")
+    if isinstance(record.get("fact"), dict):
+        try:
+            fact = FACTS[trigger].from_record(record["fact"])
+        except TypeError as exc:
+            raise ValueError(f"the recorded fact of {trigger} does not fit {FACTS[trigger].__name__}: {exc}") from None
+    else:
+        fact = fact_for(trigger, **_rebuilt_fields(record, source, exits))
+    if cycle is not None and "progress" in attrs.fields_dict(type(fact)):
+        fact = attrs.evolve(
+            fact, progress=Progress(last_step=cycle.get("last_step"), checkpoint_step=cycle.get("checkpoint_step"))
+        )
+    return fact
+
+
+def _rebuilt_fields(record: dict, source: str, exits: list[dict]) -> dict[str, Any]:
+    """A fact's fields rebuilt from a transition record without a ``fact`` field (older files)."""
+    trigger = record["trigger"]
     if trigger == "workers_failed" and source == "HEALTHY":
         failed = {
             int(e.get("local_rank", 0)): int(e.get("exit_code", 1)) for e in exits if int(e.get("exit_code", 1)) != 0
@@ -319,40 +340,34 @@ def _trigger_data(record: dict, source: str, exits: list[dict], cycle: dict | No
         times = {int(e.get("local_rank", 0)): float(e["ts"]) for e in exits if "ts" in e}
         # A failure whose exit records are missing (a file cut short): one worker that exited 1.
         return {"exits": failed or {0: 1}, "exit_times": {r: t for r, t in times.items() if r in failed}}
-    if trigger == "workers_hung":
-        return {"hung": {0: "replayed hang"}}
-    if trigger == "health_check_failed":
-        return {"problem": "replayed health check"}
-    if trigger == "membership_changed":
-        return {"change": record.get("failure_class") or "membership_change"}
-    if trigger == "drain_requested":
-        return {
+    rebuilt: dict[str, dict[str, Any]] = {
+        "workers_hung": {"hung": {0: "replayed hang"}},
+        "health_check_failed": {"problem": "replayed health check"},
+        "membership_changed": {
+            "change": "node_lost" if record.get("failure_class") == "node_lost" else "membership_change"
+        },
+        "drain_requested": {
             "scope": record.get("drain_scope") or "node",
             "source": record.get("drain_source") or "replay",
             "by": "replay",
-        }
-    if trigger in ("rendezvous_failed", "agent_errored"):
-        return {"error": str(record.get("error") or f"replayed {trigger}")}
-    return {}
+        },
+        "rendezvous_failed": {"error": str(record.get("error") or "replayed rendezvous_failed")},
+        "agent_errored": {"error": str(record.get("error") or "replayed agent_errored")},
+    }
+    return rebuilt.get(trigger, {})
 
 
 def _last_resort(record: dict) -> bool:
     return record.get("dest") == "UNKNOWN" and f"; then {record['trigger']} failed:" in str(record.get("error") or "")
 
 
-def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disabled: Iterable[str]) -> RunReplay:
-    from transitions.core import MachineError
-
+def _replayer(run: list[tuple[int, int, dict]], *, load_plugins: bool, disabled: Iterable[str]) -> _Replayer:
+    """A replayer of ``run`` on a fresh agent on fakes, configured as the run's first record says."""
     from fsm_agent.plugins.manager import get_plugin_manager
-    from fsm_agent.testing.fakes import FakeRendezvous, Round
+    from fsm_agent.testing.fakes import FakeRendezvous
     from fsm_agent.testing.scenario import build_agent
 
     first = run[0][2]
-    transitions = [(e, n, r) for e, n, r in run if r["kind"] == "transition"]
-    agent_pid = transitions[0][2].get("pid")
-    recorded = tuple(f"{r['source']} --{r['trigger']}--> {r['dest']}" for _, _, r in transitions)
-    rendezvous = FakeRendezvous(run_id=str(first.get("run_id") or "replay"), store_timeout=10.0)
-    launcher = _ReplayLauncher()
     limits = [
         int(r["max_no_progress_restarts"])
         for _, _, r in run
@@ -362,9 +377,12 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
     plugin_options: dict[str, dict[str, Any]] = {"drain": {"timeout": 0.0}}
     if limits:
         plugin_options["progress"] = {"max_no_progress_restarts": limits[0]}
-    config = LaunchConfig(plugins=plugin_options)
     pm = get_plugin_manager(disabled=(*NOT_REPLAYED_PLUGINS, *disabled), load_entry_points=load_plugins)
     pm.register(_NoBackoff(), "replay-no-backoff")
+    rendezvous, launcher = (
+        FakeRendezvous(run_id=str(first.get("run_id") or "replay"), store_timeout=10.0),
+        _ReplayLauncher(),
+    )
     agent = build_agent(
         rendezvous,
         launcher,
@@ -374,19 +392,26 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
         role=str(first.get("role") or "default"),
         entrypoint=str(first.get("entrypoint") or "replay"),
         exit_barrier_timeout=10.0,
-        config=config,
+        config=LaunchConfig(plugins=plugin_options),
     )
-    replayed: list[str] = []
-    divergence = None
-    exits: list[dict] = []
-    cycle: dict | None = None  # the cycle record the next transition ends, if any
-    count = 0
+    return _Replayer(agent, rendezvous, launcher)
 
-    def diverged(event, line, what, record, expected, actual, detail=""):
+
+class _Replayer:
+    """Fires one run's recorded transitions into a fresh agent, stopping at the first divergence."""
+
+    def __init__(self, agent: Any, rendezvous: FakeRendezvous, launcher: _ReplayLauncher) -> None:
+        self.agent, self._rendezvous, self._launcher = agent, rendezvous, launcher
+        self.replayed: list[str] = []
+        self.count = 0  # transitions replayed so far, the current one included
+        self._exits: list[dict] = []  # the attempt's worker_exit records
+        self._cycle: dict | None = None  # the cycle record the next transition ends, if any
+
+    def diverged(self, event: int, line: int, what: str, record: dict, expected: Any, actual: Any, detail: str = ""):
         return Divergence(
             event=event,
             line=line,
-            transition=count,
+            transition=self.count,
             what=what,
             source=str(record.get("source")),
             trigger=str(record.get("trigger")),
@@ -396,89 +421,88 @@ def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disable
             dest=str(record.get("dest")),
         )
 
+    def feed(self, event: int, line: int, record: dict) -> Divergence | None:
+        """Take one record; the divergence it shows, or None."""
+        kind, state = record["kind"], self.agent.state.value
+        if kind == "worker_exit":
+            self._exits.append(record)
+        elif kind == "cycle":
+            self._cycle = record
+        elif kind == "run_end" and record.get("state") and record["state"] != state:
+            return Divergence(event, line, self.count, "end", state, "run_end", record["state"], state)
+        elif kind == "transition":  # a record kind this version does not know is not part of the trace
+            self.count += 1
+            return self._transition(event, line, record)
+        return None
+
+    def _transition(self, event: int, line: int, record: dict) -> Divergence | None:
+        from transitions.core import MachineError
+
+        agent = self.agent
+        source, trigger, dest = record["source"], record["trigger"], record["dest"]
+        if agent.state.value != source:
+            return self.diverged(event, line, "source", record, source, agent.state.value)
+        if trigger in ("start", "restart"):
+            self._next_round(record)
+        if _last_resort(record):
+            self._launcher.fail_next_stop = True  # the recorded error path failed at its stop
+        fired = len(agent.transitions)
+        try:
+            agent.fire_fact(_recorded_fact(record, source, self._exits, self._cycle))
+        except MachineError:
+            return self.diverged(event, line, "refused", record, dest, agent.state.value)
+        except ValueError as exc:  # the recorded fact does not fit its trigger
+            return self.diverged(event, line, "refused", record, dest, agent.state.value, str(exc))
+        taken = agent.transitions[fired:]
+        if taken and taken[-1].trigger != trigger and not _last_resort(record):
+            detail = f"a step of {trigger} raised in the replay"
+            return self.diverged(event, line, "error", record, dest, str(taken[-1].error), detail)
+        self._cycle = None
+        self.replayed.append(f"{source} --{trigger}--> {agent.state.value}")
+        if agent.state.value != dest:
+            detail = ""
+            if dest == "UNKNOWN" and "; then " in str(record.get("error") or ""):
+                detail = "the recorded run took the agent's last resort"
+            return self.diverged(event, line, "state", record, dest, agent.state.value, detail)
+        if "restart_count" in record and int(record["restart_count"]) != agent.restart_count:
+            return self.diverged(event, line, "restart_count", record, record["restart_count"], agent.restart_count)
+        return None
+
+    def _next_round(self, record: dict) -> None:
+        """The rendezvous round the recorded start or restart joined: its group rank and size."""
+        from fsm_agent.testing.fakes import Round
+
+        world = int(record.get("group_world_size") or 1)
+        rank = int(record.get("group_rank") or 0)
+        self._rendezvous.rounds = [
+            Round(
+                rank=rank if 0 <= rank < world else 0,
+                world_size=world,
+                peer_restart_count=record.get("restart_count") if world > 1 else None,
+            )
+        ]
+        self._exits = []
+
+
+def _replay_run(run: list[tuple[int, int, dict]], *, load_plugins: bool, disabled: Iterable[str]) -> RunReplay:
+    first = run[0][2]
+    transitions = [r for _, _, r in run if r["kind"] == "transition"]
+    replayer = _replayer(run, load_plugins=load_plugins, disabled=disabled)
+    divergence = None
     try:
         for event, line, record in run:
-            kind = record["kind"]
-            if kind == "worker_exit":
-                exits.append(record)
-                continue
-            if kind == "cycle":
-                cycle = record
-                continue
-            if kind == "run_end":
-                if record.get("state") and record["state"] != agent.state.value:
-                    divergence = Divergence(
-                        event=event,
-                        line=line,
-                        transition=count,
-                        what="end",
-                        source=agent.state.value,
-                        trigger="run_end",
-                        expected=record["state"],
-                        actual=agent.state.value,
-                    )
-                    break
-                continue
-            if kind != "transition":
-                continue  # a record kind this version does not know: not part of the trace
-            count += 1
-            source, trigger, dest = record["source"], record["trigger"], record["dest"]
-            if agent.state.value != source:
-                divergence = diverged(event, line, "source", record, source, agent.state.value)
-                break
-            if trigger in ("start", "restart"):
-                world = int(record.get("group_world_size") or 1)
-                rank = int(record.get("group_rank") or 0)
-                rendezvous.rounds = [
-                    Round(
-                        rank=rank if 0 <= rank < world else 0,
-                        world_size=world,
-                        peer_restart_count=record.get("restart_count") if world > 1 else None,
-                    )
-                ]
-                exits = []
-            if _last_resort(record):
-                launcher.fail_next_stop = True  # the recorded error path failed at its stop
-            fired = len(agent.transitions)
-            try:
-                agent.fire(trigger, **_trigger_data(record, source, exits, cycle))
-            except MachineError:
-                divergence = diverged(event, line, "refused", record, dest, agent.state.value)
-                break
-            taken = agent.transitions[fired:]
-            if taken and taken[-1].trigger != trigger and not _last_resort(record):
-                divergence = diverged(
-                    event,
-                    line,
-                    "error",
-                    record,
-                    dest,
-                    str(taken[-1].error),
-                    f"a step of {trigger} raised in the replay",
-                )
-                break
-            cycle = None
-            replayed.append(f"{source} --{trigger}--> {agent.state.value}")
-            if agent.state.value != dest:
-                detail = ""
-                if dest == "UNKNOWN" and "; then " in str(record.get("error") or ""):
-                    detail = "the recorded run took the agent's last resort"
-                divergence = diverged(event, line, "state", record, dest, agent.state.value, detail)
-                break
-            if "restart_count" in record and int(record["restart_count"]) != agent.restart_count:
-                divergence = diverged(
-                    event, line, "restart_count", record, record["restart_count"], agent.restart_count
-                )
+            divergence = replayer.feed(event, line, record)
+            if divergence is not None:
                 break
     finally:
-        agent.close()
+        replayer.agent.close()
     return RunReplay(
         run_id=str(first.get("run_id")),
         node=str(first.get("node")),
-        pid=agent_pid,
+        pid=transitions[0].get("pid"),
         transitions=len(transitions),
-        recorded=recorded,
-        replayed=tuple(replayed),
+        recorded=tuple(f"{r['source']} --{r['trigger']}--> {r['dest']}" for r in transitions),
+        replayed=tuple(replayer.replayed),
         divergence=divergence,
     )
 

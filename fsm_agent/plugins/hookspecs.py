@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 from fsm_agent.plugins import hookspec
 
 if TYPE_CHECKING:
-    from fsm_agent.agent import ElasticAgent, TransitionRecord
+    from fsm_agent.agent import ElasticAgent
     from fsm_agent.config import LaunchConfig, OptionRegistry
     from fsm_agent.plugins.registry import BackendRegistry
+    from fsm_agent.recording import TransitionRecord
     from fsm_agent.scheduler import DiscoveredJob
     from fsm_agent.worker import RestartDecision, RunResult, Worker, WorkerFailure, WorkerGroup
 

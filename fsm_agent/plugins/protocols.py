@@ -12,10 +12,13 @@ declared kind; docs/plugins.md renders the tables from these declarations.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -189,6 +192,28 @@ class RendezvousAdapter:
         """The handler's ``leave``, or None."""
         leave: Callable[[], None] | None = self._optional("leave", None)
         return leave
+
+    def end(self, leaving_alone: bool, busy_with: str | None) -> None:
+        """Tell the handler this node is done: torch's ``shutdown()``, unless this node leaves alone.
+
+        torch's ``shutdown()`` closes the rendezvous for everyone, so a node leaving alone (a stop
+        signal, as torch does; excluded; its own drain) skips it, unless the backend's shutdown only
+        leaves (``shutdown_closes_rendezvous`` False). A backend with ``leave()`` (c10d, etcd-v3)
+        leaves the round instead, so the others notice at once, not after a keep-alive; not while
+        the store client is still ``busy_with`` an abandoned call. Logs, never raises.
+        """
+        leave = self.leave if leaving_alone else None
+        if leave is not None and busy_with is not None:
+            log.warning(
+                "not leaving the rendezvous: its store is still busy with the abandoned %s; the other "
+                "nodes notice this node after its keep-alive timeout",
+                busy_with,
+            )
+        elif not leaving_alone or not self.shutdown_closes_rendezvous or leave:
+            try:
+                (leave or self.handler.shutdown)()
+            except Exception as exc:
+                log.warning("rendezvous %s failed: %s", "leave" if leave else "shutdown", exc)
 
     @property
     def shutdown_closes_rendezvous(self) -> bool:

@@ -13,7 +13,9 @@ The checks, after the structural checks of python-statemachine's ``smcheck``:
   lazily: a typo would raise only when the row fires, possibly after the state changed);
 - no trigger name shadows a model attribute (transitions then silently skips binding it);
 - for each (state, trigger), exactly one row is enabled whatever the guards' values;
-- the rows of one (state, trigger) decide alike (the same ``prepare`` steps).
+- one decider per trigger (``DECIDERS``): every trigger whose rows are guarded has one, each
+  names a trigger of the table, and no row declares a ``prepare`` step of its own;
+- every trigger has its fact class (``fsm_agent.states.facts.FACTS``), and every fact its trigger.
 
 Reachability ignores guards (any row may fire); graph searches are plain breadth-first searches.
 """
@@ -22,12 +24,12 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from fsm_agent.states.table import INITIAL, STATES, TERMINAL, Row
+from fsm_agent.states.table import DECIDERS, INITIAL, STATES, TERMINAL, Row
 from fsm_agent.states.worker_state import WorkerState
 
 #: Transition keys whose values name model callbacks (strings) or are callables.
@@ -101,14 +103,20 @@ class TableRow:
         return f"row {self.index} ({self.trigger}: {', '.join(self.sources)} -> {self.dest}{guard})"
 
 
-def table_rows(table: Sequence[Row], states: Iterable[Any] = STATES) -> list[TableRow]:
-    """Normalise every row of ``table``; ``states`` is what a ``"*"`` source stands for."""
+def table_rows(
+    table: Sequence[Row], states: Iterable[Any] = STATES, deciders: Mapping[str, str] | None = None
+) -> list[TableRow]:
+    """Normalise every row of ``table``; ``states`` is what a ``"*"`` source stands for. A row's
+    ``prepare`` is its trigger's decider (``deciders``, default ``DECIDERS``), run first."""
+    deciders = DECIDERS if deciders is None else deciders
     all_states = [state_name(s) for s in states]
     rows = []
     for index, row in enumerate(table):
         sources = _as_list(row.get("source"))
         names = all_states if "*" in sources else [state_name(s) for s in sources]
         dest = row.get("dest")
+        if str(row["trigger"]) in deciders and not row.get("prepare"):
+            row = {**row, "prepare": deciders[str(row["trigger"])]}
         callbacks = tuple((key, cb) for key in CALLBACK_KEYS for cb in _as_list(row.get(key)))
         rows.append(
             TableRow(
@@ -276,22 +284,49 @@ def check_deterministic(table: Sequence[Row], states: Iterable[Any] = STATES) ->
     return problems
 
 
-def check_decided_alike(table: Sequence[Row], states: Iterable[Any] = STATES) -> Problems:
-    """The rows of one trigger from one source state decide alike: the same ``prepare`` steps.
+def check_deciders(table: Sequence[Row], deciders: Mapping[str, str] | None = None) -> Problems:
+    """One decider per trigger, in one place (``DECIDERS``, run by transitions' ``prepare_event``
+    once per event): a trigger whose rows are guarded has one (the guards read what it decided),
+    every decider names a trigger of the table, and no row declares a ``prepare`` of its own
+    (transitions would run it once for each row it tries)."""
+    deciders = DECIDERS if deciders is None else deciders
+    triggers = {str(row["trigger"]) for row in table}
+    problems = [
+        f"row {index} ({row['trigger']}) declares prepare={row['prepare']!r}: name the trigger's decider "
+        f"in DECIDERS instead"
+        for index, row in enumerate(table)
+        if row.get("prepare")
+    ]
+    guarded = sorted({str(row["trigger"]) for row in table if row.get("conditions") or row.get("unless")})
+    problems += [
+        f"{trigger}'s rows are guarded but no step decides for them: add it to DECIDERS"
+        for trigger in guarded
+        if trigger not in deciders
+    ]
+    problems += [
+        f"DECIDERS names {trigger!r}, which is no trigger of the table"
+        for trigger in deciders
+        if trigger not in triggers
+    ]
+    return problems
 
-    Their guards read one decision, made once per event by the ``prepare`` step (transitions
-    runs a row's ``prepare`` only when it tries that row): if one row decides and another does
-    not, or they decide differently, which decision the guards read depends on the row order.
-    """
-    problems = []
-    for (source, trigger), rows in _rows_by_source_and_trigger(table, states).items():
-        ways = {row.prepare for row in rows}
-        if len(ways) > 1:
-            described = "; ".join(f"{row.describe()} prepares {list(row.prepare) or 'nothing'}" for row in rows)
-            problems.append(
-                f"{source} --{trigger}--> rows decide differently: {described}; give every row "
-                f"of the trigger the same prepare step"
-            )
+
+def check_facts(table: Sequence[Row], facts: Mapping[str, type] | None = None) -> Problems:
+    """Every trigger of the table has its fact class, and every fact class names a trigger of it
+    (``fsm_agent.states.facts.FACTS``): a fact cannot drift from the trigger it fires."""
+    from fsm_agent.states.facts import FACTS
+
+    facts = FACTS if facts is None else facts
+    triggers = {str(row["trigger"]) for row in table}
+    problems = [f"trigger {t!r} has no fact class in fsm_agent.states.facts" for t in sorted(triggers - set(facts))]
+    problems += [
+        f"fact {facts[t].__name__} names trigger {t!r}, which the table lacks" for t in sorted(set(facts) - triggers)
+    ]
+    problems += [
+        f"FACTS[{t!r}] is {cls.__name__}, whose trigger is {getattr(cls, 'trigger', None)!r}"
+        for t, cls in facts.items()
+        if getattr(cls, "trigger", None) != t
+    ]
     return problems
 
 
@@ -313,6 +348,7 @@ def check_all(
         lambda: check_callbacks_resolve(table, model_cls),
         lambda: check_triggers_bindable(table, model_cls),
         lambda: check_deterministic(table, states),
-        lambda: check_decided_alike(table, states),
+        lambda: check_deciders(table),
+        lambda: check_facts(table),
     ]
     return [problem for check in checks for problem in check()]

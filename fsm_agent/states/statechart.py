@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from fsm_agent.argparsing import OneLineParser
 from fsm_agent.errors import ConfigError
 from fsm_agent.states.checks import TableRow, state_name, table_rows
+from fsm_agent.states.facts import markdown_table
 from fsm_agent.states.machine import build_machine
 from fsm_agent.states.table import AUTO_TRIGGERS, INITIAL, STATES, TERMINAL, TRANSITIONS, Row
 
@@ -248,8 +249,9 @@ def render_markdown(transitions: Sequence[Row] | None = None) -> str:
         "## Transitions",
         "",
         'One line per row of the table, in table order. A guard `x` means `conditions="x"`, `!x` means '
-        '`unless="x"`. Steps are `ElasticAgent` methods: a `prepare` step decides (it asks the hook that '
-        "decides the row, once per event, before the guards read the decision), `before` steps run before "
+        '`unless="x"`. Steps are `ElasticAgent` methods: a `prepare` step is the trigger\'s decider '
+        "(`DECIDERS` in the table, run by transitions' `prepare_event` once per event, before any guard "
+        "reads the decision: it asks the hook that decides), `before` steps run before "
         "the state changes (one that raises leaves the group in its source state), `after` steps once it "
         "has changed. "
         "Hooks fired are the steps' hooks (`HOOKS_BY_STEP` in `fsm_agent/states/statechart.py`), then "
@@ -270,6 +272,14 @@ def render_markdown(transitions: Sequence[Row] | None = None) -> str:
         ]
         lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
     lines += [
+        "",
+        "## Facts",
+        "",
+        "What each trigger carries: its fact (`fsm_agent/states/facts.py`), which every step of the "
+        'row receives as `event.kwargs["fact"]` and every `transition` record of the events file as '
+        "`fact` ([events.md](events.md)).",
+        "",
+        markdown_table().rstrip("\n"),
         "",
         "## Hooks",
         "",

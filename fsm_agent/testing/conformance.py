@@ -62,9 +62,9 @@ def free_port(host: str = LOCALHOST) -> int:
 
 def _classify(exc: BaseException) -> str | None:
     """How the agent treats an exception from a rendezvous: "failed", "not_needed" or None (a crash)."""
-    from fsm_agent.agent import _classify_rendezvous_error
+    from fsm_agent.rendezvous_errors import classify
 
-    return _classify_rendezvous_error(exc)
+    return classify(exc)
 
 
 def _wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.02) -> Any:

@@ -4,18 +4,17 @@ An *edge* is one ``(source, trigger, dest)`` of ``fsm_agent/states/table.py`` (a
 sources gives one edge per source; ``workers_failed`` from HEALTHY has two edges, to STOPPED and to
 FAILED). The edges that count are those whose source is reachable from INIT **and** that the run
 loop can take. Which triggers the run loop can fire in which state is computed, not declared:
-``run_loop_rules`` reads ``ElasticAgent``'s source (``_step``, ``_fire``, ``_wait_for_fact``) and
-applies these rules:
+``run_loop_rules`` reads the sources of ``ElasticAgent`` (``_step``, ``_fire``) and of its HEALTHY
+activity ``HealthyWatch`` (``fsm_agent/watcher.py``) and applies these rules:
 
 - ``AUTO_TRIGGERS``: ``_step`` fires ``AUTO_TRIGGERS[state]`` by itself in that state, and never
   waits for facts there;
-- facts: in the other live states ``_step`` fires what ``_wait_for_fact`` returns (a trigger name,
-  alone or as the first item of ``(trigger, data)``); a flow analysis of that method tells which
-  literal it can return in which state (an ``if self.state == S.X:`` branch that always returns
-  ends the method for X);
-- anything else: a trigger named anywhere else in the agent module (the signal check, the error
-  handlers of ``_step``/``_fire``) is assumed to fire in every live state. This is conservative:
-  it can only make more edges count, never hide one.
+- facts: in the other live states ``_step`` fires what ``HealthyWatch.wait`` returns: every fact
+  class (``fsm_agent.states.facts``) the watcher module builds is a trigger it can fire there; a
+  ``return`` of a value the analysis cannot read could be any trigger;
+- anything else: a trigger the agent module names itself (a trigger's string, or its fact class
+  built: the signal check, the error handlers of ``_step``/``_fire``) is assumed to fire in every
+  live state. This is conservative: it can only make more edges count, never hide one.
 
 An edge of the table whose trigger the run loop cannot fire in its source is listed as
 "cannot be taken by the run loop", with the reason (file and line), and is not counted; if such
@@ -60,6 +59,7 @@ __all__ = [
 
 AGENT_MODULE = "fsm_agent.agent"
 AGENT_CLASS = "ElasticAgent"
+WATCHER_MODULE = "fsm_agent.watcher"
 
 
 class Edge(NamedTuple):
@@ -111,8 +111,8 @@ class RunLoopRules:
 
     Attributes:
         fireable: ``{state: {trigger: reason}}`` for every live (non-terminal) state.
-        blocked: ``{(state, trigger): reason}`` for the fact triggers that ``_wait_for_fact`` can
-            return, but not in that state (the line that returns first).
+        blocked: ``{(state, trigger): reason}`` for the fact triggers that ``HealthyWatch.wait``
+            can return, but not in that state (the run loop never waits there).
         path: the agent module's file.
     """
 
@@ -140,10 +140,10 @@ class RunLoopRules:
         }
 
 
-def _agent_source() -> tuple[str, str]:
-    spec = importlib.util.find_spec(AGENT_MODULE)
+def _module_source(module: str) -> tuple[str, str]:
+    spec = importlib.util.find_spec(module)
     if spec is None or not spec.origin:
-        raise RuntimeError(f"cannot find the source of {AGENT_MODULE}")
+        raise RuntimeError(f"cannot find the source of {module}")
     with open(spec.origin, encoding="utf-8") as f:
         return spec.origin, f.read()
 
@@ -158,138 +158,52 @@ def _display_path(path: str) -> str:
     return path
 
 
-def _is_self_state(node: ast.AST) -> bool:
-    return (
-        isinstance(node, ast.Attribute)
-        and node.attr == "state"
-        and isinstance(node.value, ast.Name)
-        and node.value.id == "self"
-    )
+def _fact_triggers() -> dict[str, str]:
+    """``{fact class name: its trigger}`` (``fsm_agent.states.facts.FACTS``)."""
+    from fsm_agent.states.facts import FACTS
+
+    return {cls.__name__: trigger for trigger, cls in FACTS.items()}
 
 
-def _state_constant(node: ast.AST, states: set[str]) -> str | None:
-    """``S.HEALTHY`` / ``WorkerState.HEALTHY`` / ``"HEALTHY"`` -> ``"HEALTHY"``."""
-    if isinstance(node, ast.Attribute) and node.attr in states:
-        return node.attr
-    if isinstance(node, ast.Constant) and node.value in states:
-        return node.value
-    return None
+def _called_name(node: ast.AST) -> str | None:
+    """``Name(...)`` / ``module.Name(...)`` -> ``"Name"``; anything else -> None."""
+    if not isinstance(node, ast.Call):
+        return None
+    func = node.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
 
 
-def _state_test(test: ast.AST, states: set[str]) -> tuple[set[str] | None, bool]:
-    """What an ``if`` test says about ``self.state``: (the states it admits, whether that is all it tests).
-
-    ``self.state == S.X`` -> ({X}, True); ``self.state in (S.X, S.Y)`` -> ({X, Y}, True);
-    ``self.state == S.X and more`` -> ({X}, False); anything else -> (None, False).
-    """
-    if isinstance(test, ast.Compare) and len(test.ops) == 1 and _is_self_state(test.left):
-        op, right = test.ops[0], test.comparators[0]
-        if isinstance(op, ast.Eq) and _state_constant(right, states):
-            return {_state_constant(right, states)}, True
-        if isinstance(op, ast.In) and isinstance(right, (ast.Tuple, ast.List, ast.Set)):
-            names = {_state_constant(e, states) for e in right.elts}
-            if None not in names:
-                return names, True
-    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
-        admitted = None
-        for value in test.values:
-            only, _ = _state_test(value, states)
-            if only is not None:
-                admitted = only if admitted is None else admitted & only
-        return admitted, False
-    return None, False
+def _fired(tree: ast.AST, triggers: set[str]) -> list[tuple[str, int]]:
+    """Every ``(trigger, line)`` a module names: a trigger's string, or a call of its fact class."""
+    facts = _fact_triggers()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value in triggers:
+            found.append((str(node.value), node.lineno))
+        elif (name := _called_name(node)) in facts and facts[name] in triggers:
+            found.append((facts[name], node.lineno))
+    return found
 
 
-def _always_leaves(body: list[ast.stmt]) -> bool:
-    if not body:
-        return False
-    last = body[-1]
-    if isinstance(last, (ast.Return, ast.Raise)):
-        return True
-    if isinstance(last, ast.If):
-        return _always_leaves(last.body) and _always_leaves(last.orelse)
-    return False
+def _computed_returns(tree: ast.AST) -> list[int]:
+    """Lines of the watcher's ``return`` statements whose value the analysis cannot read: not
+    None, not a fact class called, not one of its own methods (read as part of the module)."""
+    facts = _fact_triggers()
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Return) or node.value is None:
+            continue
+        value = node.value
+        own = isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+        own = own and isinstance(value.func.value, ast.Name) and value.func.value.id == "self"
+        if not (own or _called_name(value) in facts or (isinstance(value, ast.Constant) and value.value is None)):
+            lines.append(node.lineno)
+    return lines
 
 
-class _FactFlow:
-    """Which string literal ``_wait_for_fact`` can return in which state."""
-
-    def __init__(self, all_states: set[str], triggers: set[str]):
-        self.all_states, self.triggers = all_states, triggers
-        self.returns: dict[str, dict[str, int]] = {}  # trigger -> {state: line}
-        self.exits: dict[str, tuple[int, str]] = {}  # state -> (line, test) of the branch that returned for it
-        self.unknown: dict[str, int] = {}  # state -> line of a return the analysis cannot read
-        self.return_lines: set[int] = set()
-
-    def walk(self, body: list[ast.stmt], states: set[str], source: str) -> set[str]:
-        """Follow ``body`` for ``states``; returns the states that can fall off its end."""
-        for stmt in body:
-            if not states:
-                return states
-            if isinstance(stmt, ast.Return):
-                self.return_lines.add(stmt.lineno)
-                value = stmt.value
-                if isinstance(value, ast.Tuple) and value.elts:  # (trigger, data)
-                    value = value.elts[0]
-                if isinstance(value, ast.Constant) and isinstance(value.value, str):
-                    for state in states:
-                        self.returns.setdefault(value.value, {}).setdefault(state, stmt.lineno)
-                elif not (value is None or (isinstance(value, ast.Constant) and value.value is None)):
-                    for state in states:
-                        self.unknown.setdefault(state, stmt.lineno)
-                return set()
-            if isinstance(stmt, ast.Raise):
-                return set()
-            if isinstance(stmt, ast.If):
-                only, exact = _state_test(stmt.test, self.all_states)
-                inside = states if only is None else states & only
-                outside = states - only if (only is not None and exact) else states
-                after_body = self.walk(stmt.body, set(inside), source)
-                after_else = self.walk(stmt.orelse, set(outside), source)
-                if exact and only is not None and not after_body:
-                    test = ast.get_source_segment(source, stmt.test) or ast.unparse(stmt.test)
-                    for state in inside:
-                        self.exits.setdefault(state, (stmt.lineno, test))
-                states = after_body | after_else
-                continue
-            for field in ("body", "orelse", "finalbody"):
-                inner = getattr(stmt, field, None)
-                if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
-                    self.walk(inner, set(states), source)
-            for handler in getattr(stmt, "handlers", ()) or ():
-                self.walk(handler.body, set(states), source)
-        return states
-
-
-def run_loop_rules(
-    source: str | None = None, path: str | None = None, auto_triggers: dict[Any, str] | None = None
-) -> RunLoopRules:
-    """Compute which triggers the run loop can fire in each live state (see the module docstring).
-
-    Args:
-        source: the agent module's source (default: ``fsm_agent/agent.py`` as installed).
-        path: its file name, for the reasons' ``file:line``.
-        auto_triggers: the states that advance by themselves (default: the table's ``AUTO_TRIGGERS``).
-    """
-    if source is None:
-        path, source = _agent_source()
-    path = path or "<agent source>"
-    where = _display_path(path)
-    tree = ast.parse(source)
-    triggers = {edge.trigger for edge in table_edges()}
-    all_states = {state_name(s) for s in STATES}
-    live = [state_name(s) for s in STATES if s not in TERMINAL]
-    auto = {state_name(s): t for s, t in (AUTO_TRIGGERS if auto_triggers is None else auto_triggers).items()}
-    waiting = {s for s in live if s not in auto}
-    fireable: dict[str, dict[str, str]] = {s: {} for s in live}
-
-    agent = next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == AGENT_CLASS), None)
-    methods = {n.name: n for n in (agent.body if agent else []) if isinstance(n, ast.FunctionDef)}
-    step, facts = methods.get("_step"), methods.get("_wait_for_fact")
-
-    # Rule 1: AUTO_TRIGGERS[state] in its own state, if _step dispatches on AUTO_TRIGGERS.get(self.state).
-    auto_line = None
-    for node in ast.walk(step) if step else ():
+def _auto_dispatch_line(step: ast.AST | None) -> int | None:
+    """The line where ``_step`` fires ``AUTO_TRIGGERS.get(self.state)``, or None."""
+    for node in ast.walk(step) if step is not None else ():
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
@@ -297,72 +211,90 @@ def run_loop_rules(
             and isinstance(node.func.value, ast.Name)
             and node.func.value.id == "AUTO_TRIGGERS"
             and node.args
-            and _is_self_state(node.args[0])
+            and isinstance(node.args[0], ast.Attribute)
+            and node.args[0].attr == "state"
         ):
-            auto_line = node.lineno
+            return node.lineno
+    return None
+
+
+def _watch_line(step: ast.AST | None) -> int | None:
+    """The line where ``_step`` calls ``self._watch.wait()`` (HEALTHY's activity), or None."""
+    for node in ast.walk(step) if step is not None else ():
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "wait":
+            owner = node.func.value
+            if isinstance(owner, ast.Attribute) and owner.attr == "_watch":
+                return node.lineno
+    return None
+
+
+def run_loop_rules(
+    source: str | None = None,
+    path: str | None = None,
+    auto_triggers: dict[Any, str] | None = None,
+    watcher_source: str | None = None,
+    watcher_path: str | None = None,
+) -> RunLoopRules:
+    """Compute which triggers the run loop can fire in each live state (see the module docstring).
+
+    Args:
+        source / path: the agent module's source and file name (default: ``fsm_agent/agent.py``).
+        auto_triggers: the states that advance by themselves (default: the table's ``AUTO_TRIGGERS``).
+        watcher_source / watcher_path: the watcher's (default: ``fsm_agent/watcher.py``).
+    """
+    if source is None:
+        path, source = _module_source(AGENT_MODULE)
+    if watcher_source is None:
+        watcher_path, watcher_source = _module_source(WATCHER_MODULE)
+    where, watcher_where = _display_path(path or "<agent source>"), _display_path(watcher_path or "<watcher>")
+    tree, watcher = ast.parse(source), ast.parse(watcher_source)
+    triggers = {edge.trigger for edge in table_edges()}
+    live = [state_name(s) for s in STATES if s not in TERMINAL]
+    auto = {state_name(s): t for s, t in (AUTO_TRIGGERS if auto_triggers is None else auto_triggers).items()}
+    fireable: dict[str, dict[str, str]] = {s: {} for s in live}
+    agent = next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == AGENT_CLASS), None)
+    step = next(
+        (n for n in (agent.body if agent else []) if isinstance(n, ast.FunctionDef) and n.name == "_step"), None
+    )
+
+    # Rule 1: AUTO_TRIGGERS[state] in its own state, if _step dispatches on AUTO_TRIGGERS.get(self.state).
+    auto_line = _auto_dispatch_line(step)
     for state, trigger in auto.items():
-        targets = [state] if auto_line is not None else live
-        for target in targets:
+        for target in [state] if auto_line is not None else live:
             fireable[target][trigger] = (
                 f"the run loop fires it by itself in {state} (AUTO_TRIGGERS, {where}:{auto_line or '?'})"
             )
 
-    # Rule 2: the facts _wait_for_fact returns, per waiting state (all live states if it cannot be read).
-    blocked: dict[tuple[str, str], str] = {}
-    flow = _FactFlow(all_states, triggers)
-    if facts is not None and auto_line is not None:
-        flow.walk(facts.body, set(waiting), source)
-        for trigger, lines in flow.returns.items():
-            if trigger not in triggers:
-                continue
-            for state, line in lines.items():
-                fireable[state][trigger] = f"ElasticAgent._wait_for_fact returns it ({where}:{line})"
-        for state, line in flow.unknown.items():  # a computed return value: it could be any trigger
+    # Rule 2: the facts the watcher returns, in the states that wait for facts (all live states if
+    # _step does not dispatch the auto triggers first); a computed return could be any trigger.
+    waiting = [s for s in live if s not in auto] if auto_line is not None else live
+    watched = _fired(watcher, triggers) if _watch_line(step) is not None else []
+    for trigger, line in watched:
+        for state in waiting:
+            fireable[state].setdefault(trigger, f"HealthyWatch.wait returns it ({watcher_where}:{line})")
+    for line in _computed_returns(watcher) if watched else ():
+        for state in waiting:
             for trigger in triggers:
                 fireable[state].setdefault(
-                    trigger, f"ElasticAgent._wait_for_fact returns a computed value ({where}:{line})"
+                    trigger, f"HealthyWatch.wait returns a computed value ({watcher_where}:{line})"
                 )
-        for trigger, lines in flow.returns.items():
-            at = ", ".join(f"{where}:{n}" for n in sorted(set(lines.values())))
-            for state in set(auto) - {state_name(s) for s in TERMINAL}:
-                if trigger != auto[state]:
-                    blocked[(state, trigger)] = (
-                        f"{trigger} comes only from ElasticAgent._wait_for_fact ({at}), which the run loop "
-                        f"never calls in {state}: it fires {auto[state]} there by itself "
-                        f"(AUTO_TRIGGERS, {where}:{auto_line})"
-                    )
-            for state in waiting - set(lines):
-                if state in flow.exits:
-                    line, test = flow.exits[state]
-                    blocked[(state, trigger)] = (
-                        f"{trigger} comes only from ElasticAgent._wait_for_fact "
-                        f"({', '.join(f'{where}:{n}' for n in sorted(set(lines.values())))}), which in {state} "
-                        f"has already returned at {where}:{line} (`if {test}:`)"
-                    )
-    elif facts is not None:
-        flow.walk(facts.body, set(live), source)
-
-    # Rule 3: every other mention of a trigger name in the agent module: any live state.
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and node.value in triggers:
-            returned = (
-                facts is not None
-                and auto_line is not None
-                and node.lineno in flow.return_lines
-                and facts.lineno <= node.lineno <= (facts.end_lineno or node.lineno)
+    blocked: dict[tuple[str, str], str] = {}
+    for trigger in {t for t, _ in watched}:
+        at = ", ".join(f"{watcher_where}:{n}" for n in sorted({n for t, n in watched if t == trigger}))
+        for state in set(live) - set(waiting):
+            blocked[(state, trigger)] = (
+                f"{trigger} comes only from HealthyWatch.wait ({at}), which the run loop never calls in "
+                f"{state}: it fires {auto[state]} there by itself (AUTO_TRIGGERS, {where}:{auto_line})"
             )
-            if returned:
-                continue
-            for state in live:
-                fireable[state].setdefault(
-                    node.value,
-                    f"named at {where}:{node.lineno}, in no "
-                    f"state-specific branch: assumed possible in every live state",
-                )
-    for state, trigger in list(blocked):
-        if trigger in fireable[state]:
-            del blocked[(state, trigger)]
-    return RunLoopRules(fireable=fireable, blocked=blocked, path=path)
+
+    # Rule 3: every trigger the agent module names itself (a string, a fact built): any live state.
+    for trigger, line in _fired(tree, triggers):
+        for state in live:
+            fireable[state].setdefault(
+                trigger, f"named at {where}:{line}, in no state-specific branch: assumed possible in every live state"
+            )
+    blocked = {key: why for key, why in blocked.items() if key[1] not in fireable[key[0]]}
+    return RunLoopRules(fireable=fireable, blocked=blocked, path=path or "")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ import pytest
 
 from fsm_agent.plugins.manager import BUILTIN_PLUGINS
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 #: Backends reached only through hooks and the registry: every registered built-in plugin, and the
@@ -43,6 +45,7 @@ RULES = [
             "fsm_agent.plugins.hookspecs",
             "fsm_agent.argparsing",
             "fsm_agent.errors",
+            "fsm_agent.worker",  # the worker-group data (DRAIN_SCOPES for the drain fact's check)
         ),
     ),
     (

@@ -22,6 +22,8 @@ from fsm_agent.replay import cli_main, read_events, replay
 from fsm_agent.testing import AgentProcesses, Scenario
 from fsm_agent.testing.coverage import COVERAGE_DIR_ENV
 
+pytestmark = pytest.mark.integration
+
 CRASH_THEN_SUCCESS = [
     "INIT --start--> HEALTHY",
     "HEALTHY --workers_failed--> STOPPED",
@@ -124,10 +126,12 @@ def test_a_tampered_destination_is_the_first_divergence(crash_and_restart, tmp_p
 
 
 def test_a_tampered_trigger_shows_in_the_restart_count(crash_and_restart, tmp_path):
-    """Recorded as a membership change, the restart would not have been counted."""
+    """Recorded as a membership change, the restart would not have been counted (a file without
+    the transitions' facts, as written before they were recorded: the fact is rebuilt)."""
 
     def membership(records):
         for record in records:
+            record.pop("fact", None)
             if record.get("trigger") == "workers_failed":
                 record["trigger"] = "membership_changed"
         return records
@@ -140,6 +144,19 @@ def test_a_tampered_trigger_shows_in_the_restart_count(crash_and_restart, tmp_pa
         "0",
     )
     assert "HEALTHY --membership_changed--> STOPPED: expected restart_count 1, actual 0" in str(divergence)
+
+
+def test_a_recorded_fact_that_does_not_fit_its_trigger_is_refused(crash_and_restart, tmp_path):
+    def membership(records):
+        for record in records:
+            if record.get("trigger") == "workers_failed":
+                assert record["fact"]["exits"]  # the failed workers' exits, as the run loop saw them
+                record["trigger"] = "membership_changed"
+        return records
+
+    divergence = replay(str(tampered(crash_and_restart, tmp_path / "bad.jsonl", membership))).divergence
+    assert (divergence.what, divergence.trigger) == ("refused", "membership_changed")
+    assert "the recorded fact of membership_changed does not fit MembershipChanged" in divergence.detail
 
 
 def test_a_missing_transition_is_a_divergence_of_the_source_state(crash_and_restart, tmp_path):

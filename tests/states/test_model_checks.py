@@ -10,9 +10,12 @@ import pytest
 
 from fsm_agent.agent import ElasticAgent
 from fsm_agent.states import checks
+from fsm_agent.states.facts import FACTS
 from fsm_agent.states.machine import build_machine
-from fsm_agent.states.table import STATES, TRANSITIONS
+from fsm_agent.states.table import DECIDERS, STATES, TRANSITIONS
 from fsm_agent.states.worker_state import WorkerState as S
+
+pytestmark = pytest.mark.unit
 
 
 def without(trigger: str, table: list[dict] = TRANSITIONS) -> list[dict]:
@@ -182,29 +185,40 @@ def test_check_all_collects_every_problem():
     assert any("leaves terminal state FAILED" in p for p in problems)
 
 
-# -- the rows of one trigger decide alike ------------------------------------------------------
+# -- one decider per trigger, and one fact per trigger ------------------------------------------
 
 
-def test_rows_of_one_trigger_that_decide_differently_are_caught():
-    """One workers_failed row without the decision step: its guards would read a decision made by
-    another row, or none, depending on the row order."""
+def test_a_guarded_trigger_without_a_decider_is_caught():
+    """workers_failed's guards read the restart policy's decision: without its decider they would
+    read a decision made for another event, or none."""
+    deciders = {t: step for t, step in DECIDERS.items() if t != "workers_failed"}
+    problems = checks.check_deciders(TRANSITIONS, deciders)
+    assert problems == ["workers_failed's rows are guarded but no step decides for them: add it to DECIDERS"]
+
+
+def test_a_row_with_its_own_prepare_and_a_decider_for_no_trigger_are_caught():
     table = [dict(row) for row in TRANSITIONS]
-    first_failed = next(row for row in table if row["trigger"] == "workers_failed")
-    first_failed.pop("prepare")
-    problems = checks.check_decided_alike(table)
-    assert problems and all("rows decide differently" in p for p in problems)
-    assert {p.split(" --")[0] for p in problems} == {"HEALTHY", "UNHEALTHY"}
-    assert "prepares nothing" in problems[0] and "_decide_on_failed_workers" in problems[0]
-    assert problems[0] in checks.check_all(table, ElasticAgent)
+    next(row for row in table if row["trigger"] == "workers_failed")["prepare"] = "_decide_on_failed_workers"
+    problems = checks.check_deciders(table, {**DECIDERS, "workers_teleported": "_decide_on_failed_workers"})
+    assert any("declares prepare='_decide_on_failed_workers'" in p for p in problems)
+    assert any("DECIDERS names 'workers_teleported', which is no trigger of the table" in p for p in problems)
+    assert checks.check_all(table, ElasticAgent)  # check_all runs it
 
 
-def test_the_deciding_triggers_decide_in_their_rows():
-    """The restart decision is in the table: every row whose guards read it names its prepare step."""
-    deciding = [
-        row
-        for row in TRANSITIONS
-        if {"has_restarts_left", "excludes_this_node"}
-        & {*checks._as_list(row.get("conditions")), *checks._as_list(row.get("unless"))}
-    ]
-    assert {row["trigger"] for row in deciding} == {"workers_failed", "membership_changed"}
-    assert all(row.get("prepare") in ("_decide_on_failed_workers", "_decide_on_membership_change") for row in deciding)
+def test_the_deciding_triggers_are_the_guarded_ones():
+    guarded = {row["trigger"] for row in TRANSITIONS if row.get("conditions") or row.get("unless")}
+    assert guarded == set(DECIDERS) == {"workers_failed", "membership_changed", "drain_requested"}
+    assert all(callable(getattr(ElasticAgent, step)) for step in DECIDERS.values())
+
+
+def test_every_trigger_has_its_fact_and_a_drifted_fact_is_caught():
+    assert checks.check_facts(TRANSITIONS) == []
+    assert set(FACTS) == {row["trigger"] for row in TRANSITIONS}
+    assert all(cls.trigger == trigger for trigger, cls in FACTS.items())
+    drifted = {**FACTS, "workers_failed": FACTS["workers_hung"]}
+    del drifted["agent_errored"]
+    problems = checks.check_facts(TRANSITIONS, drifted)
+    assert "trigger 'agent_errored' has no fact class in fsm_agent.states.facts" in problems
+    assert "FACTS['workers_failed'] is WorkersHung, whose trigger is 'workers_hung'" in problems
+    extra = checks.check_facts([row for row in TRANSITIONS if row["trigger"] != "workers_hung"])
+    assert extra == ["fact WorkersHung names trigger 'workers_hung', which the table lacks"]

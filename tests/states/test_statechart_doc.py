@@ -25,6 +25,8 @@ from fsm_agent.states.statechart import REGENERATE_COMMAND, render
 from fsm_agent.states.table import TERMINAL, TRANSITIONS
 from fsm_agent.states.worker_state import WorkerState as S
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "statechart.md"
 PARSER = ROOT / "tests" / "states" / "mermaid_parse.mjs"
@@ -285,7 +287,7 @@ def _hooks_in_source(method_name: str, seen: set[str] | None = None) -> set[str]
     seen.add(method_name)
     source = inspect.getsource(getattr(ElasticAgent, method_name))
     hooks = set(re.findall(r"\bfsm_agent_\w+", source))
-    for callee in re.findall(r"\bself\.(_\w+)\(", source):
+    for callee in re.findall(r"\bself\.(\w+)\(", source):
         if callable(getattr(ElasticAgent, callee, None)):
             hooks |= _hooks_in_source(callee, seen)
     return hooks

@@ -6,12 +6,12 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 import fsm_agent.agent
+import fsm_agent.watcher
 from fsm_agent.plugins import coverage_recorder
 from fsm_agent.plugins.manager import BUILTIN_PLUGINS, TEST_TOOLING_PLUGINS, get_plugin_manager, plugin_rows
 from fsm_agent.states.table import TRANSITIONS
@@ -26,9 +26,13 @@ from fsm_agent.testing.coverage import (
     run_loop_rules,
     table_edges,
 )
+from tests.helpers.processes import run_in_session
+
+pytestmark = pytest.mark.unit
 
 UNHEALTHY_SUCCESS = Edge("UNHEALTHY", "workers_succeeded", "SUCCEEDED")
 AGENT_SOURCE = inspect.getsource(fsm_agent.agent)
+WATCHER_SOURCE = inspect.getsource(fsm_agent.watcher)
 AUTO_DISPATCH = "auto = AUTO_TRIGGERS.get(self.state)"
 
 
@@ -82,7 +86,7 @@ def test_the_run_loop_cannot_take_exactly_one_edge_of_the_table_and_says_why():
     unreachable = rules.unreachable(reachable_edges())
     assert list(unreachable) == [UNHEALTHY_SUCCESS]
     why = unreachable[UNHEALTHY_SUCCESS]
-    assert "ElasticAgent._wait_for_fact" in why and f"fsm_agent/agent.py:{dispatch_line()}" in why
+    assert "HealthyWatch.wait (fsm_agent/watcher.py:" in why and f"fsm_agent/agent.py:{dispatch_line()}" in why
     assert "never calls in UNHEALTHY: it fires workers_failed there by itself (AUTO_TRIGGERS" in why
     # what the run loop can do in each live state
     assert sorted(rules.fireable["UNHEALTHY"]) == [
@@ -114,9 +118,9 @@ def test_a_tightened_table_has_no_edge_the_run_loop_cannot_take():
 
 def test_a_trigger_named_outside_the_fact_analysis_counts_in_every_state():
     source = edited(
-        "    def _fire_error(self, trigger: str, error: str) -> None:",
-        '    def _succeed_anyway(self) -> None:\n        self._fire("workers_succeeded")\n\n'
-        "    def _fire_error(self, trigger: str, error: str) -> None:",
+        "    def _fire_error(self, fact: RendezvousFailed | AgentErrored) -> None:",
+        "    def _succeed_anyway(self) -> None:\n        self._fire(WorkersSucceeded())\n\n"
+        "    def _fire_error(self, fact: RendezvousFailed | AgentErrored) -> None:",
     )
     rules = run_loop_rules(source, "agent.py")
     assert rules.unreachable(reachable_edges()) == {}
@@ -124,8 +128,9 @@ def test_a_trigger_named_outside_the_fact_analysis_counts_in_every_state():
 
 
 def test_a_computed_fact_could_be_any_trigger():
-    source = edited('return "stop_requested", {}', "return self._next_fact()")
-    rules = run_loop_rules(source, "agent.py")
+    assert "return StopRequested()" in WATCHER_SOURCE
+    watcher = WATCHER_SOURCE.replace("return StopRequested()", "return self._drains.next_fact()", 1)
+    rules = run_loop_rules(watcher_source=watcher, watcher_path="watcher.py")
     assert "restart" in rules.fireable["HEALTHY"]
     assert "computed value" in rules.fireable["HEALTHY"]["restart"]
 
@@ -230,7 +235,7 @@ def test_a_subprocess_agent_records_its_transitions(tmp_path):
     script.write_text("print('hello')\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
     env[COVERAGE_DIR_ENV] = str(tmp_path / "cov")
-    proc = subprocess.Popen(
+    done = run_in_session(
         [
             sys.executable,
             "-m",
@@ -244,21 +249,12 @@ def test_a_subprocess_agent_records_its_transitions(tmp_path):
             str(script),
         ],
         env=env,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        timeout=120,
     )
-    try:
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.communicate()
-    assert proc.returncode == 0, err
+    assert done.returncode == 0, done.stderr
     got = read_observations(str(tmp_path / "cov"))
     assert [o.edge for o in got] == [
         Edge("INIT", "start", "HEALTHY"),
         Edge("HEALTHY", "workers_succeeded", "SUCCEEDED"),
     ]
-    assert got[0].where == f"pid {proc.pid} (__main__.py)"
+    assert got[0].where == f"pid {done.pid} (__main__.py)"

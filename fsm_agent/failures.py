@@ -1,0 +1,156 @@
+"""What failed workers are, as ``WorkerFailure`` records: built from exits, hangs and health checks.
+
+The agent's deciding step (``ElasticAgent._decide_on_failed_workers``) asks these for the failures
+it hands the restart policy; each reads what the node has (``@record`` error files, stderr tails,
+py-spy or faulthandler stacks) and never changes the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from fsm_agent import errorfile
+from fsm_agent.hang import announce_stack_dump, dump_stacks
+from fsm_agent.logs import WorkerLogs
+from fsm_agent.states.facts import HealthCheckFailed
+from fsm_agent.worker import HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, FailureClass, WorkerFailure, WorkerGroup
+
+log = logging.getLogger(__name__)
+STACK_DUMP_WAIT_S = 5.0  # at most this long for an aborted hung worker to write its stacks and exit
+
+
+def exit_failures(
+    group: WorkerGroup,
+    worker_logs: Mapping[int, WorkerLogs],
+    hostname: str,
+    failed: Mapping[int, int],
+    times: Mapping[int, float],
+) -> dict[int, WorkerFailure]:
+    """The failed workers (``{local_rank: exitcode}``, exit ``times`` in seconds since the epoch)
+    as ``{global_rank: WorkerFailure}``, with what their ``@record`` error files say (torch's
+    ``ProcessFailure``)."""
+    failures = {}
+    for local_rank, code in failed.items():
+        worker = group.workers[local_rank]
+        wlogs = worker_logs.get(local_rank)
+        error_file = wlogs.error_file if wlogs else ""
+        parsed = errorfile.read_error_file(error_file)
+        if parsed is not None:
+            message, trace, error_ts = parsed
+        else:
+            message = (
+                f"Signal {-code} ({signal.Signals(-code).name}) received by PID {worker.id}"
+                if code < 0
+                else f"exited with code {code}"
+            )
+            trace, error_ts = errorfile.tail(wlogs.stderr if wlogs else None), None
+        failures[worker.global_rank] = WorkerFailure(
+            local_rank=local_rank,
+            global_rank=worker.global_rank,
+            role_rank=worker.role_rank,
+            pid=worker.id,
+            exitcode=code,
+            timestamp=times.get(local_rank, time.time()),
+            error_file=error_file if parsed is not None else "<N/A>",
+            message=message,
+            traceback=trace,
+            hostname=hostname,
+            failure_class=FailureClass.SIGNAL if code < 0 else FailureClass.EXIT_CODE,
+            error_timestamp=error_ts,
+        )
+    return failures
+
+
+def health_failures(group: WorkerGroup, hostname: str, problem: HealthCheckFailed) -> dict[int, WorkerFailure]:
+    """A node found unhealthy fails every local worker (class ``health_check``, or the class the
+    health check names, e.g. ``straggler``)."""
+    kind = problem.failure_class
+    what = "health check" if kind == FailureClass.HEALTH_CHECK else kind
+    cause, now = problem.global_rank, time.time()
+    # The named worker (a straggler) failed first: the others fail because of it, so the
+    # verdict (first_failure: earliest, then lowest rank) names it, not the lowest local rank.
+    return {
+        worker.global_rank: WorkerFailure(
+            local_rank=worker.local_rank,
+            global_rank=worker.global_rank,
+            role_rank=worker.role_rank,
+            pid=worker.id,
+            exitcode=HEALTH_CHECK_EXIT_CODE,
+            timestamp=now if cause in (None, worker.global_rank) else now + 1e-3,
+            message=f"{what}: {problem.problem}",
+            hostname=hostname,
+            failure_class=kind,
+        )
+        for worker in group.workers
+    }
+
+
+def hang_failures(
+    group: WorkerGroup,
+    worker_logs: Mapping[int, WorkerLogs],
+    hostname: str,
+    hung: Mapping[int, str],
+    stacks: Mapping[int, str],
+) -> dict[int, WorkerFailure]:
+    """Each hung worker (``{local_rank: why}``) fails (class ``hang``), with the ``stacks``
+    ``dump_hung_stacks`` found."""
+    failures = {}
+    for local_rank, why in hung.items():
+        worker = group.workers[local_rank]
+        wlogs = worker_logs.get(local_rank)
+        trace = stacks.get(local_rank) or (
+            f"(faulthandler stack dump in {wlogs.stderr})"
+            if wlogs and wlogs.stderr
+            else "(faulthandler stack dump on the worker's stderr)"
+        )
+        failures[worker.global_rank] = WorkerFailure(
+            local_rank=local_rank,
+            global_rank=worker.global_rank,
+            role_rank=worker.role_rank,
+            pid=worker.id,
+            exitcode=HANG_EXIT_CODE,
+            timestamp=time.time(),
+            message=f"hang: {why}",
+            traceback=trace,
+            hostname=hostname,
+            failure_class=FailureClass.HANG,
+        )
+    return failures
+
+
+def dump_hung_stacks(
+    launcher: Any, worker_logs: Mapping[int, WorkerLogs], hung: Mapping[int, str], role: str
+) -> dict[int, str]:
+    """Record where each hung worker is stuck: py-spy if installed, else a faulthandler dump;
+    returns ``{local_rank: stacks}`` of those py-spy read.
+
+    The py-spy text goes to ``stacks.txt`` beside the worker's logs and into the summary. Without
+    py-spy the worker gets SIGABRT, and ``PYTHONFAULTHANDLER=1`` (set for workers when hang
+    detection is on) makes Python print every thread's stack to its stderr before it dies.
+    """
+    found = {}
+    for local_rank, why in hung.items():
+        pid = launcher.pids()[local_rank]
+        log.warning("[%s] local_rank %s (pid %s) is hung: %s", role, local_rank, pid, why)
+        stacks = dump_stacks(pid)
+        wlogs = worker_logs.get(local_rank)
+        if stacks:
+            found[local_rank] = stacks
+            log.warning("stacks of local_rank %s:\n%s", local_rank, stacks)
+            if wlogs is not None and wlogs.error_file:
+                with open(os.path.join(os.path.dirname(wlogs.error_file), "stacks.txt"), "w") as f:
+                    f.write(stacks)
+            continue
+        announce_stack_dump(wlogs.stderr if wlogs else None, local_rank, pid)
+        launcher.signal_worker(local_rank, signal.SIGABRT)
+        # Let faulthandler finish writing before the group's SIGTERM can cut the dump short.
+        exit_fds = [fd for fd, rank in launcher.wait_fds().items() if rank == local_rank]
+        if exit_fds:
+            select.select(exit_fds, [], [], STACK_DUMP_WAIT_S)
+    return found

@@ -1,0 +1,290 @@
+"""The facts that fire the table's triggers: one attrs class per trigger, each naming its trigger.
+
+The run loop's watcher (``fsm_agent.watcher``) observes a fact and the agent fires its trigger with
+it; every step of the row receives it as ``event.kwargs["fact"]``. ``fsm-agent replay`` builds
+the same classes from the ``fact`` field of each ``transition`` record (docs/events.md, generated
+from this module). A fact can only fire its own trigger (``Fact.trigger``), and
+``fsm_agent.states.checks.check_facts`` fails when a trigger of the table has no fact class or a
+fact class names a trigger the table lacks.
+
+Mapping keys are ints in the facts (``local_rank`` or ``global_rank``); the events file writes
+them as JSON strings, ``from_record`` turns them back.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
+
+import attrs
+
+from fsm_agent.worker import DRAIN_SCOPES
+
+F = TypeVar("F", bound="Fact")
+
+
+def _int_keys(value: Mapping[Any, Any] | None) -> dict[int, Any]:
+    return {int(key): item for key, item in (value or {}).items()}
+
+
+def _exit_codes(value: Mapping[Any, Any] | None) -> dict[int, int]:
+    return {int(key): int(code) for key, code in (value or {}).items()}
+
+
+def _seconds(value: Mapping[Any, Any] | None) -> dict[int, float]:
+    return {int(key): float(ts) for key, ts in (value or {}).items()}
+
+
+@attrs.frozen
+class Progress:
+    """How far an attempt got, when a replay says so instead of the workers' reports.
+
+    Attributes:
+        last_step: the highest step a worker reported (``fsm_agent.heartbeat(step=N)``), or None.
+        checkpoint_step: the integer in ``--progress-file`` when the attempt ended, or None.
+    """
+
+    last_step: int | None = None
+    checkpoint_step: int | None = None
+
+
+def _progress(value: Progress | Mapping[str, Any] | None) -> Progress | None:
+    if value is None or isinstance(value, Progress):
+        return value
+    return Progress(last_step=value.get("last_step"), checkpoint_step=value.get("checkpoint_step"))
+
+
+@attrs.frozen(kw_only=True)
+class Fact:
+    """What happened, as the data of the table trigger ``trigger`` (a class attribute)."""
+
+    trigger: ClassVar[str] = ""
+
+    def record(self) -> dict[str, Any]:
+        """The fields as the ``fact`` of a ``transition`` record (JSON-ready; None fields left out)."""
+        return {key: value for key, value in attrs.asdict(self).items() if value is not None}
+
+    @classmethod
+    def from_record(cls: type[F], fields: Mapping[str, Any]) -> F:
+        """The fact a ``transition`` record's ``fact`` field holds (``record()``'s inverse).
+
+        Raises:
+            TypeError: a field this fact does not have.
+        """
+        return cls(**fields)
+
+
+@attrs.frozen(kw_only=True)
+class Start(Fact):
+    """The command that starts the first attempt (INIT: rendezvous, then spawn the workers)."""
+
+    trigger: ClassVar[str] = "start"
+
+
+@attrs.frozen(kw_only=True)
+class Restart(Fact):
+    """The command that starts the next attempt (STOPPED: backoff, rendezvous, spawn)."""
+
+    trigger: ClassVar[str] = "restart"
+
+
+@attrs.frozen(kw_only=True)
+class WorkersHung(Fact):
+    """Workers stopped reporting progress (``--hang-timeout``).
+
+    Attributes:
+        hung: ``{local_rank: why}`` of the hung workers.
+    """
+
+    trigger: ClassVar[str] = "workers_hung"
+    hung: dict[int, str] = attrs.field(converter=_int_keys)
+
+
+@attrs.frozen(kw_only=True)
+class HealthCheckFailed(Fact):
+    """A health-check plugin found the node unhealthy: its workers count as failed.
+
+    Attributes:
+        problem: what the plugins said.
+        failure_class: the failed workers' class (``health_check``, or e.g. ``straggler``).
+        global_rank: the worker the problem is about (the root cause), or None for the node.
+    """
+
+    trigger: ClassVar[str] = "health_check_failed"
+    problem: str = attrs.field(converter=str)
+    failure_class: str = "health_check"
+    global_rank: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class WorkersSucceeded(Fact):
+    """Every local worker exited 0.
+
+    Attributes:
+        return_values: ``{global_rank: value}`` (None for a program; callables return theirs).
+        progress: how far the attempt got (replay), else None: the workers' reports are read.
+    """
+
+    trigger: ClassVar[str] = "workers_succeeded"
+    return_values: dict[int, Any] = attrs.field(factory=dict, converter=_int_keys)
+    progress: Progress | None = attrs.field(default=None, converter=_progress)
+
+    def record(self) -> dict[str, Any]:
+        # A callable's return value need not be JSON: the record keeps which ranks returned.
+        fields = super().record()
+        fields["return_values"] = {rank: None for rank in self.return_values}
+        return fields
+
+
+@attrs.frozen(kw_only=True)
+class WorkersFailed(Fact):
+    """Workers failed. From HEALTHY: the failed workers' exits; from UNHEALTHY (fired by the run
+    loop itself) none: the workers that made the group unhealthy are the failures.
+
+    Attributes:
+        exits: ``{local_rank: exitcode}`` of the failed workers (negative: killed by that signal).
+        exit_times: ``{local_rank: seconds since the epoch}`` when each exit was seen.
+        progress: how far the attempt got (replay), else None: the workers' reports are read.
+    """
+
+    trigger: ClassVar[str] = "workers_failed"
+    exits: dict[int, int] = attrs.field(factory=dict, converter=_exit_codes)
+    exit_times: dict[int, float] = attrs.field(factory=dict, converter=_seconds)
+    progress: Progress | None = attrs.field(default=None, converter=_progress)
+
+
+@attrs.frozen(kw_only=True)
+class MembershipChanged(Fact):
+    """A node was lost, or nodes wait to join: by default a restart that is not counted.
+
+    Attributes:
+        change: ``node_lost`` or ``membership_change``.
+        progress: how far the attempt got (replay), else None: the workers' reports are read.
+    """
+
+    trigger: ClassVar[str] = "membership_changed"
+    change: str = attrs.field(
+        default="membership_change", validator=attrs.validators.in_(("node_lost", "membership_change"))
+    )
+    progress: Progress | None = attrs.field(default=None, converter=_progress)
+
+
+@attrs.frozen(kw_only=True)
+class RendezvousFailed(Fact):
+    """The rendezvous or its store failed: while joining, or while checking membership.
+
+    Attributes:
+        error: what failed, with where (backend, endpoint, run id, timeout).
+    """
+
+    trigger: ClassVar[str] = "rendezvous_failed"
+    error: str = attrs.field(converter=str)
+
+
+@attrs.frozen(kw_only=True)
+class RendezvousNotNeeded(Fact):
+    """A node beyond max_nodes whose rendezvous closed: nothing to do, a clean exit."""
+
+    trigger: ClassVar[str] = "rendezvous_not_needed"
+
+
+@attrs.frozen(kw_only=True)
+class StopRequested(Fact):
+    """The agent received a stop signal (``--signals-to-handle``)."""
+
+    trigger: ClassVar[str] = "stop_requested"
+
+
+@attrs.frozen(kw_only=True)
+class DrainRequested(Fact):
+    """A drain (preemption notice): an orderly stop that is neither a failure nor a restart.
+
+    Attributes:
+        scope: ``node`` (this node alone leaves) or ``job`` (every node drains).
+        source: what asked: ``signal``, ``file``, ``http``, ``peer``, ``api`` (``replay``).
+        by: which one: the signal's name, the file's path, the client's address, the peer.
+    """
+
+    trigger: ClassVar[str] = "drain_requested"
+    scope: str = attrs.field(validator=attrs.validators.in_(DRAIN_SCOPES))
+    source: str = "api"
+    by: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class AgentErrored(Fact):
+    """An unexpected exception in the agent or a plugin: the agent can no longer vouch for its workers.
+
+    Attributes:
+        error: what raised.
+    """
+
+    trigger: ClassVar[str] = "agent_errored"
+    error: str = attrs.field(converter=str)
+
+
+#: ``{trigger: its fact class}``: every trigger of the table, and nothing else (``check_facts``).
+FACTS: dict[str, type[Fact]] = {
+    cls.trigger: cls
+    for cls in (
+        Start,
+        Restart,
+        WorkersHung,
+        HealthCheckFailed,
+        WorkersSucceeded,
+        WorkersFailed,
+        MembershipChanged,
+        RendezvousFailed,
+        RendezvousNotNeeded,
+        StopRequested,
+        DrainRequested,
+        AgentErrored,
+    )
+}
+
+
+def fact_for(trigger: str, **data: Any) -> Fact:
+    """The fact of ``trigger`` built from its fields, as ``ElasticAgent.fire`` takes them.
+
+    Raises:
+        ValueError: an unknown trigger, a field the trigger's fact lacks, or a value it refuses.
+    """
+    cls = FACTS.get(trigger)
+    if cls is None:
+        raise ValueError(f"{trigger!r} is not a trigger of the table; known: {', '.join(FACTS)}")
+    try:
+        return cls(**data)
+    except (TypeError, ValueError) as exc:  # attrs' validators give (message, attribute, ...) as args
+        fields = ", ".join(f.name for f in attrs.fields(cls)) or "none"
+        raise ValueError(f"{trigger} takes the fields of {cls.__name__} ({fields}): {exc.args[0]}") from None
+
+
+def _field_doc(cls: type[Fact], name: str) -> str:
+    """The ``name: meaning`` line of the class's ``Attributes:`` docstring section, or ""."""
+    for line in (inspect.getdoc(cls) or "").splitlines():
+        stripped = line.strip()
+        if stripped.startswith(f"{name}:"):
+            return stripped[len(name) + 1 :].strip()
+    return ""
+
+
+def _summary(cls: type[Fact]) -> str:
+    return _markdown((inspect.getdoc(cls) or "").split("\n\n")[0].replace("\n", " "))
+
+
+def _markdown(text: str) -> str:
+    """Docstring text (reST literals) as a Markdown table cell."""
+    return text.replace("``", "`").replace("|", "\\|").rstrip(".")
+
+
+def markdown_table() -> str:
+    """One Markdown table row per trigger: its fact class, what happened, the fields (docs)."""
+    lines = ["| trigger | fact | what happened | fields |", "|---|---|---|---|"]
+    for trigger, cls in FACTS.items():
+        fields = "; ".join(
+            f"`{field.name}`" + (f": {_markdown(doc)}" if (doc := _field_doc(cls, field.name)) else "")
+            for field in attrs.fields(cls)
+        )
+        lines.append(f"| `{trigger}` | `{cls.__name__}` | {_summary(cls)} | {fields or 'none'} |")
+    return "\n".join(lines) + "\n"

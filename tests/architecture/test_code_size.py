@@ -1,0 +1,88 @@
+"""The shape the redesign set (issue #31), held: the agent module is small, no function is long, and
+the agent's rooms never probe a backend for optional members (only ``plugins/protocols.py``'s
+adapters do)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "fsm_agent"
+#: The agent module's size limit, in lines (the model: steps, guards and deciders).
+AGENT_MAX_LINES = 700
+#: A function's size limit, in lines from its ``def`` to its last line.
+FUNCTION_MAX_LINES = 80
+#: Generated-text renderers: one long template each, exempt from the function limit.
+RENDERERS = {
+    "fsm_agent/reference.py:configuration_reference",
+    "fsm_agent/plugins/docs.py:render",
+}
+#: The rooms of the agent: they reach handlers and launchers through the adapters only.
+AGENT_ROOMS = (
+    "agent.py",
+    "agent_surface.py",
+    "watcher.py",
+    "failures.py",
+    "recording.py",
+    "drain.py",
+    "interrupts.py",
+    "exit_barrier.py",
+    "ranks.py",
+)
+BACKEND_NAMES = ("handler", "launcher", "rdzv")
+
+
+def _functions(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+def test_the_agent_module_is_under_its_limit():
+    lines = len((PACKAGE / "agent.py").read_text().splitlines())
+    assert lines < AGENT_MAX_LINES, f"fsm_agent/agent.py has {lines} lines (limit {AGENT_MAX_LINES})"
+
+
+def test_no_function_is_longer_than_the_limit():
+    long = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in _functions(path)
+        if node.end_lineno - node.lineno + 1 > FUNCTION_MAX_LINES
+        and f"{path.relative_to(ROOT)}:{node.name}" not in RENDERERS
+    ]
+    assert long == [], f"split these (limit {FUNCTION_MAX_LINES} lines):\n" + "\n".join(long)
+
+
+def test_the_agent_rooms_do_not_probe_backends():
+    """``getattr(self._launcher, "x", ...)`` would be an unwritten protocol again: optional members
+    are declared in ``fsm_agent/plugins/protocols.py`` and read through its adapters."""
+    probes = []
+    for name in AGENT_ROOMS:
+        path = PACKAGE / name
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+            ):
+                continue
+            owner = ast.unparse(node.args[0]) if node.args else ""
+            if any(word in owner.lower() for word in BACKEND_NAMES):
+                probes.append(f"fsm_agent/{name}:{node.lineno}: {ast.unparse(node)}")
+    assert probes == []
+
+
+def test_the_checks_catch_what_they_exist_for(tmp_path):
+    """The AST readings above, on a module that breaks both rules."""
+    bad = tmp_path / "bad.py"
+    body = "\n".join(f"    x{i} = {i}" for i in range(FUNCTION_MAX_LINES))
+    bad.write_text(f"def long():\n{body}\n\n\ndef probe(launcher):\n    return getattr(launcher, 'leave', None)\n")
+    assert [n.name for n in _functions(bad) if n.end_lineno - n.lineno + 1 > FUNCTION_MAX_LINES] == ["long"]
+    calls = [n for n in ast.walk(ast.parse(bad.read_text())) if isinstance(n, ast.Call)]
+    assert any(ast.unparse(n.args[0]) == "launcher" for n in calls if getattr(n.func, "id", "") == "getattr")
