@@ -39,6 +39,7 @@ import pytest
 from fsm_agent.testing.conformance import free_port  # noqa: F401 (one helper for every test: a free 127.0.0.1 port)
 from fsm_agent.testing.node_loss import NodeLossJob
 from fsm_agent.testing.processes import remove_worker_cgroups, tmpdir_env
+from tests.helpers.events import read_events, transitions
 from tests.netns import netns_hosts  # noqa: F401 (the fixture of the multi-host tests: agent, schedulers, parity)
 
 # A suite started as a background job of a non-interactive shell (`... &`) inherits SIGINT and SIGQUIT
@@ -133,31 +134,6 @@ def fsmrun_cmd() -> list[str]:
 def torchrun_cmd() -> list[str]:
     """The real torchrun, as ``python -m torch.distributed.run``."""
     return [sys.executable, "-m", "torch.distributed.run"]
-
-
-def run_cli(argv: list[str], cwd: Path, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m fsm_agent run ARGV`` in ``cwd`` from this checkout, without PET_/FSM_AGENT_ variables
-    (plus ``env_extra``), in its own session; killed by process group past 120 s (the fuzzers)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "FSM_AGENT_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
-    env.update(env_extra or {})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fsm_agent", "run", *argv],
-        cwd=cwd,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise AssertionError(f"fsm-agent run {argv!r} did not exit within 120 s") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def write_script(directory: Path, name: str, body: str, executable: bool = False) -> Path:
@@ -412,14 +388,6 @@ def job_factory(tmp_path):
 
 
 # -- events files and the test kit's agent processes (tests of the agent, launchers, launch API) --
-
-
-def read_events(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def transitions(path: Path) -> list[tuple[str, str, str]]:
-    return [(e["source"], e["dest"], e["trigger"]) for e in read_events(path) if e["kind"] == "transition"]
 
 
 def assert_excluded_node_left(excluded: Path, survivor: Path) -> None:

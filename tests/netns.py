@@ -40,6 +40,7 @@ from pathlib import Path
 import pytest
 
 from fsm_agent.testing.processes import remove_worker_cgroups, tmpdir_env
+from tests.helpers.events import read_events, transitions
 
 IFNAME = "fsmeth0"
 #: Port of the rendezvous endpoint on host 0 (a fresh namespace: nothing else can hold it).
@@ -105,24 +106,6 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
 
 
-def read_events(path: Path) -> list[dict]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                events.append(json.loads(line))
-            except ValueError:  # a line being written right now
-                pass
-    return events
-
-
-def transitions(path: Path) -> list[tuple[str, str, str]]:
-    return [(e["source"], e["dest"], e["trigger"]) for e in read_events(path) if e["kind"] == "transition"]
-
-
 class Agent:
     """One agent process in one namespaced host."""
 
@@ -152,10 +135,11 @@ class Agent:
         return text
 
     def transitions(self) -> list[tuple[str, str, str]]:
-        return transitions(self.events)
+        return transitions(self.events, while_written=True)
 
     def events_list(self) -> list[dict]:
-        return read_events(self.events)
+        """The records the agent has written so far (none before its events file exists)."""
+        return read_events(self.events, while_written=True)
 
 
 class NetnsHosts:

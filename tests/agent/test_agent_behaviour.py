@@ -10,7 +10,8 @@ import pytest
 
 from fsm_agent import LaunchConfig, elastic_launch
 from fsm_agent.launch import WorkerGroupFailedError
-from tests.conftest import free_port, read_events, transitions
+from tests.conftest import free_port
+from tests.helpers.events import read_events, transitions
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

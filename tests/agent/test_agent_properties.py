@@ -34,7 +34,6 @@ seeded exploration (and prints the seed of any failure to reproduce it).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -58,6 +57,7 @@ from fsm_agent.plugins import hookimpl
 from fsm_agent.states.worker_state import WorkerState as S
 from fsm_agent.testing import FakeRendezvous, Round, build_agent, send_signal
 from fsm_agent.testing.coverage import Edge, table_edges
+from tests.helpers.events import read_events
 
 from .manual_launcher import ManualLauncher
 
@@ -332,8 +332,7 @@ class AgentRuns(RuleBasedStateMachine):
         return None
 
     def records(self) -> list[dict]:
-        with open(self.events_path) as f:
-            return [json.loads(line) for line in f]
+        return read_events(self.events_path)
 
     @invariant()
     def invariants_hold(self):

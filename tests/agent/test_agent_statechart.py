@@ -7,7 +7,6 @@ except the few listed in UNREACHABLE, each with the reason the run loop cannot t
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import time
@@ -18,6 +17,9 @@ from fsm_agent.plugins import hookimpl
 from fsm_agent.states.table import AUTO_TRIGGERS, TRANSITIONS
 from fsm_agent.states.worker_state import WorkerState
 from fsm_agent.testing import Scenario
+from tests.helpers.events import read_events
+
+pytestmark = pytest.mark.unit
 
 SIGTERM = signal.SIGTERM
 START_HOOKS = [
@@ -489,8 +491,7 @@ def test_hooks_of_a_hang(make_agent, hook_recorder):
 
 def test_built_in_event_recorder_writes_the_same_trace(make_agent):
     run = Scenario("worker 1 exits 1 -> restart -> all succeed", max_restarts=1).run(make_agent)
-    with open(run.agent.events_path) as f:
-        events = [json.loads(line) for line in f]
+    events = read_events(run.agent.events_path)
     assert [f"{e['source']}->{e['dest']}" for e in events if e["kind"] == "transition"] == run.trace
     assert [e["kind"] for e in events].count("worker_exit") == 3 and events[-1]["kind"] == "run_end"
 
@@ -601,8 +602,7 @@ def test_policy_hears_each_failure_class_and_the_events_record_it(make_agent):
         "wait -> 2 nodes join -> restart -> wait -> node lost -> restart -> worker 1 is killed", plugins=[policy]
     ).run(make_agent)
     assert policy.asked == ["membership_change", "node_lost", "signal"]
-    with open(run.agent.events_path) as f:
-        events = [json.loads(line) for line in f]
+    events = read_events(run.agent.events_path)
     transitions = [(e["trigger"], e.get("failure_class")) for e in events if e["kind"] == "transition"]
     assert transitions == [
         ("start", None),

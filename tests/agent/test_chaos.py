@@ -42,7 +42,6 @@ restart, so the new round reuses ``attempt_0`` and the earlier one moves to ``at
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import signal
@@ -58,6 +57,7 @@ import pytest
 
 from fsm_agent.testing.conformance import free_port
 from fsm_agent.testing.processes import remove_worker_cgroups, tmpdir_env, wait_until
+from tests.helpers.events import read_events
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
@@ -223,10 +223,6 @@ def _start_agent(tmp: Path, name: str, args: list[str], env: dict) -> subprocess
         )
 
 
-def _read_events(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
 # -- single-node faults ------------------------------------------------------------------------------
 
 
@@ -271,7 +267,7 @@ def run_trial(tmp: Path, fault: str, rank: int, delay: float) -> dict:
         tracked |= set(_job_pids(chaos_dir))
         survivors_gone, leftover, cgroups_left = _end_all([agent], tracked)
     out, err = (tmp / "agent.out").read_text(), (tmp / "agent.err").read_text()
-    events = _read_events(tmp / "events.jsonl")
+    events = read_events(tmp / "events.jsonl", missing_ok=True)
     return {
         "fault": fault,
         "rank": rank,
@@ -424,7 +420,7 @@ def run_node_loss_trial(tmp: Path, fault: str, rank: int, delay: float, victim: 
     finally:
         tracked |= set(_job_pids(chaos_dir))
         survivors_gone, leftover, cgroups_left = _end_all(agents, tracked)
-    events = _read_events(tmp / f"{nodes[1 - v]}.jsonl")
+    events = read_events(tmp / f"{nodes[1 - v]}.jsonl", missing_ok=True)
     after = [e for e in events if e["kind"] == "transition" and e["ts"] >= killed_at]
     return {
         "fault": fault,

@@ -18,7 +18,8 @@ import pytest
 
 from fsm_agent.testing.processes import wait_until
 from fsm_agent.worker import DRAIN_EXIT_CODE
-from tests.conftest import free_port, one_error_line, read_events, transitions
+from tests.conftest import free_port, one_error_line
+from tests.helpers.events import read_events, transitions
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,8 @@ import psutil
 import pytest
 
 from fsm_agent.testing.processes import wait_until
-from tests.conftest import assert_excluded_node_left, free_port, read_events, transitions
+from tests.conftest import assert_excluded_node_left, free_port
+from tests.helpers.events import read_events, transitions
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import write_script
+from tests.helpers.events import read_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -100,7 +101,7 @@ def test_layout_matches_torchrun_with_a_restart(launcher):
     assert set(error["message"]) == set(torch_error["message"])
     assert set(error["message"]["extraInfo"]) == set(torch_error["message"]["extraInfo"])
     assert error["message"]["message"] == "ValueError: boom-e2e from local rank 1"
-    events = [json.loads(line) for line in (fsm_run / "events.jsonl").read_text().splitlines()]
+    events = read_events(fsm_run / "events.jsonl")
     assert events[-1]["kind"] == "run_end" and events[-1]["exit_code"] == 0
 
 

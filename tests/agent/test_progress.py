@@ -19,7 +19,7 @@ import pytest
 
 from fsm_agent.replay import replay
 from fsm_agent.worker import DO_NOT_REQUEUE_EXIT_CODE
-from tests.conftest import read_events, transitions
+from tests.helpers.events import read_events, transitions
 
 pytestmark = pytest.mark.integration
 

@@ -10,11 +10,14 @@ rendezvous can raise a rendezvous error, which ``_step`` turns into ``rendezvous
 
 from __future__ import annotations
 
+import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from fsm_agent.plugins import hookimpl
 from fsm_agent.states.worker_state import WorkerState
 from fsm_agent.testing import Scenario
+
+pytestmark = pytest.mark.unit
 
 
 class SharedBudgetPolicy:

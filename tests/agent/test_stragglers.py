@@ -15,7 +15,8 @@ import pytest
 
 from fsm_agent.testing.processes import wait_until
 from fsm_agent.testing.stragglers import FACTOR, WINDOWS, check_found, events, straggler_flags, write_worker
-from tests.conftest import assert_excluded_node_left, free_port, read_events
+from tests.conftest import assert_excluded_node_left, free_port
+from tests.helpers.events import read_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -15,6 +15,8 @@ from fsm_agent.states.statechart import render
 from fsm_agent.testing import Scenario
 from fsm_agent.worker import RestartDecision
 
+pytestmark = pytest.mark.unit
+
 PACKAGE = pathlib.Path(fsm_agent.__file__).parent
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
+from tests.helpers.events import read_events
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_digits.py"
@@ -17,8 +18,11 @@ TIMEOUT = 240  # seconds one training run may take
 
 
 def transitions(events_file: Path) -> list[tuple[str, str, str, int]]:
-    records = [json.loads(line) for line in events_file.read_text().splitlines()]
-    return [(r["source"], r["dest"], r["trigger"], r["restart_count"]) for r in records if r["kind"] == "transition"]
+    return [
+        (r["source"], r["dest"], r["trigger"], r["restart_count"])
+        for r in read_events(events_file)
+        if r["kind"] == "transition"
+    ]
 
 
 def test_trains_to_stated_accuracy(agents, tmp_path):

@@ -10,6 +10,8 @@ import pytest
 
 from fsm_agent import docgen
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("path", list(docgen.GENERATED))
 def test_generated_doc_is_up_to_date(path):

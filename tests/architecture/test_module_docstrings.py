@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = sorted(
     [*ROOT.glob("fsm_agent/**/*.py"), *ROOT.glob("plugins/*/src/**/*.py")],

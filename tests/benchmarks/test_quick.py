@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = "abcdefghij"
 #: A cell with a result: a median, or "never"/"not ..." for an event that did not happen in time.

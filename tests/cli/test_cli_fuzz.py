@@ -15,34 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import subprocess
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fsm_agent import cli
 from fsm_agent.errors import FsmAgentError
-from tests.conftest import run_cli
+from tests.helpers.fuzz import FUZZ, MISSING_SCRIPT, clean_environment
+from tests.helpers.processes import run_cli
 
 pytestmark = pytest.mark.fuzz
-
-MISSING_SCRIPT = "/nonexistent/fsm-agent-fuzz/train.py"
-
-FUZZ = settings(
-    max_examples=200,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    print_blob=True,
-    suppress_health_check=[
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-        HealthCheck.function_scoped_fixture,
-        HealthCheck.filter_too_much,
-    ],
-)
 
 _PARSER = cli.get_run_parser()
 #: Every option string of the run parser (dashed and underscored spellings), without --help.
@@ -230,25 +214,6 @@ def argvs(draw, flags=FLAGS, script=None, plausible_only: bool = False) -> list[
     return words
 
 
-@contextlib.contextmanager
-def environment(extra: dict[str, str]):
-    """The process environment without PET_*/FSM_AGENT_*/torch knobs, plus ``extra``; restored after."""
-    saved = dict(os.environ)
-    try:
-        for name in list(os.environ):
-            if name.startswith(("PET_", "FSM_AGENT_")) or name in (
-                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
-                "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
-                "PYTHON_EXEC",
-            ):
-                del os.environ[name]
-        os.environ.update(extra)
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch):
     """cwd without a pyproject.toml, OMP_NUM_THREADS preset (config_from_args would set it)."""
@@ -304,7 +269,7 @@ def test_run_parser_and_config_from_args_raise_only_fsm_agent_errors(argv):
 )
 def test_environment_fallbacks_raise_only_fsm_agent_errors(env, argv):
     """``resolve_run_args`` (env vars, pyproject lookup, plugin options) then ``config_from_args``."""
-    with environment(env), contextlib.redirect_stderr(io.StringIO()):
+    with clean_environment(env), contextlib.redirect_stderr(io.StringIO()):
         try:
             resolved = cli.resolve_run_args(argv)
             cli.config_from_args(resolved.args, set_omp_num_threads=False)
@@ -317,7 +282,7 @@ def test_environment_fallbacks_raise_only_fsm_agent_errors(env, argv):
 def test_config_command_exits_with_one_error_line(argv, as_json):
     """``fsm-agent config`` (it never launches): exit 0, or one ``fsm-agent: error:`` line."""
     out, err = io.StringIO(), io.StringIO()
-    with environment({}), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with clean_environment(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli._exit_code(cli.config_command, [*(["--json"] if as_json else []), *argv])
     errors = [line for line in err.getvalue().splitlines() if line.startswith("fsm-agent: error:")]
     if code == 0:

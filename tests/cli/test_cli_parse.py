@@ -14,6 +14,9 @@ import pytest
 
 from fsm_agent import cli
 from fsm_agent.errors import ConfigError, FsmAgentError
+from tests.helpers.processes import checkout_env, run_cli
+
+pytestmark = pytest.mark.unit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -360,7 +363,7 @@ def test_int_nproc_does_not_import_torch():
         "c.config_from_args(c.get_run_parser().parse_args(['--nproc-per-node', '2', '-m', 'pkg'])); "
         "assert before or 'torch' not in sys.modules, 'torch was imported'"
     )
-    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, env=_subprocess_env(), capture_output=True)
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, env=checkout_env(), capture_output=True)
 
 
 # ------------------------------------------------------------------ rendezvous settings
@@ -818,12 +821,6 @@ def test_main_usage_errors(capsys, argv):
     assert err.startswith("fsm-agent: error: ") and err.endswith("(see fsm-agent --help)\n")
 
 
-def _subprocess_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "FSM_AGENT_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -836,14 +833,7 @@ def _subprocess_env() -> dict[str, str]:
 )
 def test_bad_input_is_one_stderr_line(argv, message, script, tmp_path):
     argv = [script if a == "SCRIPT" else a for a in argv]
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsm_agent", "run", *argv],
-        cwd=tmp_path,
-        env=_subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_cli(argv, tmp_path)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.splitlines()

@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 from fsm_agent import cli
+from tests.helpers.processes import checkout_env, run_fsm_agent
+
+pytestmark = pytest.mark.unit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOC = REPO_ROOT / "docs" / "configuration.md"
@@ -67,24 +70,8 @@ def test_table_output(capsys, write_toml):
 
 def test_piped_table_keeps_every_value_whole(tmp_path):
     """``fsm-agent config | grep``: one line per key, no value wrapped mid-token at 80 columns."""
-    import os
-    import subprocess
-    import sys
-
     log_dir = str(tmp_path / ("a-rather-long-directory-name-for-the-logs-of-this-job" * 2))
-    env = {
-        **os.environ,
-        "COLUMNS": "80",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "fsm_agent", "config", "--log-dir", log_dir],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    done = run_fsm_agent(["config", "--log-dir", log_dir], checkout_env(COLUMNS="80"), tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
     (row,) = [line for line in done.stdout.splitlines() if line.startswith("logs.log_dir ")]
     assert row.split() == ["logs.log_dir", log_dir, "cli", "--log-dir"]

@@ -22,13 +22,12 @@ import datetime as dt
 import io
 import json
 import math
-import os
 import re
 from pathlib import Path
 
 import pytest
 import tomllib
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from fsm_agent import cli
@@ -36,25 +35,10 @@ from fsm_agent import config as cfg
 from fsm_agent import settings as schema
 from fsm_agent.errors import ConfigError, FsmAgentError
 from fsm_agent.plugins.manager import collect_options, get_plugin_manager
-from tests.conftest import run_cli
+from tests.helpers.fuzz import FUZZ, MISSING_SCRIPT, clean_environment
+from tests.helpers.processes import run_cli
 
 pytestmark = pytest.mark.fuzz
-
-MISSING_SCRIPT = "/nonexistent/fsm-agent-fuzz/train.py"
-
-FUZZ = settings(
-    max_examples=200,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    print_blob=True,
-    suppress_health_check=[
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-        HealthCheck.function_scoped_fixture,
-        HealthCheck.filter_too_much,
-    ],
-)
 
 OPTIONS = list(collect_options(get_plugin_manager()))
 TOP_KEYS = [k.name for k in cfg.KEYS if not k.section]
@@ -322,24 +306,6 @@ def hits_known_bug(name: str, body: str) -> bool:
 # -- fixtures and helpers ------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def clean_environment():
-    saved = dict(os.environ)
-    try:
-        for name in list(os.environ):
-            if name.startswith(("PET_", "FSM_AGENT_")) or name in (
-                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
-                "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
-                "PYTHON_EXEC",
-            ):
-                del os.environ[name]
-        os.environ["OMP_NUM_THREADS"] = "1"
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 @pytest.fixture(autouse=True)
 def workdir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -376,7 +342,7 @@ def test_loader_raises_only_config_errors(workdir, file):
     if doc is not None:  # the generator writes valid TOML for the document it means
         assert same(tomllib.loads(body), doc), body
     path = write(workdir, name, body)
-    with clean_environment():
+    with clean_environment({"OMP_NUM_THREADS": "1"}):
         try:
             found = cfg.find_config_file(path)
             assert found is not None
@@ -393,7 +359,7 @@ def test_run_front_end_with_the_file_raises_only_fsm_agent_errors(workdir, file,
     """Values the loader accepts must also get through ``config_from_args`` (or fail as user error)."""
     name, body, _ = file
     path = write(workdir, name, body)
-    with clean_environment(), contextlib.redirect_stderr(io.StringIO()):
+    with clean_environment({"OMP_NUM_THREADS": "1"}), contextlib.redirect_stderr(io.StringIO()):
         try:
             resolved = cli.resolve_run_args(["--config", path, script])
             config, _, _ = cli.config_from_args(resolved.args, set_omp_num_threads=False)
@@ -421,7 +387,7 @@ def test_config_command_on_the_file_exits_with_one_error_line(workdir, file, as_
     name, body, _ = file
     assume(not hits_known_bug(name, body))
     path = write(workdir, name, body)
-    with clean_environment():
+    with clean_environment({"OMP_NUM_THREADS": "1"}):
         code, out, err = config_command(["--config", path, *(["--json"] if as_json else [])])
     errors = [line for line in err.splitlines() if line.startswith("fsm-agent: error:")]
     if code == 0:
@@ -435,7 +401,7 @@ def test_config_command_on_the_file_exits_with_one_error_line(workdir, file, as_
 @pytest.mark.parametrize("flags", [[], ["--json"]], ids=["table", "json"])
 def test_config_command_with_a_date_in_rendezvous_conf(workdir, flags):
     path = write(workdir, "fsm.toml", "[rendezvous]\nconf = {rejoin_timeout = 2000-01-01}\n")
-    with clean_environment():
+    with clean_environment({"OMP_NUM_THREADS": "1"}):
         code, _, err = config_command(["--config", path, *flags])
     assert code == 2 and err.startswith("fsm-agent: error:")
 

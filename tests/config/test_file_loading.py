@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from fsm_agent import cli
 from fsm_agent.config import KEYS, ConfigFile, LaunchConfig, OptionRegistry, find_config_file, load_file_values
 from fsm_agent.errors import ConfigError
+from tests.helpers.processes import run_cli
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.unit
 
 
 def load(data: dict, options=(), disabled=()):
@@ -24,12 +20,6 @@ def errors_of(data: dict, options=()) -> str:
     with pytest.raises(ConfigError) as err:
         load(data, options)
     return str(err.value)
-
-
-def _subprocess_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "FSM_AGENT_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    return env
 
 
 # ------------------------------------------------------------------ the acceptance check
@@ -48,14 +38,7 @@ colour = true
 
 def test_malformed_file_prints_all_three_errors_with_paths_and_exits_non_zero(tmp_path, write_toml, script):
     path = write_toml(MALFORMED)
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsm_agent", "run", "--config", path, script],
-        cwd=tmp_path,
-        env=_subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_cli(["--config", path, script], tmp_path)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert proc.stderr.splitlines() == [  # one line per error, each naming the file and the key
@@ -347,14 +330,7 @@ def test_tool_table_must_be_a_table(write_toml):
 
 def test_bad_toml_via_the_cli_is_one_line(tmp_path, write_toml, script):
     path = write_toml("max_restarts = \n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsm_agent", "run", "--config", path, script],
-        cwd=tmp_path,
-        env=_subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_cli(["--config", path, script], tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "not valid TOML" in proc.stderr
 

@@ -11,6 +11,8 @@ from fsm_agent.errors import ConfigError, PluginError
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins import manager as manager_module
 
+pytestmark = pytest.mark.unit
+
 
 class OptionsPlugin:
     """A plugin declaring one option of each type; records what it reads in fsm_agent_configure."""

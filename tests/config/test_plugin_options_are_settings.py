@@ -11,6 +11,8 @@ from fsm_agent.errors import ConfigError
 from fsm_agent.plugins.manager import load_plugins
 from fsm_agent.run_parser import _spellings
 
+pytestmark = pytest.mark.unit
+
 
 def demo_options() -> config.OptionRegistry:
     options = config.OptionRegistry(current_plugin="demo")

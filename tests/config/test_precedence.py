@@ -14,6 +14,8 @@ import pytest
 from fsm_agent import cli
 from fsm_agent.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 
 @attrs.frozen
 class Case:

@@ -14,6 +14,8 @@ from fsm_agent.errors import ConfigError, PluginError
 from fsm_agent.plugins.registry import BackendRegistry
 from fsm_agent.run_parser import _spellings
 
+pytestmark = pytest.mark.unit
+
 POSITIONALS = {"help", "training_script", "training_script_args"}
 
 

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import transitions
+from tests.helpers.events import read_events, transitions
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -157,8 +157,7 @@ def test_the_import_is_reported_apart_from_the_agent(tmp_path, agents):
     )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    records = [json.loads(line) for line in events.read_text().splitlines()]
-    timings = [r for r in records if r["kind"] == "launcher_timings"]
+    timings = [r for r in read_events(events) if r["kind"] == "launcher_timings"]
     assert len(timings) == 1, "one zygote, one import: a restart reports nothing new"
     assert timings[0]["preload_import_s"] >= 0 and timings[0]["preload_wait_s"] >= 0
     assert timings[0]["restart_count"] == 0 and timings[0]["state"] == "INIT"

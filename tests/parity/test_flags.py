@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from tests.conftest import free_port, one_error_line, write_script
+from tests.helpers.events import read_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -662,7 +663,7 @@ def test_exit_barrier_timeout(launcher, barrier):
 def test_events_file(launcher):
     events = launcher.dir / "sub" / "events.jsonl"
     launcher.run_fsm("--events-file", events, launcher.probe).check()
-    records = [json.loads(line) for line in events.read_text().splitlines()]
+    records = read_events(events)
     kinds = [r["kind"] for r in records]
     assert "transition" in kinds and "worker_exit" in kinds and kinds[-1] == "run_end"
     assert records[-1]["exit_code"] == 0

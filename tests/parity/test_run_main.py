@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import one_error_line, write_script
 from tests.parity.conftest import FSM_AGENT, TORCHRUN
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 #: Calls MAIN(sys.argv[1:]) and prints one JSON line: what it returned or raised.
 CALLER = r"""

@@ -42,7 +42,7 @@ from tests.parity.conftest import (
     wait_listening,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 #: Seconds a stopped agent may take to end: far below its shutdown timeout (``GRACE_S``) and any
 #: rendezvous timeout, generous for two shared, slow cores.

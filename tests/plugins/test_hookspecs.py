@@ -14,6 +14,8 @@ from fsm_agent.plugins import hookspec
 from fsm_agent.plugins import hookspecs as hookspecs_module
 from fsm_agent.plugins.hookspec_info import docstring_problems, hookspecs
 
+pytestmark = pytest.mark.unit
+
 
 def test_there_are_hookspecs():
     names = list(hookspecs())

@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 COUNTING_PLUGIN = """\
 import os
 

@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,9 +28,11 @@ from fsm_agent.plugins.manager import (
     get_plugin_manager,
     plugin_rows,
 )
+from tests.helpers.install import installed_fixtures
+from tests.helpers.processes import pythonpath, run_fsm_agent
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-TIMEOUT_S = 240
+pytestmark = pytest.mark.unit
+
 BROKEN = (
     "broken-fixture",
     "fsm-agent-broken-fixture",
@@ -217,54 +215,11 @@ def test_a_name_no_plugin_has_cannot_be_disabled(monkeypatch):
 @pytest.fixture(scope="module")
 def broken_env():
     """The environment of an agent that sees the broken-plugin distribution."""
-    target = tempfile.mkdtemp(prefix="fsm_agent_fixture_dists_")
-    source = os.path.join(target, "src")
-    shutil.copytree(FIXTURES / "broken-plugin", source)  # the build writes build/ and *.egg-info there
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--no-index",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            os.path.join(target, "site"),
-            source,
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(target, "site"), env.get("PYTHONPATH")) if p)
-    env.pop("FSM_AGENT_DISABLE_PLUGINS", None)
-    yield env
-    shutil.rmtree(target, ignore_errors=True)
-
-
-def fsm_agent(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
-    """Run ``python -m fsm_agent ARGV`` in its own process group; kill the group on timeout."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fsm_agent", *argv],
-        env=env,
-        cwd=cwd,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"fsm-agent {' '.join(argv)} did not finish in {TIMEOUT_S}s\nstdout:\n{out}\nstderr:\n{err}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    with installed_fixtures("broken-plugin") as site:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = pythonpath(site)
+        env.pop("FSM_AGENT_DISABLE_PLUGINS", None)
+        yield env
 
 
 @pytest.fixture
@@ -288,7 +243,7 @@ def assert_one_line_naming_the_broken_plugin(result: subprocess.CompletedProcess
 @pytest.mark.slow
 @pytest.mark.parametrize("argv", [["plugins"], ["plugins", "--json"]])
 def test_plugins_command_with_a_broken_plugin_is_one_line(broken_env, tmp_path, argv):
-    result = fsm_agent(argv, broken_env, tmp_path)
+    result = run_fsm_agent(argv, broken_env, tmp_path)
     assert_one_line_naming_the_broken_plugin(result)
     assert result.stdout == ""
 
@@ -296,7 +251,7 @@ def test_plugins_command_with_a_broken_plugin_is_one_line(broken_env, tmp_path, 
 @pytest.mark.slow
 def test_run_with_a_broken_plugin_is_one_line_and_does_not_start(broken_env, tmp_path, script):
     path, marker = script
-    result = fsm_agent(["run", "--standalone", "--nproc-per-node", "1", str(path)], broken_env, tmp_path)
+    result = run_fsm_agent(["run", "--standalone", "--nproc-per-node", "1", str(path)], broken_env, tmp_path)
     assert_one_line_naming_the_broken_plugin(result)
     assert not marker.exists()
 
@@ -305,7 +260,7 @@ def test_run_with_a_broken_plugin_is_one_line_and_does_not_start(broken_env, tmp
 @pytest.mark.parametrize("command", ["run", "config"])
 def test_help_with_a_broken_plugin_still_helps(broken_env, tmp_path, command):
     """``fsm-agent run --help`` answers, the broken plugin named in one warning line on stderr."""
-    result = fsm_agent([command, "--nproc_per", "2", "--help"], broken_env, tmp_path)
+    result = run_fsm_agent([command, "--nproc_per", "2", "--help"], broken_env, tmp_path)
     assert result.returncode == 0, result.stderr
     assert "--nproc-per-node" in result.stdout and "--health-check-interval" in result.stdout
     lines = result.stderr.splitlines()
@@ -315,20 +270,22 @@ def test_help_with_a_broken_plugin_still_helps(broken_env, tmp_path, command):
 
 @pytest.mark.slow
 def test_a_disabled_broken_plugin_is_not_loaded(broken_env, tmp_path, script):
-    result = fsm_agent(["plugins", "--json", "--disable-plugin", "broken-fixture"], broken_env, tmp_path)
+    result = run_fsm_agent(["plugins", "--json", "--disable-plugin", "broken-fixture"], broken_env, tmp_path)
     assert result.returncode == 0, result.stderr
     names = {row["name"] for row in json.loads(result.stdout)}
     assert "broken-fixture" not in names and set(BUILTIN_PLUGINS) <= names
 
     env = {**broken_env, "FSM_AGENT_DISABLE_PLUGINS": "broken-fixture"}
-    result = fsm_agent(["plugins", "--json"], env, tmp_path)
+    result = run_fsm_agent(["plugins", "--json"], env, tmp_path)
     assert result.returncode == 0, result.stderr
     assert "broken-fixture" not in {row["name"] for row in json.loads(result.stdout)}
 
     path, marker = script
-    result = fsm_agent(["run", "--standalone", "--disable-plugin", "broken-fixture", str(path)], broken_env, tmp_path)
+    result = run_fsm_agent(
+        ["run", "--standalone", "--disable-plugin", "broken-fixture", str(path)], broken_env, tmp_path
+    )
     assert result.returncode == 0, result.stderr
     assert marker.read_text() == "ran\n"
-    result = fsm_agent(["run", "--standalone", str(path)], env, tmp_path)
+    result = run_fsm_agent(["run", "--standalone", str(path)], env, tmp_path)
     assert result.returncode == 0, result.stderr
     assert marker.read_text() == "ran\nran\n"

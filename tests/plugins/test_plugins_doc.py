@@ -11,7 +11,6 @@ import inspect
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,10 @@ import pytest
 from fsm_agent.plugins import docs, hookspecs
 from fsm_agent.plugins.hookspec_info import hookspec_groups
 from fsm_agent.plugins.manager import BUILTIN_PLUGINS
+from tests.helpers.install import pip_install_target
+from tests.helpers.processes import pythonpath, run_in_session
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "plugins.md"
@@ -121,23 +124,8 @@ def test_the_doc_links_the_configuration_reference_and_the_torchrun_groups():
 
 
 def run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
-    """Run ``python ARGV`` in its own process group; kill the group on timeout."""
-    proc = subprocess.Popen(
-        [sys.executable, *argv],
-        env=env,
-        cwd=cwd,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"python {' '.join(argv)} did not finish in {TIMEOUT_S}s\nstdout:\n{out}\nstderr:\n{err}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    """``python ARGV`` to the end in its own session; its group is killed past TIMEOUT_S."""
+    return run_in_session([sys.executable, *argv], env=env, cwd=cwd, timeout=TIMEOUT_S)
 
 
 @pytest.fixture
@@ -154,7 +142,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def test_the_example_tests_pass_on_the_test_kit(example_project):
-    env = clean_env(PYTHONPATH=os.pathsep.join(p for p in (str(example_project), os.environ.get("PYTHONPATH")) if p))
+    env = clean_env(PYTHONPATH=pythonpath(example_project))
     result = run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], env, example_project)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 passed" in result.stdout
@@ -163,28 +151,9 @@ def test_the_example_tests_pass_on_the_test_kit(example_project):
 @pytest.mark.slow
 def test_the_example_distribution_installs_lists_and_runs(example_project, tmp_path):
     site = tmp_path / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--no-index",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(site),
-            str(example_project),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    pip_install_target(site, example_project)
     shutil.rmtree(example_project)  # the distribution alone, not the source tree
-    env = clean_env(PYTHONPATH=os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
+    env = clean_env(PYTHONPATH=pythonpath(site))
 
     listed = run(["-m", "fsm_agent", "plugins", "--json"], env, tmp_path)
     assert listed.returncode == 0, listed.stderr

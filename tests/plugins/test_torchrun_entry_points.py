@@ -11,88 +11,29 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests.helpers.install import FIXTURES, installed_fixtures
+from tests.helpers.processes import pythonpath, run_fsm_agent, run_in_session
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
 WORKER = FIXTURES / "dist_worker.py"
 TIMEOUT_S = 240
-
-
-def pip_install_target(*projects: str) -> str:
-    """pip-install the fixture ``projects`` into a new temporary directory and return it.
-
-    Each project is copied first, so the build leaves no ``build/`` or ``*.egg-info`` in the tree.
-    """
-    target = tempfile.mkdtemp(prefix="fsm_agent_fixture_dists_")
-    sources = []
-    for project in projects:
-        sources.append(os.path.join(target, "src", project))
-        shutil.copytree(FIXTURES / project, sources[-1])
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--no-index",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            os.path.join(target, "site"),
-            *sources,
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    shutil.rmtree(os.path.join(target, "src"))
-    return target
 
 
 @pytest.fixture(scope="module")
 def compat_env():
     """The environment of an agent that sees the torchrun-compat-plugin distribution."""
-    target = pip_install_target("torchrun-compat-plugin")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(target, "site"), env.get("PYTHONPATH")) if p)
-    for name in ("FSM_AGENT_DISABLE_PLUGINS", "FSM_AGENT_LOGS_SPECS", "PET_RDZV_BACKEND", "PET_NNODES"):
-        env.pop(name, None)
-    yield env
-    shutil.rmtree(target, ignore_errors=True)
-
-
-def fsm_agent(argv: list[str], env: dict[str, str], cwd: str) -> subprocess.CompletedProcess:
-    """Run ``python -m fsm_agent ARGV`` in its own process group; kill the group on timeout."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fsm_agent", *argv],
-        env=env,
-        cwd=cwd,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"fsm-agent {' '.join(argv)} did not finish in {TIMEOUT_S}s\nstdout:\n{out}\nstderr:\n{err}")
-    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    done.pid = proc.pid
-    return done
+    with installed_fixtures("torchrun-compat-plugin") as site:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = pythonpath(site)
+        for name in ("FSM_AGENT_DISABLE_PLUGINS", "FSM_AGENT_LOGS_SPECS", "PET_RDZV_BACKEND", "PET_NNODES"):
+            env.pop(name, None)
+        yield env
 
 
 def reports(out_dir: Path) -> dict[str, dict]:
@@ -100,7 +41,7 @@ def reports(out_dir: Path) -> dict[str, dict]:
 
 
 def test_the_entry_points_are_visible_to_the_agent(compat_env, tmp_path):
-    result = fsm_agent(["plugins", "--json"], compat_env, str(tmp_path))
+    result = run_fsm_agent(["plugins", "--json"], compat_env, str(tmp_path))
     assert result.returncode == 0, result.stderr
     bridge = next(r for r in json.loads(result.stdout) if r["name"] == "rendezvous-torchrun-handlers")
     assert bridge["backends"] == {"rendezvous": ["mini"]} and bridge["kinds"] == ["rendezvous"]
@@ -110,7 +51,7 @@ def test_rdzv_backend_from_a_torchrun_handlers_entry_point(compat_env, tmp_path)
     """``--rdzv-backend mini`` runs the group through the entry point's handler, also on a restart."""
     marker, out_dir = tmp_path / "rounds.jsonl", tmp_path / "out"
     out_dir.mkdir()
-    result = fsm_agent(
+    result = run_fsm_agent(
         [
             "run",
             "--rdzv-backend",
@@ -163,7 +104,7 @@ def test_logs_specs_from_a_torchrun_logs_specs_entry_point(compat_env, tmp_path)
     """``--logs-specs mini`` lays the worker logs out as the entry point's LogsSpecs says."""
     log_dir, out_dir = tmp_path / "logs", tmp_path / "out"
     out_dir.mkdir()
-    result = fsm_agent(
+    result = run_fsm_agent(
         [
             "run",
             "--standalone",
@@ -196,7 +137,7 @@ def test_torchrun_itself_runs_the_same_fixture(compat_env, tmp_path):
     """Parity: the fixture is a genuine torchrun plugin (torch's own torchrun uses both entry points)."""
     marker, log_dir, out_dir = tmp_path / "rounds.jsonl", tmp_path / "logs", tmp_path / "out"
     out_dir.mkdir()
-    proc = subprocess.Popen(
+    result = run_in_session(
         [
             sys.executable,
             "-m",
@@ -220,24 +161,16 @@ def test_torchrun_itself_runs_the_same_fixture(compat_env, tmp_path):
         ],
         env=compat_env,
         cwd=str(tmp_path),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
+        timeout=TIMEOUT_S,
     )
-    try:
-        _, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-    assert proc.returncode == 0, err
+    assert result.returncode == 0, result.stderr
     assert [json.loads(line)["run_id"] for line in marker.read_text().splitlines()] == ["torchrun-job"]
     assert (log_dir / "mini-logs" / "torchrun-job.try0.rank1.out").is_file()
     assert {r["all_reduce"] for r in reports(out_dir).values()} == {3.0}
 
 
 def test_unknown_logs_specs_name_is_one_line_naming_the_installed_ones(compat_env, tmp_path):
-    result = fsm_agent(
+    result = run_fsm_agent(
         ["run", "--standalone", "--logs-specs", "nope", str(WORKER), str(tmp_path)], compat_env, str(tmp_path)
     )
     assert result.returncode != 0
@@ -257,10 +190,10 @@ def test_a_failing_torchrun_handlers_entry_point_is_one_line(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSM_AGENT_", "PET_"))}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = pythonpath(site)
 
     for argv in (["plugins"], ["run", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(script)]):
-        result = fsm_agent(argv, env, str(tmp_path))
+        result = run_fsm_agent(argv, env, str(tmp_path))
         assert result.returncode != 0
         assert len(result.stderr.splitlines()) == 1, result.stderr
         line = result.stderr.strip()
@@ -268,7 +201,7 @@ def test_a_failing_torchrun_handlers_entry_point_is_one_line(tmp_path):
         assert "Traceback" not in result.stderr
     assert not (tmp_path / "ran").exists()
 
-    result = fsm_agent(
+    result = run_fsm_agent(
         ["run", "--standalone", "--disable-plugin", "rendezvous-torchrun-handlers", str(script)], env, str(tmp_path)
     )
     assert result.returncode == 0, result.stderr
@@ -285,8 +218,8 @@ def test_a_failing_torchrun_logs_specs_entry_point_is_one_line(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSM_AGENT_", "PET_"))}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
-    result = fsm_agent(["run", "--standalone", "--logs-specs", "broken", str(script)], env, str(tmp_path))
+    env["PYTHONPATH"] = pythonpath(site)
+    result = run_fsm_agent(["run", "--standalone", "--logs-specs", "broken", str(script)], env, str(tmp_path))
     assert result.returncode != 0
     assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
     assert all(part in result.stderr for part in ("'broken'", "broken-logs 0.0.3", "ImportError", "needs a library"))

@@ -23,7 +23,7 @@ from fsm_agent.plugins import rendezvous_c10d
 from fsm_agent.plugins.rendezvous_c10d import FreshStoreHandler, check_torch_layout
 from fsm_agent.testing.processes import wait_until
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 KEEP_ALIVE_S = 1 * 3  # keep_alive_interval x keep_alive_max_attempt below
 

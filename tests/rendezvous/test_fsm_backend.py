@@ -31,7 +31,7 @@ from fsm_agent.plugins.rendezvous_fsm import (
 )
 from fsm_agent.ranks import assign_ranks
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(90)]
 
 FAST = dict(
     last_call_timeout=0.3,

@@ -17,7 +17,7 @@ from fsm_agent.errors import RendezvousNotNeeded
 from fsm_agent.plugins.rendezvous_fsm import Node, Rendezvous
 from tests.rendezvous.test_fsm_backend import Nodes, readable, rendezvous_all, start_rendezvous
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(90)]
 
 
 def _join(rdzv, me, now=0.0, returned=None):

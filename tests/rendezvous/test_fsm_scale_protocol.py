@@ -15,7 +15,7 @@ import pytest
 from fsm_agent.plugins.rendezvous_fsm.store import StoreClient, StoreServer
 from tests.rendezvous.test_fsm_backend import FAST_LOST_BOUND, nodes, readable, rendezvous_all  # noqa: F401
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(90)]
 
 
 def _store_sockets(port: int) -> int:

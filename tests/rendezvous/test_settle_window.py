@@ -5,7 +5,11 @@ round it then opens is not held back for it a second time."""
 
 from __future__ import annotations
 
+import pytest
+
 from fsm_agent.plugins.rendezvous_fsm.planner import DEFAULT_LAST_CALL_TIMEOUT_S, Node, Rendezvous
+
+pytestmark = pytest.mark.unit
 
 T = DEFAULT_LAST_CALL_TIMEOUT_S
 

@@ -29,7 +29,7 @@ from fsm_agent.plugins.rendezvous_fsm.store import (
     StoreTimeout,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 @pytest.fixture

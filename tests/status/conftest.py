@@ -1,18 +1,14 @@
-"""Helpers for the live-status tests: HTTP GET, free ports, agents in their own process groups."""
+"""Helpers for the live-status tests: HTTP GET, polling, agents in their own process groups."""
 
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from fsm_agent.testing.conformance import free_port  # noqa: F401 (re-exported for the status tests)
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.processes import checkout_env
 
 
 def get(url: str, timeout: float = 5.0) -> tuple[int, str, str]:
@@ -45,18 +41,11 @@ def wait_for(predicate, timeout: float = 60.0, interval: float = 0.1, what: str 
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
 
 
-def subprocess_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "FSM_AGENT_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env.update(extra)
-    return env
-
-
 @pytest.fixture
 def processes(tmp_path):
     """``python -m fsm_agent ...`` processes (any subcommand) with a clean env; groups killed after."""
     from fsm_agent.testing import AgentProcesses
 
-    group = AgentProcesses(tmp_path, command=(), env=subprocess_env())
+    group = AgentProcesses(tmp_path, command=(), env=checkout_env())
     yield group
     group.kill_all()

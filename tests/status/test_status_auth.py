@@ -14,6 +14,8 @@ from fsm_agent.config import LaunchConfig
 from fsm_agent.errors import ConfigError
 from fsm_agent.plugins import status_http
 
+pytestmark = pytest.mark.unit
+
 TOKEN = "s3cret-token"
 #: What /status says that a refused client must not see.
 DETAILS = ('"pid"', '"entrypoint"', '"workers"', '"node"', '"membership"')

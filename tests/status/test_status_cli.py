@@ -15,6 +15,8 @@ import pytest
 from fsm_agent import cli, status_cli
 from fsm_agent.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 DOC = {
     "state": "HEALTHY",
     "time_in_state_s": 2.5,
@@ -236,7 +238,7 @@ def test_the_restart_cycles_are_a_table():
 
 
 def test_unreachable_is_one_line(capsys):
-    from tests.status.conftest import free_port
+    from tests.conftest import free_port
 
     code, out, err = run(capsys, f"127.0.0.1:{free_port()}")
     assert code == 1 and out == ""

@@ -13,9 +13,11 @@ import psutil
 import pytest
 
 from fsm_agent import cli
-from tests.status.conftest import free_port, get, get_json, subprocess_env, wait_for
+from tests.conftest import free_port
+from tests.helpers.processes import checkout_env
+from tests.status.conftest import get, get_json, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 WORKER = """\
 import pathlib, sys, time
@@ -99,7 +101,7 @@ def test_status_during_a_real_run_and_after_a_crash(processes, tmp_path):
         capture_output=True,
         text=True,
         timeout=60,
-        env=subprocess_env(),
+        env=checkout_env(),
     )
     assert shown.returncode == 0, shown.stderr
     assert "HEALTHY" in shown.stdout and "0 used, 2 left (max 2)" in shown.stdout
@@ -124,7 +126,7 @@ def test_status_during_a_real_run_and_after_a_crash(processes, tmp_path):
         capture_output=True,
         text=True,
         timeout=60,
-        env=subprocess_env(),
+        env=checkout_env(),
     )
     assert '"restart_count": 1' in shown.stdout
 

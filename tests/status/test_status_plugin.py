@@ -13,6 +13,8 @@ from fsm_agent.plugins import hookimpl, status_http
 from fsm_agent.testing.fakes import FakeLauncher
 from tests.status.conftest import get, get_json
 
+pytestmark = pytest.mark.unit
+
 STATUS_CONFIG = LaunchConfig(plugins={"status-http": {"port": 0}})
 
 

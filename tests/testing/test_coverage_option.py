@@ -11,6 +11,8 @@ import pytest
 
 from fsm_agent.testing.coverage import COVERAGE_DIR_ENV, read_observations
 
+pytestmark = pytest.mark.unit
+
 pytest_plugins = ["pytester"]
 
 ONE_RUN = textwrap.dedent("""

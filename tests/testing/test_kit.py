@@ -40,6 +40,8 @@ from fsm_agent.testing import (
 )
 from fsm_agent.testing.fakes import PID_BASE
 
+pytestmark = pytest.mark.unit
+
 pytest_plugins = ["pytester"]
 
 

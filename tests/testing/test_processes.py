@@ -20,7 +20,7 @@ from fsm_agent.testing import AgentProcesses
 from fsm_agent.testing.conformance import free_port
 from fsm_agent.testing.processes import is_cgroup_keeper, remove_worker_cgroups, tmpdir_env, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SLEEPER = "import os, time\nopen('ready_' + os.environ['RANK'], 'w').close()\ntime.sleep(120)\n"
 

@@ -8,6 +8,8 @@ import pytest
 from fsm_agent.errors import ConfigError
 from fsm_agent.plugins.scheduler_kubernetes import discover_kubernetes
 
+pytestmark = pytest.mark.unit
+
 POD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
 
 

@@ -18,6 +18,8 @@ from fsm_agent.plugins.restart_policy import DO_NOT_RESTART_EXIT_CODE  # noqa: E
 from fsm_agent.plugins.scheduler_kubernetes import JOBSET_VARIABLES  # noqa: E402
 from fsm_agent.worker import DO_NOT_REQUEUE_EXIT_CODE  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples" / "kubernetes"
 #: Exit codes after which a new pod would fail the same way: bad input, do-not-restart, no progress.

@@ -19,6 +19,8 @@ from fsm_agent.plugins.manager import get_plugin_manager, plugin_rows
 from fsm_agent.plugins.scheduler_slurm import BASE_PORT, discover_slurm
 from fsm_agent.scheduler import discover
 
+pytestmark = pytest.mark.unit
+
 #: What srun gives task 1 of ``srun -N4 --gres=gpu:4`` in job 1234's step 0.
 STEP = {
     "SLURM_JOB_ID": "1234",
