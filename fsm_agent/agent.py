@@ -345,7 +345,7 @@ class ElasticAgent(PluginSurface):
             self.machine.set_state(S.UNKNOWN, model=self)
             self._on_state_changed(source.value, S.UNKNOWN.value, AgentErrored.trigger)
 
-    # -- guards: they read the decision the row's prepare step made -------------------------------
+    # -- guards: they read the decision the trigger's decider made ---------------------------------
     def has_restarts_left(self, event: EventData | None = None) -> bool:
         """The restart policy decided to restart the worker group (``RestartDecision.restart``)."""
         return self._decision is not None and self._decision.restart

@@ -229,9 +229,9 @@ def fsm_agent_restart_policy(
         progress; the cycles so far are ``ElasticAgent.cycles`` (the last is this attempt).
 
     Called from:
-        The table's prepare steps, once per event: ``_decide_on_failed_workers`` on the
-        ``workers_failed`` rows (from HEALTHY or UNHEALTHY) and ``_decide_on_membership_change`` on
-        the ``membership_changed`` rows, before their guards are read; its answer is what the
+        The table's deciders (``DECIDERS``), once per event: ``_decide_on_failed_workers`` for
+        ``workers_failed`` (from HEALTHY or UNHEALTHY) and ``_decide_on_membership_change`` for
+        ``membership_changed``, before their rows' guards are read; its answer is what the
         guards ``has_restarts_left`` and ``excludes_this_node`` read.
     """
 

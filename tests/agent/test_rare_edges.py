@@ -4,7 +4,7 @@
 The run-loop analysis (``fsm_agent.testing.coverage.run_loop_rules``) counts an edge whenever the
 agent's code can fire its trigger in its source state. ``UNHEALTHY --rendezvous_failed--> FAILED``
 is such an edge: the agent itself asks the rendezvous nothing while UNHEALTHY, but the restart
-policy runs there (``_wait_for_fact`` -> ``_decide_restart``), and a policy that consults the
+policy runs there (the auto trigger ``workers_failed`` -> ``_decide_on_failed_workers``), and a policy that consults the
 rendezvous can raise a rendezvous error, which ``_step`` turns into ``rendezvous_failed``.
 """
 

@@ -360,3 +360,20 @@ def test_fsm_agent_replay_subcommand(crash_and_restart, tmp_path):
         )
         done = replays.run(str(bad), timeout=180)
         assert done.returncode == 1 and "expected FAILED, actual STOPPED" in done.stdout
+
+
+# -- recordings kept in the repository ------------------------------------------------------------
+
+RECORDED = sorted((Path(__file__).parent / "recorded").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=[p.stem for p in RECORDED])
+def test_every_kept_recording_replays_identically(path):
+    """Real runs of ``fsm-agent run --standalone --nproc-per-node 2`` (tests/replay/recorded/README.md):
+    ``aaa9f7e-*`` recorded by the code before the redesign, whose transitions carry no fact (the
+    replay rebuilds it), ``facts-*`` by today's, whose transitions carry the fact it fires again."""
+    result = replay(str(path))
+    result.assert_identical()
+    transitions = [r for _, _, r in read_events(str(path)) if r["kind"] == "transition"]
+    assert transitions and all(("fact" in r) == path.stem.startswith("facts-") for r in transitions)
+    assert result.runs[0].recorded[-1].endswith(("SUCCEEDED", "FAILED"))
