@@ -77,7 +77,7 @@ def test_a_failing_step_takes_the_tables_error_row(make_agent):
 
 def test_the_statechart_shows_which_hook_decides_each_row():
     doc = render("markdown")
-    transitions = doc.split("## Hooks")[0]
+    transitions = doc.split("## Facts")[0]  # the Transitions table, not the facts' table after it
     rows = [
         line
         for line in transitions.splitlines()
