@@ -134,9 +134,9 @@ def dump_hung_stacks(
     py-spy the worker gets SIGABRT, and ``PYTHONFAULTHANDLER=1`` (set for workers when hang
     detection is on) makes Python print every thread's stack to its stderr before it dies.
     """
-    found = {}
+    found, pids = {}, launcher.pids()
     for local_rank, why in hung.items():
-        pid = launcher.pids()[local_rank]
+        pid = pids[local_rank]
         log.warning("[%s] local_rank %s (pid %s) is hung: %s", role, local_rank, pid, why)
         stacks = dump_stacks(pid)
         wlogs = worker_logs.get(local_rank)

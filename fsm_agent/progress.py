@@ -110,14 +110,9 @@ class CycleLog:
         self._start = time.time()
 
     def end(
-        self, attempt: int, failure_class: str | None, last_step: int | None, checkpoint_step: int | None = None
+        self, attempt: int, failure_class: str | None, last_step: int | None, checkpoint_step: int | None
     ) -> dict[str, object]:
-        """Append the Cycle of the attempt that ended now; its ``cycle`` record's fields.
-
-        ``checkpoint_step`` None: read from ``progress_file`` now.
-        """
-        if checkpoint_step is None:
-            checkpoint_step = read_progress_file(self.progress_file)
+        """Append the Cycle of the attempt that ended now; its ``cycle`` record's fields."""
         now = time.time()
         cycle = next_cycle(
             self.cycles,
