@@ -229,9 +229,14 @@ def checked(parse: Callable[[str], Any]) -> Callable[[str], str]:
 def show(value: Any) -> str:
     """A value as the user wrote it in TOML: ``"abc"``, ``true``, ``[1, 2]``."""
     try:
-        return json.dumps(value, ensure_ascii=False)
+        shown = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
         return repr(value)
+    # json leaves these unescaped, and str.splitlines breaks a one-line error at each of them
+    return shown.translate(_LINE_BREAKS)
+
+
+_LINE_BREAKS = {ord(c): f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"}
 
 
 def _is_int(value: Any) -> bool:

@@ -152,3 +152,12 @@ def test_the_cli_hands_its_plugin_manager_down(monkeypatch, script):
     monkeypatch.setitem(sys.modules, "fsm_agent.launch", fake)
     assert cli.run_command([script]) == 0
     assert len(built) == 1 and calls == [built[0]]
+
+
+def test_a_value_shown_in_an_error_stays_on_one_line():
+    """NEL and the Unicode line and paragraph separators (json leaves them as they are) are
+    escaped: an error naming a key ``"\\x85"`` is still one line (found by the file fuzzer)."""
+    from fsm_agent.settings import show
+
+    shown = show({"\x85": 0, "a\u2028b\u2029": [1]})
+    assert len(shown.splitlines()) == 1 and shown == '{"\\u0085": 0, "a\\u2028b\\u2029": [1]}'
