@@ -23,6 +23,7 @@ must stay in the standard library, and light.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -209,6 +210,10 @@ class WorkerCgroup:
                 if remaining <= 0:
                     return False
                 poller.poll(min(remaining, 0.1) * 1000)  # 0.1 s: never rely on the notification alone
+            return True
+        except OSError as exc:  # ENODEV: removed meanwhile (by the agent's keeper): empty for good
+            if exc.errno != errno.ENODEV:
+                raise
             return True
         finally:
             os.close(fd)
