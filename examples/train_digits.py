@@ -10,6 +10,11 @@ from the environment and uses NCCL on GPUs or gloo on CPUs. At the end of each
 epoch rank 0 saves a checkpoint (model, optimizer, epoch) atomically. After a
 restart every rank resumes from the epoch after the last checkpoint.
 
+With ``fsm-agent run --checkpoint-memory 16MiB`` every rank also saves each epoch into the agent's
+shared memory (``fsm_agent.checkpoint``, docs/checkpoints.md): a copy that returns at once, which
+the agent persists (``--checkpoint-dir``) and replicates to a peer node in the background; a
+restart then resumes from that copy ("resumed from epoch N (memory)") before the file.
+
 For testing restarts, ``--crash-rank R --crash-epoch E`` makes rank R fail at the
 start of epoch E on the first attempt only. It raises RuntimeError, or calls
 sys.exit(C) if you pass ``--crash-exit-code C``. Add ``--crash-always`` to make it
@@ -43,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import fsm_agent
+from fsm_agent import checkpoint
 
 
 def parse_args(argv=None):
@@ -126,7 +132,16 @@ def main(argv=None):
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     start_epoch, resumed_from = 1, None
-    if os.path.exists(args.checkpoint):
+    # Run with ``fsm-agent run --checkpoint-memory 16MiB``: every rank also saves each epoch into the
+    # agent's memory, and a restart restores from there (or a peer node's replica), not from disk.
+    restored = checkpoint.load() if checkpoint.enabled() else None
+    if restored is not None:
+        model.load_state_dict(restored.state_dict["model"])
+        opt.load_state_dict(restored.state_dict["optimizer"])
+        resumed_from = restored.step
+        start_epoch = resumed_from + 1
+        print(f"[rank {rank}] resumed from epoch {resumed_from} ({restored.source})", flush=True)
+    elif os.path.exists(args.checkpoint):
         ckpt = torch.load(args.checkpoint, map_location=device)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
@@ -183,6 +198,8 @@ def main(argv=None):
         stats[2] = float(bool(args.stop_file) and os.path.exists(args.stop_file))
         dist.all_reduce(stats)
 
+        if checkpoint.enabled():  # a memory copy: returns once copied; the agent persists it
+            checkpoint.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step=epoch)
         if rank == 0:
             print(f"epoch {epoch}/{args.epochs} loss {(stats[0] / stats[1]).item():.4f}", flush=True)
             os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)

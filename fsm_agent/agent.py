@@ -38,7 +38,7 @@ from fsm_agent.interrupts import DrainInterrupt, Interrupts, SignalStop
 from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, WorkerLogs
 from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.plugins.protocols import LauncherAdapter, RendezvousAdapter
-from fsm_agent.progress import CycleLog, read_progress_file
+from fsm_agent.progress import CycleLog
 from fsm_agent.ranks import join_round
 from fsm_agent.recording import Listeners, TransitionRecord, final_metrics, transition_metrics
 from fsm_agent.signal_names import signal_numbers
@@ -153,6 +153,7 @@ class ElasticAgent(PluginSurface):
         self._hang = HangDetector(spec.hang_timeout)
         self._cycles = CycleLog()
         self._step_times: dict[str, Any] | None = None
+        self._checkpoints: dict[str, Any] | None = None
         # What made the group UNHEALTHY (the data of workers_hung / health_check_failed): the
         # workers UNHEALTHY's way out counts as failed.
         self._hung: dict[int, str] = {}
@@ -441,7 +442,7 @@ class ElasticAgent(PluginSurface):
             steps = self._hang.steps(self.spec.local_world_size)
             progress = Progress(
                 last_step=max(steps.values()) if steps else None,
-                checkpoint_step=read_progress_file(self._cycles.progress_file),
+                checkpoint_step=self._cycles.checkpoint_step(),
             )
         fields = self._cycles.end(self.restart_count, failure_class, progress.last_step, progress.checkpoint_step)
         self.record_event("cycle", **fields)

@@ -9,7 +9,7 @@ plugins read these as attributes, never with ``getattr``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -35,6 +35,7 @@ class PluginSurface:
     _standby: str | None
     _cycles: CycleLog
     _step_times: dict[str, Any] | None
+    _checkpoints: dict[str, Any] | None
     _drains: NodeDrain
     _hang: HangDetector
     _listeners: Listeners
@@ -98,6 +99,24 @@ class PluginSurface:
     def report_step_times(self, view: Mapping[str, Any] | None) -> None:
         """Publish ``view`` as ``step_times`` (None clears it, as at each attempt's start)."""
         self._step_times = None if view is None else dict(view)
+
+    @property
+    def checkpoints(self) -> Mapping[str, Any] | None:
+        """The agent-held checkpoints' view last reported with ``report_checkpoints`` (the
+        ``checkpoint`` plugin's: dir, memory_bytes, restore (the last round's ``checkpoint_restore``
+        record), persisted ({global_rank: step}), persist_error), for ``/status``; None while the
+        plugin is off."""
+        return None if self._checkpoints is None else MappingProxyType(self._checkpoints)
+
+    def report_checkpoints(self, view: Mapping[str, Any] | None) -> None:
+        """Publish ``view`` as ``checkpoints`` (a copy; None clears it)."""
+        self._checkpoints = None if view is None else dict(view)
+
+    def track_checkpoints(self, reader: Callable[[], int | None]) -> None:
+        """Read each cycle's checkpoint step with ``reader`` (seconds-free: it returns the newest
+        step every local worker holds a checkpoint of, or None) instead of ``--progress-file``.
+        Called by the ``checkpoint`` plugin's ``fsm_agent_configure``."""
+        self._cycles.checkpoint_step_reader = reader
 
     @property
     def drain(self) -> Mapping[str, Any] | None:

@@ -19,7 +19,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -103,8 +103,17 @@ class CycleLog:
     def __init__(self) -> None:
         self.cycles: list[Cycle] = []
         self.progress_file: str | None = None
+        #: Reads the newest checkpoint step when set (the ``checkpoint`` plugin's agent-held
+        #: checkpoints); else ``progress_file`` is read.
+        self.checkpoint_step_reader: Callable[[], int | None] | None = None
         self.no_progress_limit = 0
         self._start: float | None = None
+
+    def checkpoint_step(self) -> int | None:
+        """The newest checkpoint step now: the reader's when one is set, else ``progress_file``'s."""
+        if self.checkpoint_step_reader is not None:
+            return self.checkpoint_step_reader()
+        return read_progress_file(self.progress_file)
 
     def attempt_started(self) -> None:
         self._start = time.time()

@@ -122,6 +122,7 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
     )
     standby = doc.get("standby")
     return [
+        *checkpoint_rows(doc),
         ("state", f"{doc['state']} for {doc.get('time_in_state_s', 0):.1f}s" + (" (standby)" if standby else "")),
         *([("standby", standby)] if standby else []),
         (
@@ -144,6 +145,28 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
             f"up {agent.get('uptime_s', 0):.1f}s, {_text(agent.get('entrypoint'))}",
         ),
     ]
+
+
+def checkpoint_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """The agent-held checkpoints' lines (``/status``'s ``checkpoints``; none when the plugin is off):
+    the last restore (step, source per rank), what is on disk, a persistence error."""
+    view = doc.get("checkpoints")
+    if not isinstance(view, dict):
+        return []
+    restore = view.get("restore") or {}
+    if restore.get("step") is None:
+        restored = f"none ({restore.get('reason') or 'no round yet'})"
+    else:
+        sources = ", ".join(f"rank {r['global_rank']} from {r['source']}" for r in restore.get("ranks", []))
+        restored = f"step {restore['step']}: {sources or 'no local rank'}"
+    persisted = view.get("persisted") or {}
+    rows = [("checkpoint restore", restored)]
+    if view.get("dir"):
+        on_disk = ", ".join(f"rank {g} step {s}" for g, s in persisted.items()) or "nothing yet"
+        rows.append(("checkpoint disk", f"{view['dir']}: {on_disk}"))
+    if view.get("persist_error"):
+        rows.append(("checkpoint error", str(view["persist_error"])))
+    return rows
 
 
 WORKER_COLUMNS = ("local_rank", "global_rank", "role_rank", "pid", "state", "exit_code")

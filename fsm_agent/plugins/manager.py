@@ -36,6 +36,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "launcher-preload": "fsm_agent.plugins.launcher_preload",
     "restart-policy": "fsm_agent.plugins.restart_policy",
     "progress": "fsm_agent.plugins.progress",
+    "checkpoint": "fsm_agent.plugins.checkpoint",
     "drain": "fsm_agent.plugins.drain",
     "health-check": "fsm_agent.plugins.health_check",
     "straggler": "fsm_agent.plugins.straggler",

@@ -390,6 +390,7 @@ class LiveStatus:
                 "transitions_total": self._transition_count,
                 "cycles": [attrs.asdict(cycle) for cycle in agent.cycles[-CYCLES_SHOWN:]],
                 "step_times": None if agent.step_times is None else dict(agent.step_times),
+                "checkpoints": None if agent.checkpoints is None else dict(agent.checkpoints),
                 # A drain is not a failure: apart from restart_count, with its own count.
                 "drain": self._drain_doc(),
                 "drains": int(agent.drain is not None),

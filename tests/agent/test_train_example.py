@@ -47,9 +47,13 @@ def test_trains_to_stated_accuracy(agents, tmp_path):
 
 @pytest.mark.parametrize("trial", range(10))
 def test_crash_and_restart_resumes_from_checkpoint(agents, tmp_path, trial):
-    """Rank 1 crashes in the first attempt; the group restarts, resumes, and the job exits 0 (10 of 10)."""
+    """Rank 1 crashes in the first attempt; the group restarts, resumes, and the job exits 0 (10 of 10).
+    Odd trials hold the checkpoints in the agent's memory too (``--checkpoint-memory``): the restart
+    resumes from there."""
     events = tmp_path / "events.jsonl"
+    in_memory = ["--checkpoint-memory", "16MiB"] if trial % 2 else []
     result = agents.run(
+        *in_memory,
         "--standalone",
         "--nproc-per-node",
         "2",
@@ -73,7 +77,7 @@ def test_crash_and_restart_resumes_from_checkpoint(agents, tmp_path, trial):
         timeout=TIMEOUT,
     )
     assert result.returncode == 0, result.stderr
-    assert "resumed from epoch 1" in result.stdout + result.stderr
+    assert ("resumed from epoch 1 (memory)" if in_memory else "resumed from epoch 1") in result.stdout + result.stderr
     summary = json.loads((tmp_path / "res.json").read_text())
     assert summary["restart_count"] == 1 and summary["resumed_from"] == 1
     assert transitions(events) == [
