@@ -6,6 +6,7 @@ described in ``benchmarks/README.md``.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -60,3 +61,33 @@ def test_quick_mode_runs_every_scenario_with_both_launchers(tmp_path):
         assert RESULT.search(fsm_cell), f"no fsm-agent result in {scenario!r}: {fsm_cell!r}\n{report}"
         assert RESULT.search(torchrun_cell), f"no torchrun result in {scenario!r}: {torchrun_cell!r}\n{report}"
         assert "failed" not in fsm_cell + torchrun_cell, f"failed trials in {scenario!r}\n{report}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_checkpoint_benchmark_quick_run_reports_every_part(tmp_path):
+    """``benchmarks/checkpoint.py --quick`` (issue #32): save, restore, memory and replication
+    rows, each with a number; its files go under ``tmp_path``."""
+    markdown = tmp_path / "checkpoint.md"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "checkpoint.py"),
+            "--quick",
+            "--markdown",
+            str(markdown),
+            "--dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = markdown.read_text()
+    for row in ("| fsm_agent.checkpoint.save |", "| torch.save + fsync |", "load(into=prealloc)", "| loopback"):
+        line = next((line for line in report.splitlines() if row in line), "")
+        assert RESULT.search(line.split("|", 2)[-1]), (row, report)
+    assert "Restored from: memory" in report
