@@ -71,6 +71,8 @@ EXCHANGE_TIMEOUT_S = 60.0
 #: Rounds of plan-and-stage before the workers start without a checkpoint (a source that fails a
 #: checksum is marked BAD or set aside, so the next plan takes another).
 STAGE_ATTEMPTS = 3
+#: After a failed replica transfer, the replicate loop waits this long before the next, seconds.
+REPLICA_BACKOFF_S = 10.0
 #: A replica transfer's socket timeout, seconds.
 PEER_TIMEOUT_S = 60.0
 _KEY = "fsm_agent/checkpoint"
@@ -168,13 +170,15 @@ class CheckpointKeeper:
         self._agent, self.capacity, self.replicas = agent, capacity, replicas
         spec = agent.spec
         self._check_shm(capacity, spec.local_world_size, replicas)
-        self.disk = None
+        self.disk = None if not directory else disk.DiskCheckpoints(directory, keep)
+        self._persist_error: str | None = None
+        self._persist_failure_recorded = False
         if directory:
             try:
                 disk.check_dir(directory)
-            except disk.PersistError as exc:
-                raise ConfigError(str(exc)) from None
-            self.disk = disk.DiskCheckpoints(directory, keep)
+            except disk.PersistError as exc:  # the memory copies still work: say it once and go on
+                log.error("checkpoint: %s; training goes on with the memory copies", exc)
+                self._persist_error = str(exc)
         self.shm_dir = tempfile.mkdtemp(prefix="fsm-agent-ckpt-", dir=SHM_ROOT)
         tempdirs.remove_if_the_agent_dies(self.shm_dir)
         try:
@@ -192,14 +196,17 @@ class CheckpointKeeper:
         self._replicas: dict[str, SlotPair] = {}
         self._lock = threading.Lock()
         self._restores: dict[int, str] = {}
-        self._handled: dict[int, int] = {}
+        self._persisted_seq: dict[int, int] = {}  # the persist loop's progress: {local_rank: seq}
+        self._replicated_seq: dict[int, int] = {}  # the replicate loop's, reset for a new successor
+        self._replica_pause_until = 0.0
         self._target: tuple[str, int] | None = None
         self._generation = 0
-        self._persist_error: str | None = None
         self._persisted_step: dict[int, int] = {}
         self._view: dict[str, Any] = {"dir": directory, "memory_bytes": capacity, "restore": None}
+        if self._persist_error is not None:
+            self._view["persist_error"] = self._persist_error
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         agent.track_checkpoints(self.checkpoint_step)
 
     # -- start ---------------------------------------------------------------------------------
@@ -220,7 +227,7 @@ class CheckpointKeeper:
             )
 
     def _start_background(self) -> None:
-        if self._thread is not None:
+        if self._threads:
             return
         if self.replicas:
             host = self._agent.spec.local_addr or advertised_address(self._agent.rdzv_endpoint) or "127.0.0.1"
@@ -229,8 +236,13 @@ class CheckpointKeeper:
             )
             self.server.start()
             self._address = (host, self.server.port)
-        self._thread = threading.Thread(target=self._copy_loop, name="fsm-agent-checkpoint", daemon=True)
-        self._thread.start()
+        # Two loops: a slow or dead peer never holds up the disk copies (nor the saves waiting on them)
+        self._threads = [
+            threading.Thread(target=self._persist_loop, name="fsm-agent-checkpoint-persist", daemon=True),
+            threading.Thread(target=self._replicate_loop, name="fsm-agent-checkpoint-replicate", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def _token(self) -> str:
         return str(self._agent.spec.rendezvous.run_id)
@@ -287,7 +299,8 @@ class CheckpointKeeper:
                 log.info("checkpoint: dropped the replicas of ranks %s (no longer the predecessor's)", dropped)
         with self._lock:
             self._target = plan.addresses.get(nxt) if nxt is not None and nxt != rank else None
-            self._handled = {}  # the newest checkpoints go to the new successor too (a disk copy is not redone)
+            self._replicated_seq = {}  # the newest checkpoints go to the new successor too
+            self._replica_pause_until = 0.0
 
     @hookimpl
     def fsm_agent_worker_env(self, worker: Worker, worker_group: WorkerGroup) -> dict[str, str]:
@@ -301,8 +314,8 @@ class CheckpointKeeper:
     @hookimpl
     def fsm_agent_unconfigure(self, result: RunResult) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=PEER_TIMEOUT_S)
+        for thread in self._threads:
+            thread.join(timeout=PEER_TIMEOUT_S)
         if self.server is not None:
             self.server.close()
         for pair in [*self.pairs, *self._replicas.values()]:
@@ -365,7 +378,8 @@ class CheckpointKeeper:
             try:
                 on_disk = [(g, w, e.step) for (g, w), entries in self.disk.scan().items() for e in entries]
             except OSError as exc:
-                log.warning("checkpoint: cannot scan --checkpoint-dir: %s", exc)
+                if self._persist_error is None:  # said once already otherwise
+                    log.warning("checkpoint: cannot scan --checkpoint-dir: %s", exc)
         return Inventory(
             group_rank=group.group_rank,
             address=self._address if self.server is not None else None,
@@ -478,7 +492,10 @@ class CheckpointKeeper:
                     slot.discard(h.seq)
         if self.disk is not None and plan.step is not None:  # no step: the disk is left as it is
             for worker in group.workers:
-                self.disk.discard_after(worker.global_rank, after)
+                try:
+                    self.disk.discard_after(worker.global_rank, after)
+                except OSError as exc:  # an unusable directory: its one error line was given
+                    log.debug("checkpoint: cannot drop newer steps on disk: %s", exc)
 
     def _report_restore(
         self,
@@ -520,26 +537,39 @@ class CheckpointKeeper:
             steps.append(newest[1].step)
         return min(steps) if steps else None
 
-    def _copy_loop(self) -> None:
-        """Every new complete checkpoint, oldest first: the newest is replicated, each one the
-        worker asked to persist is written to disk, each gets its checksum; then the slot is
-        released (``set_persisted``) for the worker's next save into it."""
+    def _persist_loop(self) -> None:
+        """Every new complete checkpoint, oldest first: written to disk when the worker asked for
+        it, its checksum recorded, then the slot released (``set_persisted``) for the worker's next
+        save into it."""
         while not self._stop.wait(POLL_INTERVAL_S):
             for local_rank, pair in enumerate(self.pairs):
-                done = self._handled.get(local_rank, 0)
+                done = self._persisted_seq.get(local_rank, 0)
                 fresh = sorted(
                     ((h.seq, slot, h) for slot in pair.slots if (h := slot.header()).complete and h.seq > done),
                     key=lambda item: item[0],
                 )
-                if not fresh:
-                    continue
-                self._handled[local_rank] = fresh[-1][0]
-                self._replicate(fresh[-1][1])
                 for seq, slot, header in fresh:
                     if header.flags & PERSIST:
                         self._persist(slot)
                     slot.set_persisted(seq)  # written or given up: the worker may reuse the slot
                     self._record_checksum(slot, seq)
+                    self._persisted_seq[local_rank] = seq
+
+    def _replicate_loop(self) -> None:
+        """The newest complete checkpoint of each local worker, to the ring's successor; after a
+        failed transfer, none for ``REPLICA_BACKOFF_S`` seconds."""
+        while not self._stop.wait(POLL_INTERVAL_S):
+            if time.monotonic() < self._replica_pause_until:
+                continue
+            for local_rank, pair in enumerate(self.pairs):
+                newest = pair.newest()
+                if newest is None or self._replicated_seq.get(local_rank) == newest[1].seq:
+                    continue
+                self._replicated_seq[local_rank] = newest[1].seq
+                if not self._replicate(newest[0]):
+                    self._replica_pause_until = time.monotonic() + REPLICA_BACKOFF_S
+                    self._replicated_seq.pop(local_rank, None)  # tried again after the pause
+                    break
 
     @staticmethod
     def _record_checksum(slot: Slot, seq: int) -> None:
@@ -552,23 +582,24 @@ class CheckpointKeeper:
         if read is not None:
             slot.set_checksum(read[0].seq, read[1])
 
-    def _replicate(self, slot: Slot) -> None:
+    def _replicate(self, slot: Slot) -> bool:
+        """Send ``slot``'s checkpoint to the successor; False when the transfer failed."""
         with self._lock:
             target = self._target
         if target is None:
-            return
+            return True
         try:
             sent = peers.send_replica(target, self._token(), slot, timeout=PEER_TIMEOUT_S)
         except peers.PeerError as exc:
             log.warning("checkpoint: replica not sent: %s", exc)
             self._agent.record_event("checkpoint_error", what="replicate", message=str(exc))
-            return
+            return False
         if sent is None:
-            return  # overwritten while sending: the next save is sent instead
+            return True  # overwritten while sending: the next save is sent instead
         slot.set_checksum(sent.seq, sent.checksum)  # nothing when the slot holds another save now
         if not sent.ok:
             log.warning("checkpoint: replica of rank %s step %s refused: %s", sent.global_rank, sent.step, sent.reason)
-            return
+            return False
         self._agent.record_event(
             "checkpoint_replicated",
             global_rank=sent.global_rank,
@@ -578,6 +609,7 @@ class CheckpointKeeper:
             peer=f"{target[0]}:{target[1]}",
         )
         self._agent.put_metric("fsm_agent", "checkpoint.replicate_s", sent.seconds)
+        return True
 
     def _persist(self, slot: Slot) -> None:
         if self.disk is None:
@@ -585,9 +617,11 @@ class CheckpointKeeper:
         try:
             done = self.disk.persist(slot, self._token())
         except disk.PersistError as exc:
-            if self._persist_error is None:
+            if self._persist_error is None:  # one line, however many saves fail to persist
                 log.error("checkpoint: %s; training goes on with the memory copies", exc)
+            if not self._persist_failure_recorded:
                 self._agent.record_event("checkpoint_error", what="persist", message=str(exc))
+                self._persist_failure_recorded = True
             self._persist_error = str(exc)
             self._view["persist_error"] = str(exc)
             self._agent.report_checkpoints(self._view)

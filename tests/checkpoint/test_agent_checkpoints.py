@@ -354,6 +354,24 @@ def test_a_full_checkpoint_dir_is_one_line_and_training_goes_on(agents, tmp_path
     assert not list(ckpt.iterdir())  # the mount went with the namespace
 
 
+def test_an_unwritable_checkpoint_dir_is_one_line_and_training_goes_on(agents, tmp_path):
+    """A --checkpoint-dir that cannot be made (a file where a folder should be): one error line at
+    start, training goes on with the memory copies and their restores, the end says so."""
+    (tmp_path / "a-file").write_text("")
+    ckpt = tmp_path / "a-file" / "ckpt"
+    flags = single_node("--checkpoint-memory", "2MiB", "--checkpoint-dir", str(ckpt))
+    agents.start("a", flags, steps=40, every=5, env={"CKPT_KILL": "1:0:17"})
+    assert agents.wait("a") == 0, agents.log("a")
+    log = agents.log("a")
+    errors = [line for line in log.splitlines() if "checkpoint:" in line and str(ckpt) in line]
+    assert len(errors) == 1, log
+    assert "checkpoint persistence failed" in log and "the newest checkpoint on disk is none" in log, log
+    assert len(agents.events("a", "checkpoint_error")) == 1
+    restore = agents.events("a", "checkpoint_restore")[-1]
+    assert restore["step"] == 14 and {r["source"] for r in restore["ranks"]} == {"memory"}, restore
+    assert [step for _, step in agents.steps(0)][-1] == 39
+
+
 def test_checkpoint_memory_beyond_dev_shm_is_one_line_at_start(agents):
     agents.start("a", single_node("--checkpoint-memory", "1000TiB"), steps=1, every=1)
     code = agents.wait("a", timeout=120)
