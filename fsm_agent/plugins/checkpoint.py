@@ -71,6 +71,8 @@ EXCHANGE_TIMEOUT_S = 60.0
 #: Rounds of plan-and-stage before the workers start without a checkpoint (a source that fails a
 #: checksum is marked BAD or set aside, so the next plan takes another).
 STAGE_ATTEMPTS = 3
+#: The metric ``checkpoint.<verb>_s`` of each kind of copy.
+_METRIC_VERB = {"replicated": "replicate", "persisted": "persist"}
 #: After a failed replica transfer, the replicate loop waits this long before the next, seconds.
 REPLICA_BACKOFF_S = 10.0
 #: A replica transfer's socket timeout, seconds.
@@ -193,6 +195,7 @@ class CheckpointKeeper:
                 f"it needs {format_bytes(shm_needed(capacity, spec.local_world_size, replicas))}"
             ) from None
         self.server: peers.ReplicaServer | None = None
+        self._address: tuple[str, int] | None = None  # the replica server's, once it listens
         self._replicas: dict[str, SlotPair] = {}
         self._lock = threading.Lock()
         self._restores: dict[int, str] = {}
@@ -382,7 +385,7 @@ class CheckpointKeeper:
                     log.warning("checkpoint: cannot scan --checkpoint-dir: %s", exc)
         return Inventory(
             group_rank=group.group_rank,
-            address=self._address if self.server is not None else None,
+            address=self._address,
             runs=tuple(w.global_rank for w in group.workers),
             memory=tuple(sorted(memory)),
             disk=tuple(sorted(on_disk)),
@@ -600,16 +603,17 @@ class CheckpointKeeper:
         if not sent.ok:
             log.warning("checkpoint: replica of rank %s step %s refused: %s", sent.global_rank, sent.step, sent.reason)
             return False
-        self._agent.record_event(
-            "checkpoint_replicated",
-            global_rank=sent.global_rank,
-            step=sent.step,
-            bytes=sent.bytes,
-            seconds=round(sent.seconds, 4),
-            peer=f"{target[0]}:{target[1]}",
+        self._report_copy(
+            "replicated", sent.global_rank, sent.step, sent.bytes, sent.seconds, peer=f"{target[0]}:{target[1]}"
         )
-        self._agent.put_metric("fsm_agent", "checkpoint.replicate_s", sent.seconds)
         return True
+
+    def _report_copy(self, what: str, global_rank: int, step: int, size: int, seconds: float, **where: str) -> None:
+        """A ``checkpoint_<what>`` event and the metric ``checkpoint.<verb>_s`` of one copy made."""
+        self._agent.record_event(
+            f"checkpoint_{what}", global_rank=global_rank, step=step, bytes=size, seconds=round(seconds, 4), **where
+        )
+        self._agent.put_metric("fsm_agent", f"checkpoint.{_METRIC_VERB[what]}_s", seconds)
 
     def _persist(self, slot: Slot) -> None:
         if self.disk is None:
@@ -631,12 +635,4 @@ class CheckpointKeeper:
         self._persisted_step[done.global_rank] = done.step
         self._view["persisted"] = dict(sorted(self._persisted_step.items()))
         self._agent.report_checkpoints(self._view)
-        self._agent.record_event(
-            "checkpoint_persisted",
-            global_rank=done.global_rank,
-            step=done.step,
-            bytes=done.size,
-            seconds=round(done.seconds, 4),
-            path=done.path,
-        )
-        self._agent.put_metric("fsm_agent", "checkpoint.persist_s", done.seconds)
+        self._report_copy("persisted", done.global_rank, done.step, done.size, done.seconds, path=done.path)
