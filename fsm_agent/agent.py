@@ -25,22 +25,23 @@ import pluggy
 from transitions import EventData
 from transitions.core import MachineError
 
-from fsm_agent import rendezvous_errors
+from fsm_agent import job_verdict, rendezvous_errors
 from fsm_agent._early_signals import take_early_drain, take_early_stop
 from fsm_agent.agent_surface import PluginSurface
 from fsm_agent.drain import NodeDrain
 from fsm_agent.env import worker_env
 from fsm_agent.errors import FsmAgentError, PluginError
 from fsm_agent.exit_barrier import ExitBarrier
-from fsm_agent.failures import dump_hung_stacks, exit_failures, hang_failures, health_failures
+from fsm_agent.failures import dump_hung_stacks
 from fsm_agent.hang import HangDetector
 from fsm_agent.interrupts import DrainInterrupt, Interrupts, SignalStop
+from fsm_agent.job_verdict import NodeVerdicts
 from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, WorkerLogs
 from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.plugins.protocols import LauncherAdapter, RendezvousAdapter
 from fsm_agent.progress import CycleLog
 from fsm_agent.ranks import join_round
-from fsm_agent.recording import Listeners, TransitionRecord, final_metrics, transition_metrics
+from fsm_agent.recording import Listeners, TransitionRecord, final_metrics, transition_event, transition_metrics
 from fsm_agent.signal_names import signal_numbers
 from fsm_agent.states import AUTO_TRIGGERS, WorkerState, build_machine
 from fsm_agent.states.facts import (
@@ -49,6 +50,7 @@ from fsm_agent.states.facts import (
     DrainRequested,
     Fact,
     HealthCheckFailed,
+    JobFailed,
     MembershipChanged,
     Progress,
     RendezvousFailed,
@@ -60,6 +62,7 @@ from fsm_agent.states.facts import (
     fact_for,
 )
 from fsm_agent.states.table import DECIDERS
+from fsm_agent.verdict_steps import JobVerdictSteps
 from fsm_agent.watcher import HealthyWatch
 from fsm_agent.worker import (
     FailureClass,
@@ -68,7 +71,6 @@ from fsm_agent.worker import (
     WorkerFailure,
     WorkerGroup,
     WorkerSpec,
-    first_failure,
 )
 
 log = logging.getLogger(__name__)
@@ -94,7 +96,7 @@ def fact_of(event: EventData, kind: type[FactT]) -> FactT:
 EXIT_BARRIER_RELEASE_WAIT_S = 5.0  # at most this long for a failing agent's exit-barrier check-in
 
 
-class ElasticAgent(PluginSurface):
+class ElasticAgent(PluginSurface, JobVerdictSteps):
     """One node's agent: rendezvous, start, watch, restart and stop a worker group.
 
     Mirrors torch's ``LocalElasticAgent`` (``run() -> RunResult``, ``get_worker_group()``), with
@@ -156,13 +158,13 @@ class ElasticAgent(PluginSurface):
         self._checkpoints: dict[str, Any] | None = None
         # What made the group UNHEALTHY (the data of workers_hung / health_check_failed): the
         # workers UNHEALTHY's way out counts as failed.
-        self._hung: dict[int, str] = {}
-        self._hung_stacks: dict[int, str] = {}
+        self._hung, self._hung_stacks = {}, {}  # {local_rank: why}, {local_rank: stacks}
         self._health_problem: HealthCheckFailed | None = None
         # The restart policy's decision, made by the trigger's decider (the table's DECIDERS) once
         # per event and read by the guards, ``_backoff`` and the verdict.
         self._decision: RestartDecision | None = None
         self._decided_class: str | None = None
+        self._job_verdict: dict[str, Any] | None = None  # when the job failed: decided here or adopted
         self._closed = False
         self._barrier = ExitBarrier(self._hostname, spec.exit_barrier_timeout)
         self._error: str | None = None
@@ -171,6 +173,9 @@ class ElasticAgent(PluginSurface):
         # signals, the wake-up pipe, interruptible calls (fsm_agent/interrupts.py); the drain (drain.py)
         self._interrupts = Interrupts(self._signals, self._forwarded, launcher, self._rdzv.interruptible)
         self._drains = NodeDrain(spec.role, self._interrupts.wake_w)
+        self._verdicts = NodeVerdicts(
+            self._worker_group, self._hostname, spec.role, self._interrupts, self._bounded_call
+        )
         self._interrupts.drains = self._drains
         self._watch = HealthyWatch(
             self._worker_group,
@@ -242,9 +247,10 @@ class ElasticAgent(PluginSurface):
             signal=self._interrupts.signal,
             stopped_workers=self._interrupts.stopped_workers,
             restart_count=self.restart_count,
-            verdict=(decision.reason or None) if decision is not None and gave_up else self._drain_verdict(),
+            verdict=(decision.reason or None) if decision is not None and gave_up else self._other_verdict(),
             verdict_exit_code=decision.exit_code if decision is not None and gave_up else None,
             drain=self.drain["scope"] if self.drain is not None and self.state == S.FAILED else None,
+            job_verdict=self._job_verdict if self.state == S.FAILED else None,
         )
         for name, value in final_metrics(result, self.spec.max_restarts, self.restart_count).items():
             self.put_metric("torchelastic", f"workers.{self.spec.role}.{name}", value)
@@ -260,12 +266,15 @@ class ElasticAgent(PluginSurface):
             return
         if self.state in (S.INIT, S.STOPPED):  # no workers to watch: look for a drain before going on
             self._drains.look(self._worker_group, healthy=False)
+        if self._drains.peer_verdict is not None and "job_failed" in self.machine.get_triggers(self.state):
+            self._fire(JobFailed(verdict=self._drains.peer_verdict))
+            return
         if self._drains.request is not None and "drain_requested" in self.machine.get_triggers(self.state):
             self._fire(DrainRequested(**self._drains.request))
             return
         auto = AUTO_TRIGGERS.get(self.state)
         if auto is not None:
-            self._fire(FACTS[auto]())
+            self._fire(self._peer_verdict_first(FACTS[auto]()))
             return
         try:
             fact = self._watch.wait()  # HEALTHY's invoked activity
@@ -278,7 +287,7 @@ class ElasticAgent(PluginSurface):
             self._fire_error(AgentErrored(error=error))
             return
         if fact is not None:
-            self._fire(fact)
+            self._fire(self._peer_verdict_first(fact))
 
     def fire(self, trigger: str, **data: Any) -> None:
         """Fire ``trigger`` with its fact built from ``data``, as the run loop does, for replay and
@@ -318,6 +327,8 @@ class ElasticAgent(PluginSurface):
             pass  # self._interrupts.signal is set: the next step fires stop_requested
         except DrainInterrupt:
             pass  # self._drains.request is set: the next step fires drain_requested
+        except job_verdict.PeerVerdict:
+            pass  # self._drains.peer_verdict is set: the next step fires job_failed
         except Exception as exc:
             kind = rendezvous_errors.classify(exc)
             if kind == "not_needed":
@@ -372,19 +383,8 @@ class ElasticAgent(PluginSurface):
         """
         fact = fact_of(event, WorkersFailed)
         self._decided_class = None
-        if self.state == S.UNHEALTHY:
-            self._failures = (
-                health_failures(self._worker_group, self.hostname, self._health_problem)
-                if self._health_problem is not None
-                else hang_failures(self._worker_group, self._worker_logs, self.hostname, self._hung, self._hung_stacks)
-            )
-        else:
-            exits = {r: c for r, c in fact.exits.items() if c != 0}
-            if not exits:
-                raise ValueError("workers_failed needs the failed workers' exits={local_rank: exitcode}")
-            self._failures = exit_failures(self._worker_group, self._worker_logs, self.hostname, exits, fact.exit_times)
-        cause = first_failure(self._failures)
-        assert cause is not None  # exits were checked above; hangs and health checks fail workers
+        self._failures = self._failures_of(fact)
+        cause = self._verdicts.local_root_cause(self._failures, self._classifier())
         why = "" if cause.failure_class in (FailureClass.EXIT_CODE, FailureClass.SIGNAL) else f", {cause.failure_class}"
         what = (
             f"workers failed (first: local_rank {cause.local_rank}, rank {cause.global_rank}, "
@@ -394,6 +394,7 @@ class ElasticAgent(PluginSurface):
         self._ask_restart_policy(
             cause.failure_class, RestartDecision(self.restart_count < self.spec.max_restarts), what
         )
+        self._verdicts.publish(self._failures, self._decision)
 
     def _decide_on_membership_change(self, event: EventData) -> None:
         """Ask the restart policy about a membership change (``MembershipChanged.change``:
@@ -428,11 +429,6 @@ class ElasticAgent(PluginSurface):
         record = self._drains.stop_and_settle(self._worker_group, self._launcher, self._interrupts, self._stop_workers)
         if record is not None:
             self.record_event("drain", **record)
-
-    def _drain_verdict(self) -> str | None:
-        if self.state != S.FAILED or self._interrupts.signal is not None:
-            return None
-        return self._drains.verdict()
 
     def _end_cycle(self, progress: Progress | None, failure_class: str | None) -> None:
         """Record the attempt that just ended as a ``Cycle`` (``cycle`` event). The progress comes
@@ -586,6 +582,7 @@ class ElasticAgent(PluginSurface):
         """Wait (up to exit_barrier_timeout s) until every agent is done (``ExitBarrier.wait``, torch's
         ``_exit_barrier``); a stop signal cuts it short."""
         self._barrier.wait(self._worker_group, lambda name, call: self._interrupts.call(name, call, busies_store=False))
+        self._verdicts.after_barrier(self._drains)
 
     def _release_exit_barrier(self, event: EventData | None = None) -> None:
         """A failing agent checks in at the exit barrier so its peers stop waiting for it."""
@@ -648,20 +645,7 @@ class ElasticAgent(PluginSurface):
         self._worker_group.state = WorkerState(dest)
         self.transitions.append(record)
         self._listeners.broadcast("fsm_agent_state_changed", transition=record)
-        decided: dict[str, Any] = {"failure_class": decided_class} if decided_class else {}
-        if trigger == "drain_requested" and self.drain is not None:  # a drain, not a failure
-            decided.update(drain_scope=self.drain["scope"], drain_source=self.drain["source"])
-        if fact is not None:
-            decided["fact"] = fact
-        self.record_event(
-            "transition",
-            source=record.source,
-            dest=record.dest,
-            trigger=trigger,
-            duration_s=round(record.duration_s, 6),
-            error=record.error,
-            **decided,
-        )
+        self.record_event("transition", **transition_event(record, decided_class, self.drain, fact))
         for group, name, value in transition_metrics(
             self.spec.role, record.source, record.dest, trigger, self.remaining_restarts, record.duration_s
         ):

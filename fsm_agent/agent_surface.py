@@ -13,6 +13,9 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+import pluggy
+
+from fsm_agent.attribution import FailureReport
 from fsm_agent.drain import NodeDrain
 from fsm_agent.hang import HangDetector
 from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout
@@ -26,6 +29,7 @@ class PluginSurface:
     """The agent as plugins see it (``ElasticAgent`` sets every attribute declared here)."""
 
     spec: WorkerSpec
+    plugin_manager: pluggy.PluginManager
     restart_count: int
     _hostname: str
     _rdzv_handler: Any
@@ -36,6 +40,7 @@ class PluginSurface:
     _cycles: CycleLog
     _step_times: dict[str, Any] | None
     _checkpoints: dict[str, Any] | None
+    _job_verdict: dict[str, Any] | None
     _drains: NodeDrain
     _hang: HangDetector
     _listeners: Listeners
@@ -107,6 +112,23 @@ class PluginSurface:
         record), persisted ({global_rank: step}), persist_error), for ``/status``; None while the
         plugin is off."""
         return None if self._checkpoints is None else MappingProxyType(self._checkpoints)
+
+    def _classifier(self) -> Callable[[FailureReport], str | None]:
+        """Hook ``fsm_agent_classify_failure`` as the attributor asks it (a site's rules first)."""
+        hook = self.plugin_manager.hook.fsm_agent_classify_failure
+
+        def classify(report: FailureReport) -> str | None:
+            answer: str | None = hook(report=report)
+            return answer
+
+        return classify
+
+    @property
+    def job_verdict(self) -> Mapping[str, Any] | None:
+        """The job's verdict once the job failed (``fsm_agent.job_verdict``: ``root_causes``,
+        ``classes``, ``reasons``, ``exit_code``, ``summary``, ``decided_by``, ``reports``), the same
+        on every node; None until then."""
+        return None if self._job_verdict is None else MappingProxyType(self._job_verdict)
 
     def report_checkpoints(self, view: Mapping[str, Any] | None) -> None:
         """Publish ``view`` as ``checkpoints`` (a copy; None clears it)."""

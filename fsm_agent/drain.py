@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fsm_agent import job_verdict
 from fsm_agent.errors import ConfigError
 from fsm_agent.interrupts import Interrupts, empty_pipe
 from fsm_agent.store_looks import STORE_LOOKS_PER_S, look_interval
@@ -82,6 +83,9 @@ class NodeDrain:
         self.interruptible = False
         #: no request is taken any more (the run released what it held)
         self.closed = False
+        #: the job's verdict record a peer published when it gave the job up (``job_verdict``): the
+        #: job-wide key says "job failed", not "drain"; the run loop fires ``job_failed`` with it
+        self.peer_verdict: dict[str, Any] | None = None
         self._role = role
         self._wake_w = wake_w
         self._lock = threading.RLock()  # RLock: a drain signal may arrive while the loop holds it
@@ -198,11 +202,30 @@ class NodeDrain:
                 by = by.decode() if isinstance(by, bytes) else str(by)
             except Exception:
                 by = "a peer"
+            if by.startswith(job_verdict.JOB_FAILED_MARK):  # not a drain: a peer gave the job up
+                self._take_peer_verdict(group)
+                return
             try:
                 group.store.add(JOB_DRAIN_SEEN_KEY, 1)
             except Exception as exc:  # the announcer then waits out JOB_DRAIN_SEEN_WAIT_S
                 log.debug("could not count this node as having seen the job-wide drain: %s", exc)
             self.ask(scope="job", source="peer", by=by)
+
+    def _take_peer_verdict(self, group: WorkerGroup) -> None:
+        """Read the job's verdict a peer published, and count this node as having seen it (its
+        decider waits for that before it leaves with the store)."""
+        try:
+            verdict = job_verdict.published_verdict(group.store)
+            group.store.add(job_verdict.SEEN_KEY, 1)
+        except Exception as exc:  # the store went: the membership checks report that
+            log.debug("could not read the job's verdict: %s", exc)
+            return
+        if verdict is not None:
+            self.peer_verdict = verdict
+            try:
+                os.write(self._wake_w, b"v")  # wake the run loop
+            except OSError:
+                pass
 
     def peer_left(self, group: WorkerGroup) -> bool:
         """Whether another node of this round announced it leaves by a node drain."""

@@ -8,6 +8,7 @@ import socket
 import time
 from collections import deque
 
+from fsm_agent.attribution import rank_spans
 from fsm_agent.worker import RunResult, WorkerFailure, signal_name
 
 
@@ -67,6 +68,8 @@ def format_summary(name: str, result: RunResult) -> str:
     lines = ["=" * width, f"{name} FAILED", "-" * width]
     if result.verdict:  # what the restart policy decided, e.g. "no restarts left (max_restarts=3)"
         lines += [f"Verdict: {result.verdict}", "-" * width]
+    if result.job_verdict is not None and result.signal is None:
+        return "\n".join(lines + _job_verdict_lines(result, width))
     cause = result.root_cause
     if cause is None:
         lines += ["Root Cause (first observed failure):", f"  {result.error or 'agent stopped'}"]
@@ -81,14 +84,77 @@ def format_summary(name: str, result: RunResult) -> str:
         return "\n".join(lines)
     lines += ["Root Cause (first observed failure):"] + _entry(cause)
     others = [f for f in sorted(result.failures.values(), key=lambda f: f.global_rank) if f is not cause]
-    lines += ["-" * width, "Failures:"]
-    if others:
-        for failure in others:
-            lines += _entry(failure)
-    else:
+    return "\n".join(lines + _failures_section(others, width))
+
+
+def _failures_section(others: list[WorkerFailure], width: int) -> list[str]:
+    """torch's ``Failures:`` block: every other failure in full, or ``<NO_OTHER_FAILURES>``."""
+    lines = ["-" * width, "Failures:"]
+    for failure in others:
+        lines += _entry(failure)
+    if not others:
         lines.append("  <NO_OTHER_FAILURES>")
-    lines.append("=" * width)
-    return "\n".join(lines)
+    return [*lines, "=" * width]
+
+
+def _job_verdict_lines(result: RunResult, width: int) -> list[str]:
+    """The job's verdict (``fsm_agent.job_verdict``), the same on every node: its root cause first
+    (this node's entry when the rank ran here, else what its node reported), the collateral ranks
+    as one line, then this node's other failures that were not collateral."""
+    verdict = result.job_verdict or {}
+    reports = {int(r["global_rank"]): r for r in verdict.get("reports", ())}
+    classes = {int(rank): cls for rank, cls in dict(verdict.get("classes", {})).items()}
+    reasons = {int(rank): why for rank, why in dict(verdict.get("reasons", {})).items()}
+    roots = [int(rank) for rank in verdict.get("root_causes", ())]
+    # torch's heading, which log scrapers look for; the root cause is the job's verdict's
+    lines = [
+        "Root Cause (first observed failure):",
+        f"  (the job's verdict, decided by {verdict.get('decided_by', '?')}: the first failure of its own,"
+        " not one a peer's failure caused)",
+    ]
+    if not roots:
+        lines.append(f"  {verdict.get('summary') or 'unknown'}")
+    for rank in roots:
+        if rank in result.failures:
+            lines += _entry(result.failures[rank])
+        elif rank in reports:
+            lines += _reported_entry(reports[rank])
+        else:
+            lines += [f"[{rank}]:", f"  rank      : {rank}", f"  reason    : {reasons.get(rank, '')}"]
+    collateral = sorted(rank for rank, cls in classes.items() if cls == "collateral")
+    if collateral:
+        lines += [
+            "-" * width,
+            f"Collateral: rank{'s' if len(collateral) > 1 else ''} {rank_spans(collateral)} failed because the root cause did",
+        ]
+    others = [
+        f
+        for f in sorted(result.failures.values(), key=lambda f: f.global_rank)
+        if f.global_rank not in roots and classes.get(f.global_rank) != "collateral"
+    ]
+    return lines + _failures_section(others, width)
+
+
+def _reported_entry(report: dict) -> list[str]:
+    """A root cause that ran on another node, from its node's report."""
+    code = int(report.get("exitcode", 1))
+    text = f"{code} ({signal_name(code)})" if code < 0 else str(code)
+    when = time.strftime("%Y-%m-%d_%H:%M:%S", time.localtime(float(report.get("time", 0))))
+    out = [
+        f"[{report['global_rank']}]:",
+        f"  rank      : {report['global_rank']} (local_rank: {report.get('local_rank')}, on another node)",
+        f"  exitcode  : {text}",
+    ]
+    if report.get("message"):
+        out.append(f"  message   : {report['message']}")
+    if report.get("tail"):
+        out += ["  traceback :"] + ["    " + line for line in str(report["tail"]).splitlines()]
+    out += [
+        f"  host      : {report.get('hostname', '')} (group_rank {report.get('group_rank')})",
+        f"  time      : {when}",
+        f"  class     : {report.get('failure_class', '')}",
+    ]
+    return out
 
 
 def _entry(f: WorkerFailure) -> list[str]:

@@ -67,6 +67,32 @@ def exit_failures(
     return failures
 
 
+def failures_of(
+    group: WorkerGroup,
+    worker_logs: Mapping[int, WorkerLogs],
+    hostname: str,
+    exits: Mapping[int, int],
+    exit_times: Mapping[int, float],
+    unhealthy: tuple[HealthCheckFailed | None, Mapping[int, str], Mapping[int, str]] | None = None,
+) -> dict[int, WorkerFailure]:
+    """The failed workers a ``workers_failed`` fact is about: its non-zero ``exits`` (error files read
+    now), or, when the group is UNHEALTHY (``unhealthy``: the health check's problem, else the hung
+    workers and their stacks), every worker of the unhealthy node, or the hung ones.
+
+    Raises:
+        ValueError: no ``unhealthy`` and no failed exit (``workers_failed`` from HEALTHY needs them).
+    """
+    if unhealthy is not None:
+        problem, hung, stacks = unhealthy
+        if problem is not None:
+            return health_failures(group, hostname, problem)
+        return hang_failures(group, worker_logs, hostname, hung, stacks)
+    failed = {r: c for r, c in exits.items() if c != 0}
+    if not failed:
+        raise ValueError("workers_failed needs the failed workers' exits={local_rank: exitcode}")
+    return exit_failures(group, worker_logs, hostname, failed, exit_times)
+
+
 def health_failures(group: WorkerGroup, hostname: str, problem: HealthCheckFailed) -> dict[int, WorkerFailure]:
     """A node found unhealthy fails every local worker (class ``health_check``, or the class the
     health check names, e.g. ``straggler``)."""
@@ -104,10 +130,11 @@ def hang_failures(
     for local_rank, why in hung.items():
         worker = group.workers[local_rank]
         wlogs = worker_logs.get(local_rank)
+        # py-spy's stacks, else the faulthandler dump at the end of its stderr file (where it is
+        # stuck is what the attribution reads: inside torch.distributed, it waits for a peer)
+        dumped = errorfile.tail(wlogs.stderr, 60) if wlogs and wlogs.stderr else ""
         trace = stacks.get(local_rank) or (
-            f"(faulthandler stack dump in {wlogs.stderr})"
-            if wlogs and wlogs.stderr
-            else "(faulthandler stack dump on the worker's stderr)"
+            dumped if "most recent call first" in dumped else "(faulthandler stack dump on the worker's stderr)"
         )
         failures[worker.global_rank] = WorkerFailure(
             local_rank=local_rank,
@@ -134,7 +161,7 @@ def dump_hung_stacks(
     py-spy the worker gets SIGABRT, and ``PYTHONFAULTHANDLER=1`` (set for workers when hang
     detection is on) makes Python print every thread's stack to its stderr before it dies.
     """
-    found, pids = {}, launcher.pids()
+    found, pids, aborted = {}, launcher.pids(), []
     for local_rank, why in hung.items():
         pid = pids[local_rank]
         log.warning("[%s] local_rank %s (pid %s) is hung: %s", role, local_rank, pid, why)
@@ -148,9 +175,15 @@ def dump_hung_stacks(
                     f.write(stacks)
             continue
         announce_stack_dump(wlogs.stderr if wlogs else None, local_rank, pid)
+        aborted.append(local_rank)
+    # Every hung worker dumps at the same instant: one after the other, a worker would die of the
+    # dump before the next dumped, and the next be caught failing because of it, not where it hung.
+    for local_rank in aborted:
         launcher.signal_worker(local_rank, signal.SIGABRT)
-        # Let faulthandler finish writing before the group's SIGTERM can cut the dump short.
+    # Let faulthandler finish writing before the group's SIGTERM can cut the dump short.
+    deadline = time.monotonic() + STACK_DUMP_WAIT_S
+    for local_rank in aborted:
         exit_fds = [fd for fd, rank in launcher.wait_fds().items() if rank == local_rank]
         if exit_fds:
-            select.select(exit_fds, [], [], STACK_DUMP_WAIT_S)
+            select.select(exit_fds, [], [], max(0.0, deadline - time.monotonic()))
     return found

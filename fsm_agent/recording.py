@@ -114,6 +114,27 @@ def event_record(
     }
 
 
+def transition_event(
+    record: TransitionRecord, decided_class: str | None, drain: Any, fact: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The fields of a ``transition`` event (docs/events.md): the record's, what the restart policy
+    decided about (``failure_class``), a drain's scope and source, and the trigger's fact."""
+    fields: dict[str, Any] = dict(
+        source=record.source,
+        dest=record.dest,
+        trigger=record.trigger,
+        duration_s=round(record.duration_s, 6),
+        error=record.error,
+    )
+    if decided_class:
+        fields["failure_class"] = decided_class
+    if record.trigger == "drain_requested" and drain is not None:  # a drain, not a failure
+        fields.update(drain_scope=drain["scope"], drain_source=drain["source"])
+    if fact is not None:
+        fields["fact"] = fact
+    return fields
+
+
 def transition_metrics(
     role: str, source: str, dest: str, trigger: str, remaining_restarts: int, duration_s: float
 ) -> list[tuple[str, str, float]]:

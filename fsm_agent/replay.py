@@ -67,7 +67,8 @@ class Divergence:
         transition: the transition's number in its run (1-based).
         what: ``state`` (another destination), ``restart_count``, ``source`` (the record starts
             from another state than the machine is in), ``refused`` (the trigger cannot fire
-            there), ``error`` (a step raised), ``end`` (the run ended in another state).
+            there), ``error`` (a step raised), ``end`` (the run ended in another state),
+            ``verdict`` (today's attribution classes the recorded reports differently).
         source / trigger / dest: the recorded transition (for ``end``: the final state and "run_end").
         expected / actual: the recorded value and the replayed one (states, or restart counts).
         detail: more words, when there are any.
@@ -102,6 +103,8 @@ class Divergence:
             )
         elif self.what == "end":
             text = f"the run ended in {self.expected}, the replay in {self.actual}"
+        elif self.what == "verdict":
+            text = f"the job's verdict recorded {self.expected}, the replay decides {self.actual}"
         else:
             text = f"{self.source} --{self.trigger}--> expected {self.expected}, actual: {self.actual}"
         return f"{where}: {text}" + (f" ({self.detail})" if self.detail else "")
@@ -330,6 +333,22 @@ def _recorded_fact(record: dict, source: str, exits: list[dict], cycle: dict | N
     return fact
 
 
+def _verdict_fields(record: dict) -> dict[str, Any]:
+    """A ``verdict`` event as the job's verdict record (the event's common fields left out)."""
+    keys = (
+        "root_causes",
+        "classes",
+        "reasons",
+        "exit_code",
+        "summary",
+        "decided_by",
+        "decided_at",
+        "world_size",
+        "reports",
+    )
+    return {key: record[key] for key in keys if key in record}
+
+
 def _rebuilt_fields(record: dict, source: str, exits: list[dict]) -> dict[str, Any]:
     """A fact's fields rebuilt from a transition record without a ``fact`` field (older files)."""
     trigger = record["trigger"]
@@ -406,6 +425,7 @@ class _Replayer:
         self.count = 0  # transitions replayed so far, the current one included
         self._exits: list[dict] = []  # the attempt's worker_exit records
         self._cycle: dict | None = None  # the cycle record the next transition ends, if any
+        self._verdict: dict | None = None  # the verdict record the next transition gave the job up with
 
     def diverged(self, event: int, line: int, what: str, record: dict, expected: Any, actual: Any, detail: str = ""):
         return Divergence(
@@ -428,11 +448,37 @@ class _Replayer:
             self._exits.append(record)
         elif kind == "cycle":
             self._cycle = record
+        elif kind == "verdict":
+            self._verdict = record
+            return self._check_verdict(event, line, record)
         elif kind == "run_end" and record.get("state") and record["state"] != state:
             return Divergence(event, line, self.count, "end", state, "run_end", record["state"], state)
         elif kind == "transition":  # a record kind this version does not know is not part of the trace
             self.count += 1
             return self._transition(event, line, record)
+        return None
+
+    def _check_verdict(self, event: int, line: int, record: dict) -> Divergence | None:
+        """The attribution today's rules (and the loaded plugins' ``fsm_agent_classify_failure``)
+        give on the verdict's own reports must name the same root causes and classes."""
+        from fsm_agent.job_verdict import recompute
+
+        if "reports" not in record:  # decided by an older agent
+            return None
+        again = recompute(record, self.agent._classifier()).record()
+        for key in ("root_causes", "classes"):
+            if again[key] != record.get(key):
+                return Divergence(
+                    event=event,
+                    line=line,
+                    transition=self.count,
+                    what="verdict",
+                    source=self.agent.state.value,
+                    trigger="verdict",
+                    expected=json.dumps(record.get(key)),
+                    actual=json.dumps(again[key]),
+                    detail=f"today's attribution rules class the recorded reports differently ({key})",
+                )
         return None
 
     def _transition(self, event: int, line: int, record: dict) -> Divergence | None:
@@ -447,8 +493,12 @@ class _Replayer:
         if _last_resort(record):
             self._launcher.fail_next_stop = True  # the recorded error path failed at its stop
         fired = len(agent.transitions)
+        verdict, self._verdict = self._verdict, None
         try:
-            agent.fire_fact(_recorded_fact(record, source, self._exits, self._cycle))
+            fact = _recorded_fact(record, source, self._exits, self._cycle)
+            if trigger in ("workers_failed", "membership_changed") and verdict and not verdict.get("adopted"):
+                fact = attrs.evolve(fact, job_verdict=_verdict_fields(verdict))  # decided with the peers: as recorded
+            agent.fire_fact(fact)
         except MachineError:
             return self.diverged(event, line, "refused", record, dest, agent.state.value)
         except ValueError as exc:  # the recorded fact does not fit its trigger

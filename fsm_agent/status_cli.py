@@ -121,7 +121,19 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
         else []
     )
     standby = doc.get("standby")
+    verdict = doc.get("verdict")  # the job failed: its root cause, the same on every node
+    verdicts = (
+        [
+            (
+                "verdict",
+                f"{verdict.get('summary')} (exit code {verdict.get('exit_code')}, decided by {verdict.get('decided_by')})",
+            )
+        ]
+        if isinstance(verdict, dict)
+        else []
+    )
     return [
+        *verdicts,
         *checkpoint_rows(doc),
         ("state", f"{doc['state']} for {doc.get('time_in_state_s', 0):.1f}s" + (" (standby)" if standby else "")),
         *([("standby", standby)] if standby else []),

@@ -27,6 +27,7 @@ from fsm_agent.states.facts import (
     DrainRequested,
     Fact,
     HealthCheckFailed,
+    JobFailed,
     MembershipChanged,
     StopRequested,
     WorkersFailed,
@@ -128,6 +129,8 @@ class HealthyWatch:
             return StopRequested()
         if watches_drain:
             self._drains.look_if_due(self._group, healthy=True)
+        if self._drains.peer_verdict is not None:
+            return JobFailed(verdict=self._drains.peer_verdict)
         if self._drains.request is not None:
             return DrainRequested(**self._drains.request)
         self._hang.read_timer_requests()
@@ -146,6 +149,8 @@ class HealthyWatch:
         what happened, whenever the last look for it was."""
         if watches_drain:
             self._drains.look(self._group, healthy=True)
+            if self._drains.peer_verdict is not None:  # the peer left because it gave the job up
+                return JobFailed(verdict=self._drains.peer_verdict)
             if self._drains.request is not None:
                 return DrainRequested(**self._drains.request)
         # A lost peer usually fails our workers too (their collectives break); the cause is the

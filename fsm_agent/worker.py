@@ -369,6 +369,9 @@ class RunResult:
             (``RestartDecision.exit_code``, e.g. ``DO_NOT_REQUEUE_EXIT_CODE``), else None.
         drain: the scope of the drain that ended the run (``"node"`` or ``"job"``), else None;
             such a run exits ``DRAIN_EXIT_CODE``.
+        job_verdict: when the job failed, its verdict record (``fsm_agent.job_verdict``: the
+            root-cause ranks, a class per failed rank, the exit code, a one-line summary, who
+            decided), the same on every node; else None.
     """
 
     state: WorkerState
@@ -381,6 +384,7 @@ class RunResult:
     stopped_workers: bool = False
     verdict_exit_code: int | None = None
     drain: str | None = None
+    job_verdict: dict[str, Any] | None = None
 
     def is_failed(self) -> bool:
         """True unless the group SUCCEEDED (torch checks only FAILED and so misses UNHEALTHY)."""
@@ -394,7 +398,7 @@ class RunResult:
     @property
     def exit_code(self) -> int:
         """0 on success; 128+N when a signal N stopped the agent; ``DRAIN_EXIT_CODE`` after a drain;
-        the restart policy's ``verdict_exit_code`` when it gave one; else the root-cause worker's code, except that a
+        the job verdict's code when the job failed (the root cause's, or the restart policy's); the restart policy's ``verdict_exit_code`` when it gave one; else the root-cause worker's code, except that a
         worker's ``DO_NOT_REQUEUE_EXIT_CODE`` is reported as 1 (only the agent says "do not requeue").
         docs/failure-handling.md "Exit codes" has the table."""
         if self.state == WorkerState.SUCCEEDED:
@@ -403,6 +407,8 @@ class RunResult:
             return 128 + self.signal
         if self.drain is not None:
             return DRAIN_EXIT_CODE
+        if self.job_verdict is not None:  # the job's, the same on every node
+            return int(self.job_verdict.get("exit_code", 1))
         if self.verdict_exit_code is not None:
             return self.verdict_exit_code
         cause = self.root_cause

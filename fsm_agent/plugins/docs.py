@@ -41,11 +41,15 @@ EXAMPLE_FILES = {
 
 
 def example_lines(which: str) -> list[str]:
-    """The lines of one file of the example plugin (``module``, ``pyproject`` or ``test``).
+    """The lines of one file of the example plugin (``module``, ``pyproject`` or ``test``), or of the
+    example attribution rule (``attribution_rule``: its code, without the module docstring).
 
     Raises:
         FileNotFoundError: not run from a source checkout (the example is not installed).
     """
+    if which == "attribution_rule":
+        text = (EXAMPLE_DIR.parent / "attribution_rule.py").read_text(encoding="utf-8")
+        return text.split('"""', 2)[2].strip("\n").splitlines()
     return (EXAMPLE_DIR / EXAMPLE_FILES[which]).read_text(encoding="utf-8").rstrip("\n").splitlines()
 
 
@@ -407,6 +411,24 @@ def render() -> str:
         '        origins={"nnodes": "LSB_HOSTS", "rendezvous.endpoint": "LSB_HOSTS",',
         '                 "rendezvous.run_id": "LSB_JOBID"})',
         "```",
+        "",
+        "## A rule for the root-cause attribution",
+        "",
+        "When a job fails, the agents decide one verdict for the whole job: the root-cause rank and a class for "
+        "every other failed rank (`collateral`: it failed because a peer did; `own`; `unknown`), "
+        "[failure-handling.md](failure-handling.md#root-cause-the-jobs-verdict) says how. Each failed rank's "
+        "`FailureReport` (exit code or signal, time, error message, traceback or stderr tail, a hung rank's "
+        "stacks) is asked `fsm_agent_classify_failure(report)`; the first answer that is not None wins, and the "
+        "built-in `attribution` plugin answers last. A site that knows its own failure modes adds a rule; this "
+        "one (`docs/examples/attribution_rule.py`, which `tests/plugins/test_attribution_rule.py` runs) moves "
+        'the blame off its training wrapper\'s "a peer went away" exit code:',
+        "",
+        "```python",
+        *example_lines("attribution_rule"),
+        "```",
+        "",
+        "A rule must be deterministic (it sees only the report): `fsm-agent replay` asks it again on the reports "
+        "the events file recorded and names a verdict that came out differently.",
         "",
         "## Options",
         "",

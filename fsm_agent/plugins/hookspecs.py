@@ -13,6 +13,7 @@ from fsm_agent.plugins import hookspec
 
 if TYPE_CHECKING:
     from fsm_agent.agent import ElasticAgent
+    from fsm_agent.attribution import FailureReport
     from fsm_agent.config import LaunchConfig, OptionRegistry
     from fsm_agent.plugins.registry import BackendRegistry
     from fsm_agent.recording import TransitionRecord
@@ -236,6 +237,34 @@ def fsm_agent_restart_policy(
     """
 
 
+@hookspec(firstresult=True)
+def fsm_agent_classify_failure(report: FailureReport) -> str | None:
+    """Class one failed rank for the root-cause attribution: its own fault, or a peer's seen from here.
+
+    Args:
+        report: a ``fsm_agent.attribution.FailureReport``: ``global_rank``, ``group_rank``,
+            ``hostname``, ``exitcode`` (-N: signal N), ``failure_class``, ``time`` (seconds since the
+            epoch), ``message`` (its error's first line), ``tail`` (its traceback's or stderr's last
+            lines, or a hung rank's stacks).
+
+    Returns:
+        ``"collateral"`` (it failed because a peer did: a closed connection, a collective timeout),
+        ``"own"`` (its own fault), or None (no opinion); the first non-None answer wins. The built-in
+        ``attribution`` plugin answers last (``trylast``) with ``attribution.builtin_class``: gloo's
+        and NCCL's peer-failure messages and a hung rank waiting inside a collective are
+        collateral, everything else its own. ``attribution.attribute`` then names the first own
+        failure the root cause (torch names the first failure it noticed: ``get_first_failure``).
+
+    Called from:
+        ``_decide_on_failed_workers`` (``workers_failed``), once per failed worker of this node, to
+        name the root cause the restart policy decides on; ``_decide_job_verdict``, the step of the rows of
+        ``workers_failed`` and ``membership_changed`` that give the job up, once per failed rank of every node that
+        reported; and by the run loop (no step) before it fires ``workers_failed`` on a node of
+        several, to learn whether its failures were all collateral.
+        Must be deterministic: ``fsm-agent replay`` asks it again on the recorded reports.
+    """
+
+
 @hookspec
 def fsm_agent_health_check(worker_group: WorkerGroup) -> str | None:
     """Check this node's health while its workers run (GPUs, disks, network, ...).
@@ -312,7 +341,8 @@ def fsm_agent_record_event(event: dict[str, Any]) -> None:
         (``membership_changed``) and ``_record_return_values`` (``workers_succeeded``); a ``drain``
         record from ``_drain_workers`` (``drain_requested``), once its workers are stopped; a
         ``launcher_timings`` record from ``_start_workers`` (``start``, ``restart``), when the launcher
-        reports its timings.
+        reports its timings; a ``verdict`` record from ``_decide_job_verdict`` (``workers_failed``,
+        ``membership_changed``: giving the job up) and ``_adopt_job_verdict`` (``job_failed``).
     """
 
 

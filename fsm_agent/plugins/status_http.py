@@ -391,6 +391,7 @@ class LiveStatus:
                 "cycles": [attrs.asdict(cycle) for cycle in agent.cycles[-CYCLES_SHOWN:]],
                 "step_times": None if agent.step_times is None else dict(agent.step_times),
                 "checkpoints": None if agent.checkpoints is None else dict(agent.checkpoints),
+                "verdict": _verdict_doc(agent.job_verdict),
                 # A drain is not a failure: apart from restart_count, with its own count.
                 "drain": self._drain_doc(),
                 "drains": int(agent.drain is not None),
@@ -574,3 +575,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
         log.debug("status http: " + format, *args)
+
+
+def _verdict_doc(verdict: Any) -> dict[str, Any] | None:
+    """The job's verdict without the reports it was decided on (those are in the events file)."""
+    if verdict is None:
+        return None
+    return {
+        key: verdict[key] for key in ("summary", "root_causes", "classes", "exit_code", "decided_by") if key in verdict
+    }

@@ -146,12 +146,15 @@ class WorkersFailed(Fact):
         exits: ``{local_rank: exitcode}`` of the failed workers (negative: killed by that signal).
         exit_times: ``{local_rank: seconds since the epoch}`` when each exit was seen.
         progress: how far the attempt got (replay), else None: the workers' reports are read.
+        job_verdict: the job's verdict when this node gave the job up (replay: the recorded
+            ``verdict`` event), else None: decided with the other nodes through the store.
     """
 
     trigger: ClassVar[str] = "workers_failed"
     exits: dict[int, int] = attrs.field(factory=dict, converter=_exit_codes)
     exit_times: dict[int, float] = attrs.field(factory=dict, converter=_seconds)
     progress: Progress | None = attrs.field(default=None, converter=_progress)
+    job_verdict: dict[str, Any] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -161,6 +164,8 @@ class MembershipChanged(Fact):
     Attributes:
         change: ``node_lost`` or ``membership_change``.
         progress: how far the attempt got (replay), else None: the workers' reports are read.
+        job_verdict: the job's verdict when this node gave the job up (replay: the recorded
+            ``verdict`` event), else None: decided with the other nodes through the store.
     """
 
     trigger: ClassVar[str] = "membership_changed"
@@ -168,6 +173,7 @@ class MembershipChanged(Fact):
         default="membership_change", validator=attrs.validators.in_(("node_lost", "membership_change"))
     )
     progress: Progress | None = attrs.field(default=None, converter=_progress)
+    job_verdict: dict[str, Any] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -213,6 +219,23 @@ class DrainRequested(Fact):
 
 
 @attrs.frozen(kw_only=True)
+class JobFailed(Fact):
+    """Another node gave the job up and published the job's verdict (``fsm_agent.job_verdict``):
+    this node ends with it, whatever its own restarts left. Read by the job-wide look, or found
+    when this node's own failures were a peer's failure seen from here (collateral).
+
+    Attributes:
+        verdict: the job's verdict record (``root_causes``, ``classes``, ``reasons``, ``exit_code``,
+            ``summary``, ``decided_by``, ``world_size``, ``reports``).
+        exits: ``{local_rank: exitcode}`` of this node's workers that had failed already, if any.
+    """
+
+    trigger: ClassVar[str] = "job_failed"
+    verdict: dict[str, Any] = attrs.field(factory=dict)
+    exits: dict[int, int] = attrs.field(factory=dict, converter=_exit_codes)
+
+
+@attrs.frozen(kw_only=True)
 class AgentErrored(Fact):
     """An unexpected exception in the agent or a plugin: the agent can no longer vouch for its workers.
 
@@ -239,6 +262,7 @@ FACTS: dict[str, type[Fact]] = {
         RendezvousNotNeeded,
         StopRequested,
         DrainRequested,
+        JobFailed,
         AgentErrored,
     )
 }
@@ -261,11 +285,19 @@ def fact_for(trigger: str, **data: Any) -> Fact:
 
 
 def _field_doc(cls: type[Fact], name: str) -> str:
-    """The ``name: meaning`` line of the class's ``Attributes:`` docstring section, or ""."""
-    for line in (inspect.getdoc(cls) or "").splitlines():
+    """The ``name: meaning`` entry of the class's ``Attributes:`` docstring section (its
+    continuation lines, indented deeper, joined), or ""."""
+    lines = (inspect.getdoc(cls) or "").splitlines()
+    for index, line in enumerate(lines):
         stripped = line.strip()
         if stripped.startswith(f"{name}:"):
-            return stripped[len(name) + 1 :].strip()
+            indent = len(line) - len(line.lstrip())
+            text = [stripped[len(name) + 1 :].strip()]
+            for more in lines[index + 1 :]:
+                if not more.strip() or len(more) - len(more.lstrip()) <= indent:
+                    break
+                text.append(more.strip())
+            return " ".join(text)
     return ""
 
 

@@ -51,7 +51,7 @@ STATE_NOTES = (
 #: table must be listed, even one that fires none (``hook_map_problems`` checks this and the
 #: hookspecs' "Called from:" text; ``tests/states`` checks it against ``ElasticAgent``'s code).
 HOOKS_BY_STEP: dict[str, tuple[str, ...]] = {
-    "_decide_on_failed_workers": ("fsm_agent_record_event", "fsm_agent_restart_policy"),
+    "_decide_on_failed_workers": ("fsm_agent_classify_failure", "fsm_agent_record_event", "fsm_agent_restart_policy"),
     "_decide_on_membership_change": ("fsm_agent_record_event", "fsm_agent_restart_policy"),
     "_rendezvous": ("fsm_agent_rendezvous_completed",),
     "_start_workers": (
@@ -72,6 +72,8 @@ HOOKS_BY_STEP: dict[str, tuple[str, ...]] = {
     "_decide_on_drain": (),
     "_announce_drain": (),
     "_drain_workers": ("fsm_agent_record_event",),
+    "_decide_job_verdict": ("fsm_agent_classify_failure", "fsm_agent_record_event"),
+    "_adopt_job_verdict": ("fsm_agent_record_event",),
 }
 
 #: Fired after every transition, once the state has changed, by ``ElasticAgent._after_state_change``.

@@ -77,12 +77,21 @@ TRANSITIONS: list[Row] = [
         unless="has_restarts_left",
         before="_stop_workers",
     ),
+    # Giving the job up decides the job's verdict (fsm_agent.job_verdict): the root cause among
+    # every node's failed ranks, published so that the other nodes end with the same one.
     dict(
         trigger="workers_failed",
         source=_RUNNING,
         dest=S.FAILED,
         unless=["has_restarts_left", "excludes_this_node"],
-        before=["_stop_workers", "_release_exit_barrier"],
+        before=["_stop_workers", "_decide_job_verdict", "_release_exit_barrier"],
+    ),
+    # Another node gave the job up: end with its verdict, restarts left or not. Fact: JobFailed.
+    dict(
+        trigger="job_failed",
+        source=_RUNNING,
+        dest=S.FAILED,
+        before=["_adopt_job_verdict", "_stop_workers", "_release_exit_barrier"],
     ),
     # A node lost or waiting to join: by default a restart that is not counted (torch semantics).
     # Fact: MembershipChanged (change: node_lost or membership_change).
@@ -106,7 +115,7 @@ TRANSITIONS: list[Row] = [
         source=S.HEALTHY,
         dest=S.FAILED,
         unless=["has_restarts_left", "excludes_this_node"],
-        before=["_stop_workers", "_release_exit_barrier"],
+        before=["_stop_workers", "_decide_job_verdict", "_release_exit_barrier"],
     ),
     # -- the ways out that are not the workers' doing -------------------------------------------
     # The rendezvous or its store failed: while joining, or while checking membership.

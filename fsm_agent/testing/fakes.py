@@ -214,6 +214,24 @@ class FakeRendezvous(RendezvousHandler):
         """Peers die: ``num_nodes_lost()`` answers ``count`` more until the next round."""
         self._lost += count
 
+    def peer_gives_up(self, global_rank: int) -> None:
+        """A peer of the current round gives the job up: its verdict (``global_rank`` raised, the
+        root cause) is published in the round's store as a real decider does (``fsm_agent.job_verdict``),
+        for the agent's job-wide look to find."""
+        import json
+
+        from fsm_agent import job_verdict
+        from fsm_agent.attribution import FailureReport
+        from fsm_agent.drain import JOB_DRAIN_KEY
+
+        store = self.infos[-1].store
+        report = FailureReport(
+            global_rank=global_rank, group_rank=1, hostname="fake-peer", message="RuntimeError: peer"
+        )
+        record = job_verdict.verdict_record([report], global_rank + 1, "fake-peer (group_rank 1)", lambda r: None, None)
+        store.set(job_verdict.VERDICT_KEY, json.dumps(record))
+        job_verdict.announce(store, record, JOB_DRAIN_KEY)
+
     # -- RendezvousHandler ----------------------------------------------------------------------
     def get_backend(self) -> str:
         return "fake"

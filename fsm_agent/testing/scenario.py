@@ -223,6 +223,7 @@ PHRASES = {
     "wait": "one tick passes with no exit",
     "node joins | N nodes join": "late nodes are waiting (membership_changed at the next monitor check)",
     "node lost | N nodes lost": "peers of this round die (membership_changed, class node_lost, at the next check)",
+    "peer gives up (rank R)": "a peer of this round gives the job up, rank R its root cause (job_failed at the next look)",
     "SIGTERM | signal SIGINT": "the agent receives the signal at this tick",
     "SIGTERM during rendezvous": "the agent receives the signal inside the next rendezvous call",
     "restart": "what follows happens in the next attempt (after the next rendezvous)",
@@ -398,6 +399,8 @@ class Scenario:
             self._add_action(attempt, tick, ("join", int(m.group(1) or 1)))
         elif match(r"(?:a )?node (?:is )?lost|(\d+) nodes (?:are )?lost"):
             self._add_action(attempt, tick, ("lost", int(m.group(1) or 1)))
+        elif match(r"(?:a )?peer gives (?:the job )?up(?: \(?rank (\d+)\)?)?"):
+            self._add_action(attempt, tick, ("peer_gives_up", int(m.group(1) or 2)))
         elif match(rf"(?:signal |agent gets |agent receives )?{_SIG}"):
             self._add_action(attempt, tick, ("signal", _signum(m.group(1))))
         else:
@@ -451,6 +454,8 @@ class Scenario:
             return functools.partial(rendezvous.add_lost, action[1])
         if isinstance(action, tuple) and action and action[0] == "signal":
             return send_signal(action[1])
+        if isinstance(action, tuple) and action and action[0] == "peer_gives_up":
+            return functools.partial(rendezvous.peer_gives_up, action[1])
         return action
 
     def run(self, factory: Any = None) -> ScenarioResult:

@@ -88,6 +88,30 @@ class PolicyOf:
         return RestartDecision(**self.decision) if failure_class == self.failure_class else None
 
 
+class UnhealthyAfterPeerGaveUp:
+    """A health check that fails the node just as a peer gives the job up (the verdict is already in
+    the round's store when UNHEALTHY's workers_failed fires)."""
+
+    def __init__(self):
+        self.rendezvous = None
+
+    @hookimpl
+    def fsm_agent_configure(self, agent):
+        self.rendezvous = agent._rdzv_handler
+
+    @hookimpl
+    def fsm_agent_health_check(self, worker_group):
+        self.rendezvous.peer_gives_up(3)
+        return "GPU 0: uncorrectable ECC error"
+
+
+def _ended_with_the_peers_verdict(run):
+    verdict = run.result.job_verdict
+    assert verdict is not None and verdict["root_causes"] == [3], run.result
+    assert run.result.exit_code == 1 and run.result.restart_count == 0, run.result
+    assert "the job failed: rank 3" in (run.result.verdict or ""), run.result
+
+
 def _health_failures(run):
     classes = {f.failure_class for f in run.result.failures.values()} or {"health_check"}
     assert classes == {"health_check"}, run.result
@@ -195,6 +219,18 @@ CASES = [
             (run.result.error == "node_lost: no spare nodes" and run.result.verdict == "no spare nodes")
             or pytest.fail(str(run.result))
         ),
+    ),
+    (
+        "peer_gives_up",
+        Scenario("rendezvous rank 0 of 2 -> wait -> peer gives up (rank 3) -> wait", max_restarts=3),
+        ["INIT->HEALTHY (start)", "HEALTHY->FAILED (job_failed)"],
+        _ended_with_the_peers_verdict,
+    ),
+    (
+        "peer_gives_up_while_unhealthy",
+        Scenario("rendezvous rank 0 of 2 -> wait", max_restarts=3, plugins=[UnhealthyAfterPeerGaveUp()]),
+        ["INIT->HEALTHY (start)", "HEALTHY->UNHEALTHY (health_check_failed)", "UNHEALTHY->FAILED (job_failed)"],
+        _ended_with_the_peers_verdict,
     ),
     (
         "health_check_then_restart",
@@ -456,23 +492,25 @@ def test_hooks_of_failure_then_restart(make_agent, hook_recorder):
     ]
     hook_recorder.assert_sequence(START_HOOKS, transition=0)
     hook_recorder.assert_sequence(
-        ["worker_exited", "record_event", CYCLE_HOOK, "restart_policy", *AFTER_HOOKS], transition=1
+        ["worker_exited", "record_event", "classify_failure", CYCLE_HOOK, "restart_policy", *AFTER_HOOKS],
+        transition=1,
     )
     hook_recorder.assert_sequence(START_HOOKS, transition=2)
     hook_recorder.assert_sequence(["worker_exited", "record_event"] * 2 + [CYCLE_HOOK, *AFTER_HOOKS], transition=3)
 
-    exited, event, cycle, policy = hook_recorder.segment(1)[:4]
+    exited, event, classify, cycle, policy = hook_recorder.segment(1)[:5]
     assert (exited["worker"].local_rank, exited["exitcode"]) == (1, 1)
+    assert classify["report"].global_rank == 1  # the attribution names the root cause the policy decides on
     assert event["event"]["kind"] == "worker_exit" and event["event"]["exit_code"] == 1
     assert cycle["event"]["kind"] == "cycle" and cycle["event"]["failure_class"] == "exit_code"
     assert list(policy["failures"]) == [1] and policy["restart_count"] == 0
-    transition_event = hook_recorder.segment(1)[5]["event"]
+    transition_event = hook_recorder.segment(1)[6]["event"]
     assert (transition_event["source"], transition_event["dest"], transition_event["trigger"]) == (
         "HEALTHY",
         "STOPPED",
         "workers_failed",
     )
-    remaining = hook_recorder.segment(1)[6]
+    remaining = hook_recorder.segment(1)[7]
     assert (remaining["metric_name"], remaining["metric_value"]) == ("workers.default.remaining_restarts", 0)
     assert [s.stopped for s in run.launcher.stops] == [(0,)]  # the survivor was stopped before the restart
     assert [e[0]["TORCHELASTIC_RESTART_COUNT"] for e in (s.envs for s in run.launcher.started)] == ["0", "1"]
@@ -483,8 +521,8 @@ def test_hooks_of_a_hang(make_agent, hook_recorder):
     run = Scenario("worker 1 hangs -> restart -> all succeed", max_restarts=1, hang_timeout=1).run(make_agent)
     assert [t.label for t in hook_recorder.by_transition()][1:3] == ["HEALTHY->UNHEALTHY", "UNHEALTHY->STOPPED"]
     hook_recorder.assert_sequence(AFTER_HOOKS, transition=1)
-    hook_recorder.assert_sequence([CYCLE_HOOK, "restart_policy", *AFTER_HOOKS], transition=2)
-    (failure,) = hook_recorder.segment(2)[1]["failures"].values()
+    hook_recorder.assert_sequence(["classify_failure", CYCLE_HOOK, "restart_policy", *AFTER_HOOKS], transition=2)
+    (failure,) = hook_recorder.segment(2)[2]["failures"].values()
     assert (failure.local_rank, failure.failure_class) == (1, "hang") and "no heartbeat" in failure.message
     assert [s.stopped for s in run.launcher.stops] == [(0, 1)]  # the hung worker is stopped with the rest
 

@@ -44,7 +44,8 @@ def test_rendezvous_lost_while_handling_a_hang(make_agent, hook_recorder):
     assert "RendezvousConnectionError" in run.result.error and "restart budget" in run.result.error
     assert [s.stopped for s in run.launcher.stops] == [(0, 1)]  # the hung group is stopped on the way out
     hook_recorder.assert_sequence(
-        ["record_event", "restart_policy", "state_changed", "record_event", "put_metric*3"], transition=2
+        ["classify_failure", "record_event", "restart_policy", "state_changed", "record_event", "put_metric*3"],
+        transition=2,
     )  # the cycle record, then the decision
 
 

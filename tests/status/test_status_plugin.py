@@ -252,3 +252,22 @@ def test_post_drain_rules_and_the_drain_in_status(make_agent, tmp_path):
     snapshot = guarded.snapshot()
     assert snapshot["drain"]["scope"] == "job" and snapshot["restart_count"] == 0
     assert ("drain", "job scope, requested by http ::ffff:127.0.0.1") in summary_rows(snapshot)
+
+
+def test_a_failed_job_shows_its_verdict(make_agent):
+    """The job's verdict (root cause first, the collateral ranks counted) is in /status once the
+    job failed, and in `fsm-agent status`'s summary."""
+    from fsm_agent.status_cli import summary_rows
+
+    probe = Probe()
+    agent = make_agent(launcher=FakeLauncher([{1: 3}]), max_restarts=0, config=STATUS_CONFIG, plugins=[probe])
+    result = agent.run()
+    assert result.exit_code == 3
+    failed = probe.snapshots[-1]
+    assert failed["state"] == "FAILED"
+    verdict = failed["verdict"]
+    assert verdict["root_causes"] == [1] and verdict["exit_code"] == 3 and verdict["classes"] == {"1": "root_cause"}
+    assert "reports" not in verdict  # those are in the events file
+    label, text = summary_rows(failed)[0]
+    assert label == "verdict" and text.startswith("rank 1") and "exit code 3" in text
+    assert probe.snapshots[0]["verdict"] is None  # none while the job runs
