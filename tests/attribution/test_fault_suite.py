@@ -1,0 +1,54 @@
+"""The fault suite of issue #35: for every fault kind, fsm-agent's job verdict names the ground truth.
+
+Each test runs one kind of ``tests/attribution/faults.py`` as a real gloo training job on loopback
+(``tests/attribution/harness.py``: fsm-agent, ``fsm`` rendezvous, ``--max-restarts 0``) and asserts
+that every node ended and that every node's ``verdict`` record names an injected rank as THE root
+cause, with no rank outside the ground truth classed ``root_cause`` or ``own``. torchrun's side is
+not run here (it costs minutes: its exit barrier waits 300 s); ``python benchmarks/attribution.py``
+prints both side by side.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.attribution.faults import CATALOGUE, Fault
+from tests.attribution.harness import describe, judge, run_fault
+
+pytestmark = pytest.mark.integration
+
+#: Kinds fsm-agent does not attribute yet, and why (strict: a kind that starts passing fails here).
+KNOWN_MISSES = {
+    "store_host_lost": "the survivors cannot tell which node was lost: the store that would tell left with it",
+}
+KINDS = [
+    pytest.param(fault, id=fault.name, marks=[pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[fault.name])])
+    if fault.name in KNOWN_MISSES
+    else pytest.param(fault, id=fault.name)
+    for fault in CATALOGUE
+]
+
+
+def test_catalogue_has_twenty_kinds_with_ground_truth():
+    names = [fault.name for fault in CATALOGUE]
+    assert len(names) >= 20 and len(set(names)) == len(names)
+    for fault in CATALOGUE:
+        assert fault.truth, fault.name
+        assert 2 <= fault.nnodes <= 4 and fault.nproc in (1, 2), fault.name
+        assert all(0 <= rank < fault.world for rank in fault.truth), fault.name
+        assert (fault.worker_kind == "none") == (fault.action is not None), f"{fault.name}: one injection"
+        if fault.truth_node is not None:  # a node's ranks, as fsm-agent's --node-rank order assigns them
+            node_ranks = range(fault.truth_node * fault.nproc, (fault.truth_node + 1) * fault.nproc)
+            assert fault.truth == frozenset(node_ranks), fault.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", KINDS)
+def test_verdict_names_the_injected_rank(fault: Fault, tmp_path):
+    outcome = run_fault(fault, "fsm-agent", tmp_path, seed=0)
+    verdict = judge(outcome)
+    assert verdict.right, "; ".join(verdict.reasons) + "\n" + describe(outcome) + "\n" + _tails(outcome)
+
+
+def _tails(outcome) -> str:
+    return "\n".join(f"--- node {n.node} stderr (end) ---\n{n.stderr_tail}" for n in outcome.nodes)
