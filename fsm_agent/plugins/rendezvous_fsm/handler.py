@@ -439,7 +439,10 @@ class FsmRendezvousHandler:
         with self._cv:
             self._cv.notify_all()
         self._alive_client.abort()  # wakes the keep-alive thread from its watch
+        # On the way out a store that does not answer (its network gone with the pod, as Kubernetes
+        # stops one) must not hold the stop past a short wait: the join's patience is for load.
         self._client.connect_timeout = min(self._client.connect_timeout, self.settings.handshake_timeout)
+        self._client.reply_timeout = min(self._client.reply_timeout, self.settings.handshake_timeout)
         ok = True
         try:
             if self._started:
