@@ -234,10 +234,14 @@ def announce(store: Any, record: dict[str, Any], job_end_key: str) -> None:
     store.set(job_end_key, JOB_FAILED_MARK + str(record.get("summary", "")))
 
 
-def wait_until_seen(group: WorkerGroup, wake_r: int, stopped: Callable[[], bool], role: str) -> None:
+def wait_until_seen(
+    group: WorkerGroup, wake_r: int, stopped: Callable[[], bool], role: str, lost_ranks: Sequence[int] = ()
+) -> None:
     """The decider waits (at most ``SEEN_WAIT_S`` s) until every other node saw the verdict or
-    checked in at the exit barrier (it ended, or its workers finished)."""
-    others = (group.group_world_size or 1) - 1
+    checked in at the exit barrier (it ended, or its workers finished); a lost node (``lost_ranks``:
+    its ranks, the verdict's) never will, and is not waited for."""
+    per_node = max(1, group.spec.local_world_size)
+    others = (group.group_world_size or 1) - 1 - -(-len(lost_ranks) // per_node)
     deadline = time.monotonic() + SEEN_WAIT_S
     while not stopped() and time.monotonic() < deadline:
         try:
@@ -356,7 +360,8 @@ class NodeVerdicts:
                 if record.get("decided_by") != self.who:
                     group.store.add(SEEN_KEY, 1)
                 else:
-                    wait_until_seen(group, self._interrupts.wake_r, self._interrupts.signalled, self._role)
+                    wake, signalled = self._interrupts.wake_r, self._interrupts.signalled
+                    wait_until_seen(group, wake, signalled, self._role, record.get("lost_ranks", ()))
                 return record
             except Exception as exc:  # the store is gone: this node's own verdict
                 log.warning("[%s] could not share the job's verdict: %s", self._role, exc)

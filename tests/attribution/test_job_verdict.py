@@ -126,3 +126,11 @@ def test_the_peers_job_wide_look_finds_the_verdict_and_counts_itself(store, pipe
 def test_every_peer_looks_well_within_the_deciders_wait():
     # the slowest look (10,000+ nodes), jittered by up to +50 %, still comes before the decider leaves
     assert 1.5 * JOB_DRAIN_LOOK_MAX_S < job_verdict.SEEN_WAIT_S
+
+
+def test_the_decider_does_not_wait_for_a_lost_node_to_see_the_verdict(store, pipe):
+    # two nodes, the other one lost: nobody is left to see it, so no wait (it waited 30 s before)
+    decider = group_of(client(store), 0)
+    started = time.monotonic()
+    job_verdict.wait_until_seen(decider, pipe, lambda: False, "trainer", lost_ranks=[1])
+    assert time.monotonic() - started < 1.0
