@@ -44,14 +44,9 @@ TAIL_LINES = 30
 MESSAGE_CHARS = 500
 
 #: What a rank's error says when a *peer* failed: gloo's and NCCL's closed connections and
-#: collective timeouts, the store of a process group whose host went away. Matched case-insensitively
-#: against the message and the tail.
+#: collective timeouts. Matched case-insensitively against the message and the tail.
 PEER_FAILURE_SIGNATURES = (
     r"connection closed by peer",
-    r"connection reset by peer",
-    r"broken pipe",
-    r"\bECONNRESET\b",
-    r"\bEPIPE\b",
     r"read error \[[^\]]*\]: connection",
     r"timed out waiting [0-9]+ ?ms for (?:recv|send)",
     r"application timeout caused pair closure",
@@ -61,13 +56,23 @@ PEER_FAILURE_SIGNATURES = (
     r"ncclRemoteError",
     r"remote process exited or there was a network error",
     r"DistNetworkError",
-    r"socket timeout",
-    r"connection refused",
     r"failed to recv, got 0 bytes",
     r"gloo::EnforceNotMet.*(?:closed|timeout)",
     r"Timed out (?:after|waiting).*(?:barrier|all_?reduce|broadcast|collective)",
 )
+#: Network errors any program can raise (a Redis or HTTP client in the user's code): a peer's
+#: failure only when the traceback shows them inside torch.distributed, gloo, c10d or NCCL.
+GENERIC_NETWORK_SIGNATURES = (
+    r"connection reset by peer",
+    r"broken pipe",
+    r"\bECONNRESET\b",
+    r"\bEPIPE\b",
+    r"socket timeout",
+    r"connection refused",
+)
 _PEER_FAILURE = re.compile("|".join(PEER_FAILURE_SIGNATURES), re.IGNORECASE)
+_GENERIC_NETWORK = re.compile("|".join(GENERIC_NETWORK_SIGNATURES), re.IGNORECASE)
+_DISTRIBUTED_CONTEXT = re.compile(r"torch[/\\]distributed|gloo|c10d|nccl", re.IGNORECASE)
 #: Where a hung rank that waits for its peers is stuck: inside ``torch.distributed`` (a collective's
 #: or a point-to-point op's wait), as stack dumps by py-spy or faulthandler show it.
 DISTRIBUTED_FRAME = re.compile(r"torch[/\\]distributed[/\\]")
@@ -207,11 +212,19 @@ def builtin_class(report: FailureReport) -> str:
     (an exception, an exit code, a signal: the rank's own fault)."""
     if report.failure_class == "hang":
         waiting = waits_in_collective(report.tail) or handling_an_error(report.tail)
-        return COLLATERAL if waiting or _PEER_FAILURE.search(report.tail) else OWN
-    if report.exitcode < 0:  # a signal: SIGSEGV, SIGABRT, SIGKILL (the OOM killer), ...
-        return OWN
+        return COLLATERAL if waiting or _peer_failure(report.tail) else OWN
     text = f"{report.message}\n{report.tail}"
-    return COLLATERAL if _PEER_FAILURE.search(text) else OWN
+    if report.exitcode == -signal.SIGABRT:  # NCCL's watchdog aborts the rank that timed out waiting
+        return COLLATERAL if _PEER_FAILURE.search(text) else OWN
+    if report.exitcode < 0:  # a signal: SIGSEGV, SIGKILL (the OOM killer), ...
+        return OWN
+    return COLLATERAL if _peer_failure(text) else OWN
+
+
+def _peer_failure(text: str) -> bool:
+    if _PEER_FAILURE.search(text):
+        return True
+    return bool(_GENERIC_NETWORK.search(text) and _DISTRIBUTED_CONTEXT.search(text))
 
 
 def shell_code(exitcode: int) -> int:
@@ -255,7 +268,7 @@ def attribute(
     earliest: dict[int, FailureReport] = {}
     for report in reports:
         kept = earliest.get(report.global_rank)
-        if kept is None or _order(report) < _order(kept):
+        if kept is None or report_order(report) < report_order(kept):
             earliest[report.global_rank] = report
     ordered = sorted(earliest.values(), key=lambda r: (r.time, r.global_rank))
     hints: dict[int, str] = {}
@@ -358,7 +371,7 @@ def _odd_ones_out(collateral: list[FailureReport]) -> dict[int, str]:
     return {rank: op for rank, op in ops.items() if op in rare}
 
 
-def _order(report: FailureReport) -> tuple[Any, ...]:
+def report_order(report: FailureReport) -> tuple[Any, ...]:
     """A total order on reports: the earliest first, then every field, so ties never depend on arrival."""
     return (report.time, report.exitcode, report.message, report.tail, report.failure_class, report.hostname)
 

@@ -250,7 +250,8 @@ class NodeDrain:
         store = group.store
         if drain["scope"] == "job":
             who = f"{hostname} (group_rank {group.group_rank}): {drain['source']} {drain['by']}".strip()
-            announce = functools.partial(store.set, JOB_DRAIN_KEY, who)
+            # a peer's job failure marked there first stands: the first to end the job wins
+            announce = functools.partial(job_verdict.set_unless_set, store, JOB_DRAIN_KEY, who)
         else:
             announce = functools.partial(store.add, NODE_DRAIN_KEY, 1)
         try:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from fsm_agent.attribution import COLLATERAL, FailureReport, Verdict, attribute, builtin_class
+from fsm_agent.attribution import COLLATERAL, FailureReport, Verdict, attribute, builtin_class, report_order
 from fsm_agent.exit_barrier import NUM_MEMBERS_KEY
 from fsm_agent.interrupts import empty_pipe
 from fsm_agent.worker import DO_NOT_REQUEUE_EXIT_CODE, WorkerFailure, WorkerGroup, first_failure
@@ -133,6 +133,8 @@ def wait_for_peer_decision(store: Any, wake_r: int, stopped: Callable[[], bool])
         seen, found = read_reports(store, seen)
         if any(report["decision"] == "restart" for report in found):
             return None
+        if any(report["decision"] == "give_up" for report in found):  # it decides once its workers stopped
+            deadline = max(deadline, time.monotonic() + SEEN_WAIT_S)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return None
@@ -212,7 +214,9 @@ def verdict_record(
         record["exit_code"] = exit_code
     elif record["exit_code"] == DO_NOT_REQUEUE_EXIT_CODE:  # only the agent says "do not requeue" (RunResult.exit_code)
         record["exit_code"] = 1
-    unique = {r.global_rank: r for r in sorted(reports, key=lambda r: (-r.time, r.global_rank))}
+    unique: dict[int, FailureReport] = {}
+    for report in sorted(reports, key=report_order):  # each rank's earliest, as attribute() keeps
+        unique.setdefault(report.global_rank, report)
     record.update(
         decided_by=who,
         world_size=world_size,
@@ -230,8 +234,19 @@ def recompute(record: dict[str, Any], classify: Callable[[FailureReport], str | 
 
 
 def announce(store: Any, record: dict[str, Any], job_end_key: str) -> None:
-    """Mark the job failed where the peers' job-wide look finds it."""
-    store.set(job_end_key, JOB_FAILED_MARK + str(record.get("summary", "")))
+    """Mark the job failed where the peers' job-wide look finds it, unless a job-wide drain was
+    announced there first (the first to end the job wins: the peers then drain, with the requeue
+    code, and this node ends with the verdict)."""
+    set_unless_set(store, job_end_key, JOB_FAILED_MARK + str(record.get("summary", "")))
+
+
+def set_unless_set(store: Any, key: str, value: str) -> None:
+    """Set ``key`` unless it is set already (compare-and-set: the first writer wins); a store
+    without compare-and-set just sets it."""
+    try:
+        store.compare_set(key, "", value)  # creates the key when it is missing
+    except (AttributeError, NotImplementedError):
+        store.set(key, value)
 
 
 def wait_until_seen(

@@ -496,7 +496,7 @@ class _Replayer:
         verdict, self._verdict = self._verdict, None
         try:
             fact = _recorded_fact(record, source, self._exits, self._cycle)
-            if trigger in ("workers_failed", "membership_changed") and verdict and not verdict.get("adopted"):
+            if trigger in ("workers_failed", "membership_changed") and verdict:
                 fact = attrs.evolve(fact, job_verdict=_verdict_fields(verdict))  # decided with the peers: as recorded
             agent.fire_fact(fact)
         except MachineError:

@@ -83,7 +83,8 @@ class JobVerdictSteps:
         record = dict(recorded) if recorded else None
         if record is None:
             exit_code = self._decision.exit_code if self._decision is not None else None
-            lost = isinstance(fact, MembershipChanged)  # a node lost, and the policy gave the job up
+            # a node lost (not nodes waiting to join), and the policy gave the job up
+            lost = isinstance(fact, MembershipChanged) and fact.change == "node_lost"
             failures = {} if lost else self._failures
             record = self._verdicts.decide_and_share(failures, exit_code, self._classifier(), lost=lost)
         self._job_verdict = record

@@ -227,3 +227,20 @@ def test_a_slow_rank_that_failed_after_its_peers_gave_up_is_the_root_cause():
     verdict = attribute([report(0, 10.0, TIMEOUT), report(2, 10.1, TIMEOUT), report(1, 14.0, CLOSED)], 3)
     assert verdict.root_causes == (1,)
     assert verdict.classes == {0: COLLATERAL, 1: ROOT_CAUSE, 2: COLLATERAL}
+
+
+def test_a_users_own_network_error_is_its_own_fault_not_a_peers():
+    # a Redis client in the training script: nothing of torch.distributed in the traceback
+    redis = report(
+        3, 1.0, "ConnectionRefusedError: [Errno 111] Connection refused", tail='File "/job/cache.py", line 9'
+    )
+    assert builtin_class(redis) == OWN
+    store = report(1, 1.0, "RuntimeError: Connection refused", tail='File "/venv/torch/distributed/rendezvous.py"')
+    assert builtin_class(store) == COLLATERAL
+
+
+def test_an_nccl_watchdog_abort_is_a_peers_failure_seen_from_here():
+    # NCCL's watchdog SIGABRTs the rank whose collective timed out waiting for a hung peer
+    aborted = report(0, 1.0, "Signal 6 (SIGABRT) received", exitcode=-signal.SIGABRT, tail=NCCL)
+    assert builtin_class(aborted) == COLLATERAL
+    assert builtin_class(report(0, 1.0, "Signal 6 (SIGABRT) received", exitcode=-signal.SIGABRT)) == OWN
