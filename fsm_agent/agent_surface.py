@@ -113,8 +113,9 @@ class PluginSurface:
         plugin is off."""
         return None if self._checkpoints is None else MappingProxyType(self._checkpoints)
 
-    def _classifier(self) -> Callable[[FailureReport], str | None]:
-        """Hook ``fsm_agent_classify_failure`` as the attributor asks it (a site's rules first)."""
+    def failure_classifier(self) -> Callable[[FailureReport], str | None]:
+        """Hook ``fsm_agent_classify_failure`` as the attributor asks it (a site's rules first, the
+        built-in ``attribution`` plugin last); ``fsm-agent replay`` asks it again on recorded reports."""
         hook = self.plugin_manager.hook.fsm_agent_classify_failure
 
         def classify(report: FailureReport) -> str | None:

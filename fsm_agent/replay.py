@@ -465,7 +465,7 @@ class _Replayer:
 
         if "reports" not in record:  # decided by an older agent
             return None
-        again = recompute(record, self.agent._classifier()).record()
+        again = recompute(record, self.agent.failure_classifier()).record()
         for key in ("root_causes", "classes"):
             if again[key] != record.get(key):
                 return Divergence(

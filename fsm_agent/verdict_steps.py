@@ -45,7 +45,7 @@ class JobVerdictSteps:
     _hung: dict[int, str]
     _hung_stacks: dict[int, str]
 
-    def _classifier(self) -> Callable[[FailureReport], str | None]:
+    def failure_classifier(self) -> Callable[[FailureReport], str | None]:
         raise NotImplementedError  # PluginSurface's
 
     def record_event(self, kind: str, **fields: Any) -> None:
@@ -56,7 +56,7 @@ class JobVerdictSteps:
         while every failure here was collateral, its verdict is what happened (``JobFailed``)."""
         if not isinstance(fact, WorkersFailed):
             return fact
-        verdict = self._verdicts.before_deciding(lambda: self._failures_of(fact), self._classifier())
+        verdict = self._verdicts.before_deciding(lambda: self._failures_of(fact), self.failure_classifier())
         return fact if verdict is None else JobFailed(verdict=verdict, exits=dict(fact.exits))
 
     def _failures_of(self, fact: WorkersFailed) -> dict[int, WorkerFailure]:
@@ -86,7 +86,7 @@ class JobVerdictSteps:
             # a node lost (not nodes waiting to join), and the policy gave the job up
             lost = isinstance(fact, MembershipChanged) and fact.change == "node_lost"
             failures = {} if lost else self._failures
-            record = self._verdicts.decide_and_share(failures, exit_code, self._classifier(), lost=lost)
+            record = self._verdicts.decide_and_share(failures, exit_code, self.failure_classifier(), lost=lost)
         self._job_verdict = record
         self.record_event("verdict", adopted=record.get("decided_by") != self._verdicts.who, **record)
 
