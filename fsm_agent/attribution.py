@@ -140,9 +140,6 @@ class Verdict:
     exit_code: int
     summary: str
 
-    def ranks_of(self, kind: str) -> list[int]:
-        return sorted(rank for rank, cls in self.classes.items() if cls == kind)
-
     def record(self) -> dict[str, Any]:
         """JSON-ready (keys of ``classes`` and ``reasons`` as strings)."""
         return {
@@ -169,10 +166,9 @@ def stuck_in(stacks: str) -> str | None:
     ``recv``, ``barrier``, ...), from a faulthandler or py-spy dump; None when it is stuck elsewhere
     (its own code) or the dump shows no frame. The main thread is faulthandler's "Current thread"
     (the SIGABRT that made it dump runs there), py-spy's ``MainThread``, else the first listed."""
-    blocks = _thread_blocks(stacks)
-    if not blocks:
+    main = _main_thread(stacks)
+    if not main:
         return None
-    main = next((b for b in blocks if b.startswith("Current thread") or '"MainThread"' in b.splitlines()[0]), blocks[0])
     frames = [(path, func) for path, func in _FAULTHANDLER_FRAME.findall(main)]
     frames += [(where, func) for func, where in _PY_SPY_FRAME.findall(main)]
     if not frames:
@@ -186,6 +182,14 @@ def stuck_in(stacks: str) -> str | None:
     return public[-1] if public else inside[-1]
 
 
+def _main_thread(stacks: str, or_first: bool = True) -> str:
+    """The main thread's block of a dump: faulthandler's "Current thread" (the SIGABRT that made it
+    dump runs there), py-spy's ``MainThread``, else (``or_first``) the first listed, else ""."""
+    blocks = _thread_blocks(stacks)
+    main = next((b for b in blocks if b.startswith("Current thread") or '"MainThread"' in b.splitlines()[0]), "")
+    return main or (blocks[0] if blocks and or_first else "")
+
+
 def _thread_blocks(stacks: str) -> list[str]:
     starts = [m.start() for m in _THREAD_HEADER.finditer(stacks)]
     if not starts:
@@ -196,9 +200,9 @@ def _thread_blocks(stacks: str) -> list[str]:
 def handling_an_error(stacks: str) -> bool:
     """Whether a hung rank's main thread was caught formatting or recording an exception (torch's
     ``@record`` wrapper, ``traceback``): it was failing already, typically because a peer died."""
-    blocks = _thread_blocks(stacks)
-    main = next((b for b in blocks if b.startswith("Current thread") or '"MainThread"' in b.splitlines()[0]), "")
-    return bool(re.search(r"\b(record_exception|format_exc|format_exception|print_exc)\b", main))
+    return bool(
+        re.search(r"\b(record_exception|format_exc|format_exception|print_exc)\b", _main_thread(stacks, or_first=False))
+    )
 
 
 def waits_in_collective(stacks: str) -> bool:
