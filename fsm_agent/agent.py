@@ -461,14 +461,14 @@ class ElasticAgent(PluginSurface, JobVerdictSteps):
         group = self._worker_group
 
         joined = self._interrupts.call(
-            "rendezvous", lambda: join_round(self._rdzv_handler, self.spec, self.restart_count), drainable=True
+            "rendezvous", lambda: join_round(self._rdzv, self.spec, self.restart_count), drainable=True
         )
         self._standby = None  # ranked: a standby's seat, or it never was one
         if joined.job_restart_count is not None:  # one job, one count: adopt the highest of the round
             self.restart_count = max(self.restart_count, joined.job_restart_count)
         info = joined.info
         group.store, group.group_rank, group.group_world_size = info.store, info.rank, info.world_size
-        group.workers = joined.workers
+        group.workers, group.store_host_ranks = joined.workers, joined.store_host_ranks
         self._watch.new_round()
         self._barrier.new_round(info.store, info.world_size)
         group.master_addr = self.spec.master_addr or info.bootstrap_store_info.master_addr

@@ -308,7 +308,7 @@ def attribute(
         classes=classes,
         reasons=reasons,
         exit_code=exit_code,
-        summary=_summary(root_causes, classes, earliest),
+        summary=_summary(root_causes, classes, reasons, earliest),
     )
 
 
@@ -380,14 +380,16 @@ def report_order(report: FailureReport) -> tuple[Any, ...]:
     return (report.time, report.exitcode, report.message, report.tail, report.failure_class, report.hostname)
 
 
-def _summary(root_causes: list[int], classes: Mapping[int, str], reports: Mapping[int, FailureReport]) -> str:
+def _summary(
+    root_causes: list[int], classes: Mapping[int, str], reasons: Mapping[int, str], reports: Mapping[int, FailureReport]
+) -> str:
     if not root_causes:
         unknown = sorted(rank for rank, cls in classes.items() if cls == UNKNOWN)
         return f"root cause unknown: {_plural(unknown)} failed as if a peer had" if unknown else "no failure"
     first = root_causes[0]
     report = reports.get(first)
     where = f" on {report.hostname}" if report is not None and report.hostname else ""
-    what = _what(report) if report is not None else "had not failed while its peers waited for it"
+    what = _what(report) if report is not None else reasons.get(first, "had not failed while its peers waited for it")
     text = f"rank {first}{where}: {what}"
     others = [rank for rank in root_causes[1:]]
     if others:

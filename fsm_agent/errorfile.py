@@ -121,6 +121,8 @@ def _job_verdict_lines(result: RunResult, width: int) -> list[str]:
             lines += _reported_entry(reports[rank])
         else:
             lines += [f"[{rank}]:", f"  rank      : {rank}", f"  reason    : {reasons.get(rank, '')}"]
+    if result.error:  # what this agent saw (e.g. the store, unreachable, naming its endpoint)
+        lines.append(f"  seen here : {result.error}")
     collateral = sorted(rank for rank, cls in classes.items() if cls == "collateral")
     if collateral:
         lines += [

@@ -52,6 +52,10 @@ SETTLE_S = 1.0
 #: At most this long (seconds) the decider waits for every peer to see the verdict before it leaves.
 SEEN_WAIT_S = 30.0  # as drain.JOB_DRAIN_SEEN_WAIT_S: every look comes well within it, at any scale
 POLL_S = 0.05
+#: Why a lost node's ranks are named in a verdict (``lost_reason``): its agent's keep-alive lapsed.
+NODE_LOST = "its node was lost"
+#: ... or its agent hosted the round's store, which this node can no longer reach.
+STORE_HOST_LOST = "its node hosted the rendezvous store, which became unreachable: the node was lost"
 
 
 class PeerVerdict(Exception):
@@ -205,10 +209,11 @@ def verdict_record(
     classify: Callable[[FailureReport], str | None],
     exit_code: int | None,
     lost_ranks: Sequence[int] = (),
+    lost_reason: str = NODE_LOST,
 ) -> dict[str, Any]:
-    """The verdict on ``reports`` (and the ranks of lost nodes) as the record every node keeps (and
-    ``replay`` recomputes)."""
-    verdict = attribute(reports, world_size, classify, {rank: "its node was lost" for rank in lost_ranks})
+    """The verdict on ``reports`` (and the ranks of lost nodes, each for ``lost_reason``) as the
+    record every node keeps (and ``replay`` recomputes)."""
+    verdict = attribute(reports, world_size, classify, dict.fromkeys(lost_ranks, lost_reason))
     record = verdict.record()
     if exit_code is not None:
         record["exit_code"] = exit_code
@@ -221,6 +226,7 @@ def verdict_record(
         decided_by=who,
         world_size=world_size,
         lost_ranks=list(lost_ranks),
+        lost_reason=lost_reason,
         reports=[unique[rank].record() for rank in sorted(unique)],
     )
     return record
@@ -229,7 +235,8 @@ def verdict_record(
 def recompute(record: dict[str, Any], classify: Callable[[FailureReport], str | None] | None = None) -> Verdict:
     """The verdict ``attribute`` gives today on a verdict record's own reports (``fsm-agent replay``)."""
     reports = [FailureReport.from_record(r) for r in record.get("reports", ())]
-    lost = {int(rank): "its node was lost" for rank in record.get("lost_ranks", ())}
+    reason = str(record.get("lost_reason", NODE_LOST))
+    lost = {int(rank): reason for rank in record.get("lost_ranks", ())}
     return attribute(reports, int(record.get("world_size", 0)), classify, lost)
 
 
@@ -380,10 +387,27 @@ class NodeVerdicts:
                 return record
             except Exception as exc:  # the store is gone: this node's own verdict
                 log.warning("[%s] could not share the job's verdict: %s", self._role, exc)
-        record = verdict_record(reports, self.world_size, self.who, classify, exit_code)
-        if lost and not reports:  # the store went with the lost node: which node it was is not known here
+        # The store is unreachable: its host's node is gone (or cut off), and with it the others' reports.
+        gone = self._store_host_elsewhere()
+        record = verdict_record(reports, self.world_size, self.who, classify, exit_code, gone, STORE_HOST_LOST)
+        if lost and not reports and not gone:  # which node it was is not known here
             record["summary"] = "a node was lost, and the rendezvous store with it: which one is not known here"
         return record
+
+    def _store_host_elsewhere(self) -> list[int]:
+        """The global ranks of the node hosting the round's store, unless it is this node (or not known)."""
+        mine = {w.global_rank for w in self._group.workers}
+        hosts = self._group.store_host_ranks
+        return [] if mine & set(hosts) else list(hosts)
+
+    def store_host_lost(self, failures: dict[int, WorkerFailure], classify: Classify) -> dict[str, Any] | None:
+        """The round's store became unreachable while workers ran: the verdict, decided here alone
+        (there is no store to share it through), that names its host's ranks lost (every survivor
+        names the same ones); None when this node hosted the store or its host is not known."""
+        gone = self._store_host_elsewhere()
+        if not gone or not shared(self._group):
+            return None
+        return verdict_record(self.reports(failures), self.world_size, self.who, classify, None, gone, STORE_HOST_LOST)
 
     def after_barrier(self, drains: Any) -> None:
         """A node that gave the job up releases the exit barrier after publishing the verdict: a node

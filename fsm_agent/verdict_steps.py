@@ -90,6 +90,19 @@ class JobVerdictSteps:
         self._job_verdict = record
         self.record_event("verdict", adopted=record.get("decided_by") != self._verdicts.who, **record)
 
+    def _name_the_lost_store_host(self, event: EventData) -> None:
+        """The rendezvous failed while workers ran (``rendezvous_failed`` from HEALTHY or UNHEALTHY):
+        when another node hosted the round's store, now unreachable, the job's verdict names that
+        node's ranks, lost with it (``NodeVerdicts.store_host_lost``); records the ``verdict`` event.
+        Otherwise (a node in a rendezvous, this node the host, the host not known) nothing."""
+        if event.transition is None or event.transition.source not in (S.HEALTHY.value, S.UNHEALTHY.value):
+            return
+        record = self._verdicts.store_host_lost(self._failures, self.failure_classifier())
+        if record is not None:
+            self._job_verdict = record
+            log.warning("[%s] %s", self.spec.role, job_verdict.verdict_line(record))
+            self.record_event("verdict", adopted=False, **record)
+
     def _adopt_job_verdict(self, event: EventData) -> None:
         """A peer gave the job up (``JobFailed``): its verdict is this node's; workers that had failed
         here already stay failures. Records the ``verdict`` event."""

@@ -151,6 +151,8 @@ class WorkerGroup:
         group_world_size: number of agents in this round (``GROUP_WORLD_SIZE``).
         state: the group's WorkerState (mirrors the statechart's current state).
         master_addr / master_port: where the workers' store for this attempt listens.
+        store_host_ranks: the global ranks of the node whose agent hosts ``store`` (fsm-agent's own:
+            when that store is unreachable, the job's verdict names them lost), or ``()``.
     """
 
     spec: WorkerSpec
@@ -163,6 +165,7 @@ class WorkerGroup:
     state: WorkerState = WorkerState.INIT
     master_addr: str | None = None
     master_port: int | None = None
+    store_host_ranks: tuple[int, ...] = ()
 
 
 class FailureClass:

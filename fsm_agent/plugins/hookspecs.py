@@ -259,8 +259,9 @@ def fsm_agent_classify_failure(report: FailureReport) -> str | None:
         ``_decide_on_failed_workers`` (``workers_failed``), once per failed worker of this node, to
         name the root cause the restart policy decides on; ``_decide_job_verdict``, the step of the rows of
         ``workers_failed`` and ``membership_changed`` that give the job up, once per failed rank of every node that
-        reported; and by the run loop (no step) before it fires ``workers_failed`` on a node of
-        several, to learn whether its failures were all collateral.
+        reported; ``_name_the_lost_store_host`` (``rendezvous_failed`` while workers ran), once per
+        failed rank of this node; and by the run loop (no step) before it fires ``workers_failed`` on a
+        node of several, to learn whether its failures were all collateral.
         Must be deterministic: ``fsm-agent replay`` asks it again on the recorded reports.
     """
 
@@ -342,7 +343,8 @@ def fsm_agent_record_event(event: dict[str, Any]) -> None:
         record from ``_drain_workers`` (``drain_requested``), once its workers are stopped; a
         ``launcher_timings`` record from ``_start_workers`` (``start``, ``restart``), when the launcher
         reports its timings; a ``verdict`` record from ``_decide_job_verdict`` (``workers_failed``,
-        ``membership_changed``: giving the job up) and ``_adopt_job_verdict`` (``job_failed``).
+        ``membership_changed``: giving the job up), ``_adopt_job_verdict`` (``job_failed``) and
+        ``_name_the_lost_store_host`` (``rendezvous_failed`` while workers ran, the store's host gone).
     """
 
 

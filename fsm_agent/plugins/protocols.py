@@ -104,6 +104,15 @@ RENDEZVOUS_OPTIONAL: tuple[OptionalMember, ...] = (
         "(the round is full); the agent logs it, records a standby event and shows it in /status.",
     ),
     OptionalMember(
+        "hosts_store",
+        "flag",
+        "hosts_store: bool",
+        "False: the round's store outlives every node (an etcd cluster), or its host is not known",
+        "True on the node whose agent hosts the round's store, read after next_rendezvous(): when that store "
+        "becomes unreachable, the survivors' job verdict names that node's ranks as lost with it.",
+        "the is_host of torch's C10dRendezvousBackend",
+    ),
+    OptionalMember(
         "endpoint",
         "flag",
         "endpoint: str | None",
@@ -227,6 +236,10 @@ class RendezvousAdapter:
         """Assign ``on_standby`` where the handler declares it (a backend with hot spares)."""
         if hasattr(self.handler, "on_standby"):
             self.handler.on_standby = callback
+
+    @property
+    def hosts_store(self) -> bool:
+        return bool(self._optional("hosts_store", False))
 
     @property
     def endpoint(self) -> str | None:

@@ -155,11 +155,13 @@ class FreshStoreHandler:
     #: does, at the MASTER_PORT published for the round.
     use_agent_store = False
 
-    def __init__(self, handler, backend=None):
+    def __init__(self, handler, backend=None, hosts_store: bool = False):
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _BackendRendezvousStateHolder
 
         check_torch_layout(handler)
         self._handler = handler
+        #: this agent hosts the c10d TCPStore (torch's ``is_host``, as it was finally decided)
+        self.hosts_store = hosts_store
         backend = backend if backend is not None else getattr(handler._state_holder, "_backend", None)
         # torch's own state holder, never written through, without the 1 s cache: confirms a suspect.
         self._fresh = (
@@ -292,7 +294,7 @@ def create_c10d_handler(params):
     thread.join(deadline)
     if "value" in outcome:
         backend, store = outcome["value"]
-        return FreshStoreHandler(create_handler(store, backend, params), backend)
+        return FreshStoreHandler(create_handler(store, backend, params), backend, _hosts_store(params))
     waited = time.monotonic() - started
     try:  # torch retries a name that does not resolve as if the store were not up yet
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)

@@ -100,6 +100,11 @@ class StaticRendezvous:
             ) from None
         return RendezvousInfo(store, info.rank, info.world_size, bootstrap)
 
+    @property
+    def hosts_store(self) -> bool:
+        """Node rank 0 hosts the TCPStore at --master-addr:--master-port (torch's ``is_host``)."""
+        return getattr(self._handler, "rank", None) == 0
+
     def _claim_node_rank(self, rank: int) -> None:
         """Claim ``rank`` in the store with this job's identity (run id, ``--nnodes``).
 

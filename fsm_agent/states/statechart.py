@@ -74,6 +74,7 @@ HOOKS_BY_STEP: dict[str, tuple[str, ...]] = {
     "_drain_workers": ("fsm_agent_record_event",),
     "_decide_job_verdict": ("fsm_agent_classify_failure", "fsm_agent_record_event"),
     "_adopt_job_verdict": ("fsm_agent_record_event",),
+    "_name_the_lost_store_host": ("fsm_agent_classify_failure", "fsm_agent_record_event"),
 }
 
 #: Fired after every transition, once the state has changed, by ``ElasticAgent._after_state_change``.

@@ -120,7 +120,14 @@ TRANSITIONS: list[Row] = [
     # -- the ways out that are not the workers' doing -------------------------------------------
     # The rendezvous or its store failed: while joining, or while checking membership.
     # Fact: RendezvousFailed (error: what failed).
-    dict(trigger="rendezvous_failed", source=_LIVE, dest=S.FAILED, before=["_record_error", "_stop_workers"]),
+    # From HEALTHY/UNHEALTHY, a store that became unreachable went with the node hosting it: the
+    # verdict names that node's ranks (each survivor decides alone, the same).
+    dict(
+        trigger="rendezvous_failed",
+        source=_LIVE,
+        dest=S.FAILED,
+        before=["_record_error", "_stop_workers", "_name_the_lost_store_host"],
+    ),
     # A node beyond max_nodes whose rendezvous closed: nothing to do, a clean exit.
     dict(trigger="rendezvous_not_needed", source=[S.INIT, S.STOPPED], dest=S.SUCCEEDED),
     dict(trigger="stop_requested", source=_LIVE, dest=S.FAILED, before=["_stop_workers", "_release_exit_barrier"]),

@@ -12,6 +12,8 @@ the computing node took the failed node for lost and waited in a new rendezvous 
 from __future__ import annotations
 
 import json
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +140,55 @@ def test_the_verdict_replays_and_a_changed_one_does_not(launcher, tmp_path):
     divergence = replay(str(edited)).runs[0].divergence
     assert divergence is not None and divergence.what == "verdict", divergence
     assert "the job's verdict recorded" in str(divergence)
+
+
+TRAINING = r"""
+import datetime, os, pathlib, time
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record
+def main():
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    dist.all_reduce(torch.ones(1))
+    pathlib.Path(os.environ["READY_DIR"], f"rank{dist.get_rank()}").touch()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.05)
+
+main()
+"""
+
+
+@pytest.mark.parametrize("backend", ["fsm", "c10d", "static"])
+def test_the_store_hosts_ranks_are_named_when_its_node_is_lost(launcher, backend):
+    """Node 0, whose agent hosts the round's store, is lost (its agent and workers SIGKILLed at
+    by then): node 1 cannot reach the store any more, and its verdict names node 0's ranks, lost with
+    the store (the assignment told every node whose ranks those are), not "unknown". Whichever
+    notices first (a worker failing on its dead peers, the membership watch, the keep-alive), the
+    verdict is the same."""
+    port, run_id, ready = free_port(), f"store-host-lost-{backend}", Path(launcher.dir) / "ready"
+    ready.mkdir()
+    script = write_script(launcher.dir, "train.py", TRAINING)
+    hosting = {"fsm": ["--rdzv-conf", "is_host={}"], "c10d": ["--rdzv-conf", "is_host={}"], "static": []}[backend]
+    procs = []
+    for node in (0, 1):
+        events = Path(launcher.dir) / f"events{node}.jsonl"
+        flags = [*node_flags(backend, port, run_id, node), *[f.format(int(node == 0)) for f in hosting]]
+        flags += ["--restart-budgets", "node_lost=0", "--events-file", str(events)]
+        procs.append((launcher.fsm(*flags, script, env={"READY_DIR": str(ready)}), events))
+    deadline = time.monotonic() + 120
+    while len(list(ready.iterdir())) < 2 * NPROC and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(list(ready.iterdir())) == 2 * NPROC, "the job never trained"
+    # the machine is gone: its agent SIGKILLed, its cgroup keeper then kills the workers
+    procs[0][0].send_signal(signal.SIGKILL)
+    result = procs[1][0].wait(120)
+    assert result.returncode != 0
+    found = [e for e in read_events(procs[1][1]) if e["kind"] == "verdict"]
+    assert len(found) == 1, result.stderr
+    why = json.dumps(found[0]["reasons"]) + "\n" + result.stderr[-3000:]
+    assert found[0]["root_causes"] == [0, 1], why
+    assert "rendezvous store" in found[0]["reasons"]["0"], found[0]

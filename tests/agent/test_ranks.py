@@ -57,7 +57,7 @@ def _torch_ranks(agents):
 def _our_ranks(agents):
     def fn(store, rank):
         role, size = agents[rank]
-        (base, world, role_base, role_world), _ = assign_ranks(store, rank, len(agents), role, size)
+        (base, world, role_base, role_world), _, _ = assign_ranks(store, rank, len(agents), role, size)
         return [(lr, base + lr, role_base + lr, world, role_world) for lr in range(size)]
 
     return _run_agents(fn, agents)
@@ -98,5 +98,20 @@ def test_torchrun_peer_keeps_torch_format(tmp_path):
     peer.start()
     ours = assign_ranks(store, 0, 2, "default", 2, restart_count=3)
     peer.join(10)
-    assert ours == ((0, 4, 0, 4), None)
+    assert ours == ((0, 4, 0, 4), None, ())  # nor is the store's host known
     assert results == [[2, 4, 2, 4]]
+
+
+@pytest.mark.parametrize(
+    ("hosting", "expected"),
+    [((False, True, False), (2, 3, 4)), ((False, False, False), ()), ((True, True, False), ())],
+    ids=["one host", "none (the store outlives the nodes)", "two claims (not known which)"],
+)
+def test_every_node_learns_the_store_hosts_ranks(hosting, expected):
+    """The agent hosting the round's store says so in its role info; every node's assignment carries
+    that node's global ranks (its local_world_size of them), for the verdict when the store is lost."""
+    sizes = (2, 3, 1)
+    results = _run_agents(
+        lambda store, rank: assign_ranks(store, rank, 3, "default", sizes[rank], 0, hosting[rank])[2], sizes
+    )
+    assert results == [expected] * 3

@@ -18,9 +18,7 @@ from tests.attribution.harness import describe, judge, run_fault
 pytestmark = pytest.mark.integration
 
 #: Kinds fsm-agent does not attribute yet, and why (strict: a kind that starts passing fails here).
-KNOWN_MISSES = {
-    "store_host_lost": "the survivors cannot tell which node was lost: the store that would tell left with it",
-}
+KNOWN_MISSES: dict[str, str] = {}
 KINDS = [
     pytest.param(fault, id=fault.name, marks=[pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[fault.name])])
     if fault.name in KNOWN_MISSES

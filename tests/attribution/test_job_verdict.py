@@ -9,13 +9,14 @@ import datetime
 import os
 import threading
 import time
+import types
 
 import pytest
 
 from fsm_agent import job_verdict
 from fsm_agent.attribution import COLLATERAL, ROOT_CAUSE, FailureReport, builtin_class
 from fsm_agent.drain import JOB_DRAIN_KEY, JOB_DRAIN_LOOK_MAX_S, NodeDrain
-from fsm_agent.worker import WorkerGroup, WorkerSpec
+from fsm_agent.worker import Worker, WorkerFailure, WorkerGroup, WorkerSpec
 
 pytestmark = pytest.mark.unit
 
@@ -134,3 +135,37 @@ def test_the_decider_does_not_wait_for_a_lost_node_to_see_the_verdict(store, pip
     started = time.monotonic()
     job_verdict.wait_until_seen(decider, pipe, lambda: False, "trainer", lost_ranks=[1])
     assert time.monotonic() - started < 1.0
+
+
+def test_a_survivor_names_the_store_hosts_ranks_when_the_store_is_gone(pipe):
+    """The round's store (hosted by group rank 0's agent, global rank 0) is gone: node 1 decides
+    alone, and names rank 0 lost with it, its own collateral failure classed so, whether it gives
+    up on its failed workers (``decide_and_share``) or on the store itself (``store_host_lost``)."""
+    import torch.distributed as dist
+
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=2)
+    )
+    group = group_of(client(server), 1, world=3)
+    group.workers = [Worker(local_rank=0, global_rank=1, world_size=3)]
+    group.store_host_ranks = (0,)
+    del server  # the store's host is gone
+    interrupts = types.SimpleNamespace(abandoned_call=None, wake_r=pipe, signalled=lambda: False, signal=None)
+    verdicts = job_verdict.NodeVerdicts(group, "node1", "trainer", interrupts, lambda name, call: call())
+    failure = WorkerFailure(local_rank=0, global_rank=1, role_rank=1, pid=1, exitcode=1, timestamp=10.0, message=CLOSED)
+    for record in (
+        verdicts.decide_and_share({1: failure}, None, builtin_class),
+        verdicts.store_host_lost({1: failure}, builtin_class),
+    ):
+        assert record["root_causes"] == [0], record
+        assert record["classes"] == {"0": ROOT_CAUSE, "1": COLLATERAL}, record
+        assert record["reasons"]["0"] == job_verdict.STORE_HOST_LOST and record["lost_ranks"] == [0]
+        assert job_verdict.recompute(record).root_causes == (0,)  # replay decides the same
+
+
+def test_the_store_host_itself_names_no_one_lost(store):
+    group = group_of(store, 0, world=2)
+    group.workers = [Worker(local_rank=0, global_rank=0, world_size=2)]
+    group.store_host_ranks = (0,)
+    verdicts = job_verdict.NodeVerdicts(group, "node0", "trainer", None, None)
+    assert verdicts.store_host_lost({}, builtin_class) is None
