@@ -37,6 +37,7 @@ from fsm_agent.hang import HangDetector
 from fsm_agent.interrupts import DrainInterrupt, Interrupts, SignalStop
 from fsm_agent.job_verdict import NodeVerdicts
 from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, WorkerLogs
+from fsm_agent.node_check_steps import NodeCheckOutcome, NodeCheckSteps
 from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.plugins.protocols import LauncherAdapter, RendezvousAdapter
 from fsm_agent.progress import CycleLog
@@ -96,7 +97,7 @@ def fact_of(event: EventData, kind: type[FactT]) -> FactT:
 EXIT_BARRIER_RELEASE_WAIT_S = 5.0  # at most this long for a failing agent's exit-barrier check-in
 
 
-class ElasticAgent(PluginSurface, JobVerdictSteps):
+class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps):
     """One node's agent: rendezvous, start, watch, restart and stop a worker group.
 
     Mirrors torch's ``LocalElasticAgent`` (``run() -> RunResult``, ``get_worker_group()``), with
@@ -165,6 +166,7 @@ class ElasticAgent(PluginSurface, JobVerdictSteps):
         self._decision: RestartDecision | None = None
         self._decided_class: str | None = None
         self._job_verdict: dict[str, Any] | None = None  # when the job failed: decided here or adopted
+        self._init_node_checks()
         self._closed = False
         self._barrier = ExitBarrier(self._hostname, spec.exit_barrier_timeout)
         self._error: str | None = None
@@ -274,7 +276,7 @@ class ElasticAgent(PluginSurface, JobVerdictSteps):
             return
         auto = AUTO_TRIGGERS.get(self.state)
         if auto is not None:
-            self._fire(self._peer_verdict_first(FACTS[auto]()))
+            self._fire(self.take_pending_node_check() or self._peer_verdict_first(FACTS[auto]()))
             return
         try:
             fact = self._watch.wait()  # HEALTHY's invoked activity
@@ -325,6 +327,8 @@ class ElasticAgent(PluginSurface, JobVerdictSteps):
             self.trigger(fact.trigger, fact=fact)
         except SignalStop:
             pass  # self._interrupts.signal is set: the next step fires stop_requested
+        except NodeCheckOutcome as outcome:
+            self._pending_node_check = outcome.fact  # the next step fires it
         except DrainInterrupt:
             pass  # self._drains.request is set: the next step fires drain_requested
         except job_verdict.PeerVerdict:

@@ -365,13 +365,13 @@ def _skip_reason() -> str | None:
     return None
 
 
-@pytest.fixture
-def netns_hosts(tmp_path):
-    """Three namespaced hosts (see the module docstring), removed at teardown even on failure."""
+def namespaced_hosts(tmp_path: Path, count: int = 3):
+    """``count`` namespaced hosts (see the module docstring) for a fixture to yield from, removed at
+    teardown even on failure; skips where namespaces cannot be made."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    hosts = NetnsHosts(tmp_path)
+    hosts = NetnsHosts(tmp_path, count=count)
     try:
         hosts.create()
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
@@ -384,3 +384,9 @@ def netns_hosts(tmp_path):
         yield hosts
     finally:
         hosts.destroy()
+
+
+@pytest.fixture
+def netns_hosts(tmp_path):
+    """Three namespaced hosts (see the module docstring), removed at teardown even on failure."""
+    yield from namespaced_hosts(tmp_path)

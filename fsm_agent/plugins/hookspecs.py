@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from fsm_agent.agent import ElasticAgent
     from fsm_agent.attribution import FailureReport
     from fsm_agent.config import LaunchConfig, OptionRegistry
+    from fsm_agent.node_checks import CheckResult, CheckRound
     from fsm_agent.plugins.registry import BackendRegistry
     from fsm_agent.recording import TransitionRecord
     from fsm_agent.scheduler import DiscoveredJob
@@ -292,6 +293,32 @@ def fsm_agent_health_check(worker_group: WorkerGroup) -> str | None:
     """
 
 
+@hookspec
+def fsm_agent_node_check(check_round: CheckRound) -> CheckResult | None:
+    """Check this node before the round's workers start (network, disks, shared memory, devices).
+
+    Every implementation is called on every node of a new round, one after another, on a helper
+    thread; all of them together must answer within ``check_round.timeout_s`` seconds
+    (``--node-check-timeout``), else this node fails ("did not finish"). A check that measures
+    between nodes exchanges its data through ``check_round.store`` under
+    ``check_round.for_check(NAME).key_prefix`` and may name other nodes in ``CheckResult.blamed``.
+    A check that is not switched on returns None (better: is not registered).
+
+    Args:
+        check_round: this node's place in the round, the round's store, the deadline
+            (``fsm_agent.node_checks.CheckRound``).
+
+    Returns:
+        A ``fsm_agent.node_checks.CheckResult`` (``ok`` False: this node is excluded from the
+        round, class ``node_check``; ``blamed``: other nodes excluded too), or None. Anything
+        else, or an exception, is this node's failure of that check, named in one line.
+
+    Called from:
+        ``_check_nodes`` (``start``, ``restart``), once the rendezvous formed the round and
+        before any worker starts; again in each round re-formed after an exclusion.
+    """
+
+
 # --------------------------------------------------------------------------------------------
 # metrics kind
 # --------------------------------------------------------------------------------------------
@@ -314,7 +341,8 @@ def fsm_agent_put_metric(metric_group: str, metric_name: str, metric_value: floa
     Called from:
         After every transition (``after_state_change``) and once at the end of ``run``; the
         launcher's own timings (``fsm_agent.launcher.*``, e.g. the preload import) from
-        ``_start_workers`` (``start``, ``restart``), when the launcher reports them.
+        ``_start_workers`` (``start``, ``restart``), when the launcher reports them; the node
+        checks' (``fsm_agent.node_check.seconds``, ``.excluded``) from ``_check_nodes``.
     """
 
 
@@ -344,7 +372,8 @@ def fsm_agent_record_event(event: dict[str, Any]) -> None:
         ``launcher_timings`` record from ``_start_workers`` (``start``, ``restart``), when the launcher
         reports its timings; a ``verdict`` record from ``_decide_job_verdict`` (``workers_failed``,
         ``membership_changed``: giving the job up), ``_adopt_job_verdict`` (``job_failed``) and
-        ``_name_the_lost_store_host`` (``rendezvous_failed`` while workers ran, the store's host gone).
+        ``_name_the_lost_store_host`` (``rendezvous_failed`` while workers ran, the store's host gone);
+        a ``node_check`` record from ``_check_nodes`` (``start``, ``restart``).
     """
 
 

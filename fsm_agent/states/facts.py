@@ -236,6 +236,34 @@ class JobFailed(Fact):
 
 
 @attrs.frozen(kw_only=True)
+class NodeCheckFailed(Fact):
+    """This node failed a node check before its workers started, or a peer's check blamed it
+    (``fsm_agent.node_checks``): it leaves the job, class ``node_check``.
+
+    Attributes:
+        reason: what failed, in one line (check, measurement, threshold).
+        decision: the round's decision record (``excluded``, ``hosts``, ``results``), or None (replay).
+    """
+
+    trigger: ClassVar[str] = "node_check_failed"
+    reason: str = ""
+    decision: dict[str, Any] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class NodesExcluded(Fact):
+    """Other nodes of the new round failed their node checks: they leave, and this node re-forms the
+    round without them (a hot spare takes a seat, or the round re-forms within ``--nnodes MIN:MAX``).
+
+    Attributes:
+        excluded: ``{group_rank: "host: reason"}`` of the nodes excluded (keys as strings).
+    """
+
+    trigger: ClassVar[str] = "nodes_excluded"
+    excluded: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
 class AgentErrored(Fact):
     """An unexpected exception in the agent or a plugin: the agent can no longer vouch for its workers.
 
@@ -263,6 +291,8 @@ FACTS: dict[str, type[Fact]] = {
         StopRequested,
         DrainRequested,
         JobFailed,
+        NodeCheckFailed,
+        NodesExcluded,
         AgentErrored,
     )
 }

@@ -54,6 +54,8 @@ HOOKS_BY_STEP: dict[str, tuple[str, ...]] = {
     "_decide_on_failed_workers": ("fsm_agent_classify_failure", "fsm_agent_record_event", "fsm_agent_restart_policy"),
     "_decide_on_membership_change": ("fsm_agent_record_event", "fsm_agent_restart_policy"),
     "_rendezvous": ("fsm_agent_rendezvous_completed",),
+    "_check_nodes": ("fsm_agent_node_check", "fsm_agent_record_event", "fsm_agent_put_metric"),
+    "_record_node_check": (),
     "_start_workers": (
         "fsm_agent_worker_env",
         "fsm_agent_workers_started",

@@ -37,9 +37,21 @@ DECIDERS: dict[str, str] = {
 }
 
 TRANSITIONS: list[Row] = [
-    # -- starting: rendezvous, assign ranks, spawn the workers ----------------------------------
-    dict(trigger="start", source=S.INIT, dest=S.HEALTHY, before=["_rendezvous", "_start_workers"]),
-    dict(trigger="restart", source=S.STOPPED, dest=S.HEALTHY, before=["_backoff", "_rendezvous", "_start_workers"]),
+    # -- starting: rendezvous, assign ranks, check the nodes, spawn the workers -----------------
+    dict(trigger="start", source=S.INIT, dest=S.HEALTHY, before=["_rendezvous", "_check_nodes", "_start_workers"]),
+    dict(
+        trigger="restart",
+        source=S.STOPPED,
+        dest=S.HEALTHY,
+        before=["_backoff", "_rendezvous", "_check_nodes", "_start_workers"],
+    ),
+    # Node checks (fsm_agent.node_checks), before any worker starts: this node failed one, or a
+    # peer's check blamed it: it leaves the job (class node_check). Fact: NodeCheckFailed.
+    dict(trigger="node_check_failed", source=[S.INIT, S.STOPPED], dest=S.FAILED, before="_record_node_check"),
+    # Other nodes failed theirs and leave: the next start/restart re-forms the round without them
+    # (a hot spare takes a seat). Fact: NodesExcluded.
+    dict(trigger="nodes_excluded", source=S.INIT, dest=S.INIT, before="_record_node_check"),
+    dict(trigger="nodes_excluded", source=S.STOPPED, dest=S.STOPPED, before="_record_node_check"),
     # -- while the workers run ------------------------------------------------------------------
     # Fact: WorkersHung.
     dict(

@@ -12,9 +12,11 @@ activity ``HealthyWatch`` (``fsm_agent/watcher.py``) and applies these rules:
 - facts: in the other live states ``_step`` fires what ``HealthyWatch.wait`` returns: every fact
   class (``fsm_agent.states.facts``) the watcher module builds is a trigger it can fire there; a
   ``return`` of a value the analysis cannot read could be any trigger;
-- anything else: a trigger the agent module names itself (a trigger's string, or its fact class
-  built: the signal check, the error handlers of ``_step``/``_fire``) is assumed to fire in every
-  live state. This is conservative: it can only make more edges count, never hide one.
+- anything else: a trigger the agent module, or a module of its step mixins (``STEP_MODULES``:
+  their steps build facts the run loop fires next, e.g. ``_check_nodes``), names itself (a
+  trigger's string, or its fact class built: the signal check, the error handlers of
+  ``_step``/``_fire``) is assumed to fire in every live state. This is conservative: it can only
+  make more edges count, never hide one.
 
 An edge of the table whose trigger the run loop cannot fire in its source is listed as
 "cannot be taken by the run loop", with the reason (file and line), and is not counted; if such
@@ -60,6 +62,8 @@ __all__ = [
 AGENT_MODULE = "fsm_agent.agent"
 AGENT_CLASS = "ElasticAgent"
 WATCHER_MODULE = "fsm_agent.watcher"
+#: Modules of ``ElasticAgent``'s step mixins (read as part of the agent module by rule 3).
+STEP_MODULES = ("fsm_agent.verdict_steps", "fsm_agent.node_check_steps")
 
 
 class Edge(NamedTuple):
@@ -287,11 +291,16 @@ def run_loop_rules(
                 f"{state}: it fires {auto[state]} there by itself (AUTO_TRIGGERS, {where}:{auto_line})"
             )
 
-    # Rule 3: every trigger the agent module names itself (a string, a fact built): any live state.
-    for trigger, line in _fired(tree, triggers):
+    # Rule 3: every trigger the agent module (or a step mixin's) names itself (a string, a fact
+    # built): any live state.
+    named = [(trigger, f"{where}:{line}") for trigger, line in _fired(tree, triggers)]
+    for module in STEP_MODULES:
+        step_path, step_source = _module_source(module)
+        named += [(t, f"{_display_path(step_path)}:{n}") for t, n in _fired(ast.parse(step_source), triggers)]
+    for trigger, at in named:
         for state in live:
             fireable[state].setdefault(
-                trigger, f"named at {where}:{line}, in no state-specific branch: assumed possible in every live state"
+                trigger, f"named at {at}, in no state-specific branch: assumed possible in every live state"
             )
     blocked = {key: why for key, why in blocked.items() if key[1] not in fireable[key[0]]}
     return RunLoopRules(fireable=fireable, blocked=blocked, path=path or "")

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.unit
 SIGTERM = signal.SIGTERM
 START_HOOKS = [
     "rendezvous_completed",
+    "node_check",  # the recorder's own implementation answers None: no check, no exchange
     "worker_env",
     "worker_env",
     "workers_started",
@@ -103,6 +104,48 @@ class UnhealthyAfterPeerGaveUp:
     def fsm_agent_health_check(self, worker_group):
         self.rendezvous.peer_gives_up(3)
         return "GPU 0: uncorrectable ECC error"
+
+
+class FailingNodeCheck:
+    """A node check (a fake) that this node fails on its calls number ``on`` (counted from 1)."""
+
+    def __init__(self, *on: int):
+        self.on, self.calls = set(on), 0
+
+    @hookimpl
+    def fsm_agent_node_check(self, check_round):
+        from fsm_agent.node_checks import CheckResult
+
+        self.calls += 1
+        if self.calls in self.on:
+            return CheckResult(check="fake", ok=False, reason="fake device 3: ECC errors")
+        return CheckResult(check="fake", ok=True)
+
+
+class BlamesThePeer:
+    """A node check (a fake) on group rank 0 of 2 that, on its calls number ``on``, also plays the
+    peer's report (the fake rendezvous's peer runs no checks) and blames that peer."""
+
+    def __init__(self, *on: int):
+        self.on, self.calls = set(on), 0
+
+    @hookimpl
+    def fsm_agent_node_check(self, check_round):
+        import json
+
+        from fsm_agent import node_checks
+
+        self.calls += 1
+        store = check_round.store
+        store.set(node_checks.RESULT_KEY.format(1), json.dumps(["peer", []]))
+        blamed = {1: "fake link at 20 Mbit/s, median 9 Gbit/s"} if self.calls in self.on else {}
+        return node_checks.CheckResult(check="fake", ok=True, blamed=blamed)
+
+
+def _left_after_the_node_check(run):
+    assert run.result.exit_code == 69 and "node check failed (node_check): localhost (" in run.result.error
+    assert "): fake: fake device 3: ECC errors" in run.result.error
+    assert run.rendezvous.shutdown_calls == 0  # it leaves alone: the others re-form the round without it
 
 
 def _ended_with_the_peers_verdict(run):
@@ -262,6 +305,40 @@ CASES = [
             and run.rendezvous.shutdown_calls == 0
             or pytest.fail(str(run.result)),
         ),
+    ),
+    (
+        "node_check_failed_in_init",
+        Scenario("all succeed", plugins=[FailingNodeCheck(1)]),
+        ["INIT->FAILED (node_check_failed)"],
+        _left_after_the_node_check,
+    ),
+    (
+        "node_check_failed_on_restart",
+        Scenario("worker 1 exits 1 -> restart -> all succeed", max_restarts=1, plugins=[FailingNodeCheck(2)]),
+        ["INIT->HEALTHY (start)", "HEALTHY->STOPPED (workers_failed)", "STOPPED->FAILED (node_check_failed)"],
+        _left_after_the_node_check,
+    ),
+    (
+        "nodes_excluded_in_init",
+        Scenario("rendezvous rank 0 of 2 -> all succeed", plugins=[BlamesThePeer(1)]),
+        ["INIT->INIT (nodes_excluded)", "INIT->HEALTHY (start)", "HEALTHY->SUCCEEDED (workers_succeeded)"],
+        _ok,
+    ),
+    (
+        "nodes_excluded_on_restart",
+        Scenario(
+            "worker 1 exits 1 -> restart -> rendezvous rank 0 of 2 -> all succeed",
+            max_restarts=1,
+            plugins=[BlamesThePeer(2)],
+        ),
+        [
+            "INIT->HEALTHY (start)",
+            "HEALTHY->STOPPED (workers_failed)",
+            "STOPPED->STOPPED (nodes_excluded)",
+            "STOPPED->HEALTHY (restart)",
+            "HEALTHY->SUCCEEDED (workers_succeeded)",
+        ],
+        _ok,
     ),
     (
         "rendezvous_failed_in_init",
@@ -457,9 +534,9 @@ def test_hooks_of_start(make_agent, hook_recorder):
     assert rdzv_done["worker_group"] is group and rdzv_done["duration_s"] >= 0
     assert [c["worker"].local_rank for c in hook_recorder.calls("worker_env")] == [0, 1]
     assert hook_recorder.get("workers_started")["pids"] == run.launcher.started[0].pids
-    changed = hook_recorder.segment(0)[4]
+    changed = hook_recorder.segment(0)[5]
     assert changed["transition"] is run.agent.transitions[0]
-    metrics = [(c["metric_group"], c["metric_name"], c["metric_value"]) for c in hook_recorder.segment(0)[6:]]
+    metrics = [(c["metric_group"], c["metric_name"], c["metric_value"]) for c in hook_recorder.segment(0)[7:]]
     assert metrics[:2] == [
         ("torchelastic", "workers.default.remaining_restarts", 0),
         ("torchelastic", "workers.default.healthy", 1),

@@ -119,7 +119,9 @@ def test_doc_has_one_table_line_per_row():
     assert "after: `_count_restart`" in cells["`workers_failed`", "STOPPED"][4]
     # Hooks: the steps' hooks in step order, then the hooks of every transition.
     assert cells["`start`", "HEALTHY"][5].strip() == (
-        "`fsm_agent_rendezvous_completed`, `fsm_agent_worker_env`, `fsm_agent_workers_started`, "
+        "`fsm_agent_rendezvous_completed`, "
+        "`fsm_agent_node_check`, `fsm_agent_record_event`, `fsm_agent_put_metric`, "  # with checks switched on
+        "`fsm_agent_worker_env`, `fsm_agent_workers_started`, "
         "`fsm_agent_put_metric`, `fsm_agent_record_event`, "  # the launcher's own timings, when it reports them
         "`fsm_agent_state_changed`, `fsm_agent_record_event`, `fsm_agent_put_metric`"
     )

@@ -81,7 +81,15 @@ def test_the_variable_is_computed_while_the_group_starts(make_agent, hook_record
     answers fsm_agent_worker_env once per worker, before fsm_agent_workers_started."""
     example("all succeed").run(make_agent)
     hook_recorder.assert_sequence(
-        ["rendezvous_completed", "worker_env*2", "workers_started", "state_changed", "record_event", "put_metric*3"],
+        [
+            "rendezvous_completed",
+            "node_check",
+            "worker_env*2",
+            "workers_started",
+            "state_changed",
+            "record_event",
+            "put_metric*3",
+        ],
         transition="INIT->HEALTHY",
     )
 
