@@ -278,6 +278,17 @@ def wait_until_seen(
     log.warning("[%s] not every node saw the job's verdict within %gs", role, SEEN_WAIT_S)
 
 
+def store_unreachable(exc: BaseException) -> bool:
+    """Whether a store call's error says the store is gone (refused, reset, closed: its host's
+    process or node is), not merely slow (a timeout)."""
+    if isinstance(exc, TimeoutError):
+        return False
+    if isinstance(exc, ConnectionError):
+        return True
+    text = f"{type(exc).__name__}: {exc}".lower()  # torch's DistNetworkError, the fsm store's own words
+    return any(word in text for word in ("refused", "reset", "closed", "broken pipe", "gone", "networkerror"))
+
+
 def store_count(store: Any, key: str) -> int:
     return int(store.add(key, 0))
 
@@ -364,6 +375,7 @@ class NodeVerdicts:
         it; alone (one node, or the store gone): this node's own verdict."""
         group, reports = self._group, self.reports(failures)
         mine = [w.global_rank for w in group.workers]
+        unreachable = False
         if self._usable():
             try:
                 if lost:  # alive: the lost node's ranks are those no node reports
@@ -387,8 +399,10 @@ class NodeVerdicts:
                 return record
             except Exception as exc:  # the store is gone: this node's own verdict
                 log.warning("[%s] could not share the job's verdict: %s", self._role, exc)
-        # The store is unreachable: its host's node is gone (or cut off), and with it the others' reports.
-        gone = self._store_host_elsewhere()
+                unreachable = store_unreachable(exc)
+        # The store is unreachable (not merely slow): its host's node is gone (or cut off), and with
+        # it the others' reports.
+        gone = self._store_host_elsewhere() if unreachable else []
         record = verdict_record(reports, self.world_size, self.who, classify, exit_code, gone, STORE_HOST_LOST)
         if lost and not reports and not gone:  # which node it was is not known here
             record["summary"] = "a node was lost, and the rendezvous store with it: which one is not known here"

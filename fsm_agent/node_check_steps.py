@@ -15,6 +15,7 @@ import attrs
 from transitions import EventData
 
 from fsm_agent import node_checks
+from fsm_agent.errors import RendezvousFailed
 from fsm_agent.hosts import advertised_address
 from fsm_agent.states.facts import Fact, NodeCheckFailed, NodesExcluded
 from fsm_agent.worker import HEALTH_CHECK_EXIT_CODE, RestartDecision, WorkerGroup, WorkerSpec
@@ -23,6 +24,9 @@ log = logging.getLogger(__name__)
 
 #: Backends whose rounds cannot re-form without a node (a fixed world): an excluded node ends the job.
 FIXED_WORLD_BACKENDS = ("static",)
+#: Rounds in a row that may exclude nodes before every node gives up (a node that never reports,
+#: e.g. one without the checks' flags, would be excluded from every re-formed round).
+MAX_REFORMS = 3
 
 
 class NodeCheckOutcome(BaseException):
@@ -94,10 +98,9 @@ class NodeCheckSteps:
                 (``NodesExcluded``; with a fixed-world backend, ``NodeCheckFailed`` too).
         """
         hook = self.plugin_manager.hook.fsm_agent_node_check
-        settings = self._node_check_settings
-        if not hook.get_hookimpls() or (self._node_checks_done and not settings.every_round):
+        if not hook.get_hookimpls():
             return
-        group = self._worker_group
+        settings, group = self._node_check_settings, self._worker_group
         started = time.monotonic()
         check_round = node_checks.CheckRound(
             store=group.store,
@@ -110,10 +113,20 @@ class NodeCheckSteps:
             deadline=started + settings.timeout_s,
             check_round=self._node_check_rounds,
         )
-        results = node_checks.run_checks(hook, check_round)
-        if not results:  # every check had nothing to say (switched off): every node of the job alike
+        # A node that checked before skips its own checks (--node-check-every-round false), never the
+        # exchange: a new node of the round (a spare) checks, and every node reads one decision.
+        # An observer that answers nothing (the test kit's hook recorder) starts no exchange.
+        if not settings.every_round and self._node_checks_done > 0 and self._node_check_rounds == 0:
+            results = [node_checks.CheckResult(check="skipped", ok=True, reason="checked in an earlier round")]
+        else:
+            results = node_checks.run_checks(hook, check_round)
+        if not results:  # no check answered: none is switched on (every node of the job alike)
             return
-        decision = node_checks.exchange(check_round, results)
+        mine = {w.global_rank for w in group.workers}
+        try:
+            decision = node_checks.exchange(check_round, results, hosts_store=bool(mine & set(group.store_host_ranks)))
+        except Exception as exc:  # no decision (group rank 0 gone or stalled, the store gone): no round
+            raise RendezvousFailed(f"node checks: no decision for the round: {type(exc).__name__}: {exc}") from None
         self._node_check_rounds += 1
         self._node_checks_done += 1
         seconds = time.monotonic() - started
@@ -130,17 +143,29 @@ class NodeCheckSteps:
         if not decision.excluded:
             self._node_check_rounds = 0
             return
+        raise NodeCheckOutcome(self._outcome_of(decision, check_round.group_rank))
+
+    def _outcome_of(self, decision: node_checks.Decision, mine: int) -> Fact:
+        """The fact a decision that excludes nodes makes here: ``NodeCheckFailed`` when this node
+        is excluded, or when the round cannot re-form without the excluded ones (a fixed-world
+        backend, the store's host excluded, ``MAX_REFORMS`` re-formed rounds in a row excluding
+        again); else ``NodesExcluded``."""
         named = {rank: f"{decision.hosts.get(rank, '?')}: {why}" for rank, why in decision.excluded.items()}
         for rank, why in sorted(named.items()):
             log.warning("[%s] node check: group rank %s excluded from the round (%s)", self.spec.role, rank, why)
-        mine = check_round.group_rank
         if mine in named:
-            raise NodeCheckOutcome(NodeCheckFailed(reason=named[mine], decision=decision.record()))
+            return NodeCheckFailed(reason=named[mine], decision=decision.record())
+        others = "; ".join(f"group rank {rank} ({why})" for rank, why in sorted(named.items()))
+        cannot = None
         if self.spec.rendezvous.backend in FIXED_WORLD_BACKENDS:
-            others = "; ".join(f"group rank {rank} ({why})" for rank, why in sorted(named.items()))
-            reason = f"{others}: the {self.spec.rendezvous.backend} rendezvous cannot re-form the round without it"
-            raise NodeCheckOutcome(NodeCheckFailed(reason=reason, decision=decision.record()))
-        raise NodeCheckOutcome(NodesExcluded(excluded={str(rank): why for rank, why in named.items()}))
+            cannot = f"the {self.spec.rendezvous.backend} rendezvous cannot re-form the round without it"
+        elif decision.store_host in named:
+            cannot = f"group rank {decision.store_host} hosts the rendezvous store: the round cannot re-form without it"
+        elif self._node_check_rounds >= MAX_REFORMS:
+            cannot = f"{self._node_check_rounds} rounds in a row excluded nodes: giving up re-forming"
+        if cannot is not None:
+            return NodeCheckFailed(reason=f"{others}: {cannot}", decision=decision.record())
+        return NodesExcluded(excluded={str(rank): why for rank, why in named.items()})
 
     def _record_node_check(self, event: EventData) -> None:
         """``node_check_failed``: this node leaves the job as an excluded node does (its own

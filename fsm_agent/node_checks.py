@@ -130,25 +130,30 @@ class Decision:
         excluded: ``{group_rank: "host: reason; reason"}``; empty: every node passed.
         hosts: ``{group_rank: "hostname (address)"}`` of every node that reported.
         results: ``{group_rank: [CheckResult record, ...]}`` of every node that reported.
+        store_host: the group rank whose agent hosts the round's store (it said so), or None.
     """
 
     excluded: Mapping[int, str] = attrs.field(factory=dict)
     hosts: Mapping[int, str] = attrs.field(factory=dict)
     results: Mapping[int, list[dict[str, Any]]] = attrs.field(factory=dict)
+    store_host: int | None = None
 
     def record(self) -> dict[str, Any]:
         return {
             "excluded": {str(rank): why for rank, why in sorted(self.excluded.items())},
             "hosts": {str(rank): host for rank, host in sorted(self.hosts.items())},
             "results": {str(rank): results for rank, results in sorted(self.results.items())},
+            "store_host": self.store_host,
         }
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> Decision:
+        host = record.get("store_host")
         return cls(
             excluded={int(rank): why for rank, why in record.get("excluded", {}).items()},
             hosts={int(rank): host for rank, host in record.get("hosts", {}).items()},
             results={int(rank): list(results) for rank, results in record.get("results", {}).items()},
+            store_host=None if host is None else int(host),
         )
 
 
@@ -228,7 +233,7 @@ def decide(reported: Mapping[int, tuple[str, list[CheckResult]]], world_size: in
     )
 
 
-def exchange(check_round: CheckRound, results: list[CheckResult]) -> Decision:
+def exchange(check_round: CheckRound, results: list[CheckResult], hosts_store: bool = False) -> Decision:
     """Publish this node's ``results``; group rank 0 gathers every node's (until each reported
     that its own checks did not blame, or ``deadline + EXCHANGE_MARGIN_S``), decides (``decide``) and publishes the decision, which
     every other node waits for (one blocking ``wait``, then one ``get``).
@@ -237,6 +242,9 @@ def exchange(check_round: CheckRound, results: list[CheckResult]) -> Decision:
     ``POLL_S`` s while it waits (one ``check`` of every awaited key), then one ``check`` per node
     its checks blamed (per node only when some did not report), one ``multi_get`` and one ``set``.
 
+    ``hosts_store``: this node's agent hosts the round's store (the decision says which node
+    does: the round cannot re-form without it).
+
     Raises:
         whatever the store raises (unreachable, or no decision by its timeout): the caller treats
         it as the rendezvous failing.
@@ -244,7 +252,7 @@ def exchange(check_round: CheckRound, results: list[CheckResult]) -> Decision:
     store, rank, world = check_round.store, check_round.group_rank, check_round.group_world_size
     # by name and address: several agents may share a host name (containers, namespaces)
     where = f"{check_round.hostname} ({check_round.node_addr})"
-    store.set(RESULT_KEY.format(rank), json.dumps([where, [r.record() for r in results]]))
+    store.set(RESULT_KEY.format(rank), json.dumps([where, [r.record() for r in results], hosts_store]))
     if rank != 0:
         wait_s = check_round.seconds_left() + 2 * EXCHANGE_MARGIN_S
         store.wait([DECISION_KEY], datetime.timedelta(seconds=wait_s))
@@ -263,10 +271,11 @@ def exchange(check_round: CheckRound, results: list[CheckResult]) -> Decision:
     else:  # some did not: one look per node finds which
         present = [r for r in range(world) if store.check([keys[r]])]
     values = store.multi_get([keys[r] for r in present]) if present else []
-    reported = {}
+    reported, store_host = {}, None
     for r, raw in zip(present, values, strict=True):
-        host, records = json.loads(bytes(raw).decode())
+        host, records, *hosting = json.loads(bytes(raw).decode())
         reported[r] = (str(host), [CheckResult.from_record(record) for record in records])
-    decision = decide(reported, world, check_round.timeout_s)
+        store_host = r if hosting and hosting[0] else store_host
+    decision = attrs.evolve(decide(reported, world, check_round.timeout_s), store_host=store_host)
     store.set(DECISION_KEY, json.dumps(decision.record()))
     return decision

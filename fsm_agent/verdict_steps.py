@@ -44,6 +44,7 @@ class JobVerdictSteps:
     _health_problem: HealthCheckFailed | None
     _hung: dict[int, str]
     _hung_stacks: dict[int, str]
+    transitions: list[Any]
 
     def failure_classifier(self) -> Callable[[FailureReport], str | None]:
         raise NotImplementedError  # PluginSurface's
@@ -91,11 +92,20 @@ class JobVerdictSteps:
         self.record_event("verdict", adopted=record.get("decided_by") != self._verdicts.who, **record)
 
     def _name_the_lost_store_host(self, event: EventData) -> None:
-        """The rendezvous failed while workers ran (``rendezvous_failed`` from HEALTHY or UNHEALTHY):
+        """The rendezvous failed while workers ran (``rendezvous_failed`` from HEALTHY or UNHEALTHY,
+        or from STOPPED re-joining after a lost node, which the store's host was):
         when another node hosted the round's store, now unreachable, the job's verdict names that
         node's ranks, lost with it (``NodeVerdicts.store_host_lost``); records the ``verdict`` event.
         Otherwise (a node in a rendezvous, this node the host, the host not known) nothing."""
-        if event.transition is None or event.transition.source not in (S.HEALTHY.value, S.UNHEALTHY.value):
+        source = event.transition.source if event.transition is not None else None
+        # STOPPED: a lost node (the store's keep-alive failed) made this node re-rendezvous, and
+        # the store is not there to re-join
+        after_loss = (
+            source == S.STOPPED.value
+            and bool(self.transitions)
+            and self.transitions[-1].trigger == MembershipChanged.trigger
+        )
+        if source not in (S.HEALTHY.value, S.UNHEALTHY.value) and not after_loss:
             return
         record = self._verdicts.store_host_lost(self._failures, self.failure_classifier())
         if record is not None:

@@ -456,7 +456,7 @@ class _CountingStore:
         try:
             self.wait(keys, datetime.timedelta(seconds=_timeout(until)))
             return True
-        except RuntimeError:  # torch's DistStoreError: the wait timed out
+        except (RuntimeError, TimeoutError):  # torch's DistStoreError, the fsm store's StoreTimeout: timed out
             return False
 
     def missing(self, keys: list[str]) -> list[str]:

@@ -337,8 +337,19 @@ class FakeRendezvous(RendezvousHandler):
         extra = () if restart_count is None else (restart_count,)
         try:
             assign_ranks(store, rank, script.world_size, role, local_world_size, *extra)
+            FakeRendezvous._pass_node_checks(store, rank)
         except Exception as exc:  # the agent left the round (signal, error): nothing to assign any more
             log.debug("simulated peer %s gave up: %s", rank, exc)
+
+    @staticmethod
+    def _pass_node_checks(store, rank: int) -> None:
+        """A simulated peer's part of the node checks' exchange (``fsm_agent.node_checks``): no
+        check results; as group rank 0, a decision that excludes no one."""
+        from fsm_agent import node_checks
+
+        store.set(node_checks.RESULT_KEY.format(rank), json.dumps([f"peer{rank} (fake)", []]))
+        if rank == 0:
+            store.set(node_checks.DECISION_KEY, json.dumps(node_checks.Decision().record()))
 
 
 # =============================================================================================

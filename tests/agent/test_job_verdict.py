@@ -162,13 +162,18 @@ main()
 """
 
 
-@pytest.mark.parametrize("backend", ["fsm", "c10d", "static"])
-def test_the_store_hosts_ranks_are_named_when_its_node_is_lost(launcher, backend):
+@pytest.mark.parametrize(
+    ("backend", "budgets"),
+    [("fsm", "node_lost=0"), ("c10d", "node_lost=0"), ("static", "node_lost=0"), ("fsm", None)],
+    ids=["fsm", "c10d", "static", "fsm-default-policy"],
+)
+def test_the_store_hosts_ranks_are_named_when_its_node_is_lost(launcher, backend, budgets):
     """Node 0, whose agent hosts the round's store, is lost (its agent and workers SIGKILLed at
     by then): node 1 cannot reach the store any more, and its verdict names node 0's ranks, lost with
     the store (the assignment told every node whose ranks those are), not "unknown". Whichever
     notices first (a worker failing on its dead peers, the membership watch, the keep-alive), the
-    verdict is the same."""
+    verdict is the same. With the default policy the fsm survivor first tries to re-rendezvous
+    (the lost store looks like a lost node), then fails to reach the store: the same verdict."""
     port, run_id, ready = free_port(), f"store-host-lost-{backend}", Path(launcher.dir) / "ready"
     ready.mkdir()
     script = write_script(launcher.dir, "train.py", TRAINING)
@@ -177,7 +182,8 @@ def test_the_store_hosts_ranks_are_named_when_its_node_is_lost(launcher, backend
     for node in (0, 1):
         events = Path(launcher.dir) / f"events{node}.jsonl"
         flags = [*node_flags(backend, port, run_id, node), *[f.format(int(node == 0)) for f in hosting]]
-        flags += ["--restart-budgets", "node_lost=0", "--events-file", str(events)]
+        flags += ["--restart-budgets", budgets] if budgets else []
+        flags += ["--events-file", str(events)]
         procs.append((launcher.fsm(*flags, script, env={"READY_DIR": str(ready)}), events))
     deadline = time.monotonic() + 120
     while len(list(ready.iterdir())) < 2 * NPROC and time.monotonic() < deadline:

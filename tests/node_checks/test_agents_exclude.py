@@ -46,16 +46,24 @@ def _listening(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
-@pytest.mark.parametrize("backend", ["fsm", "c10d"])
-def test_the_bad_node_is_excluded_and_a_hot_spare_takes_its_seat(launcher, backend):
+@pytest.mark.parametrize(
+    ("backend", "extra"),
+    [("fsm", ()), ("c10d", ()), ("fsm", ("--node-check-every-round", "false"))],
+    ids=["fsm", "c10d", "fsm-first-round-only"],
+)
+def test_the_bad_node_is_excluded_and_a_hot_spare_takes_its_seat(launcher, backend, extra):
+    """With ``--node-check-every-round false`` the nodes that checked skip their own checks in the
+    re-formed round, never the exchange: the spare checks, every node reads one decision."""
     port = free_port()
     script = write_script(launcher.dir, "train.py", WORKER)
     events = {name: Path(launcher.dir) / f"{name}.jsonl" for name in "abc"}
-    a = launcher.fsm(*flags(backend, port, events["a"]), script, env={"LOGLEVEL": "INFO"})  # its "rendezvous complete"
+    a = launcher.fsm(
+        *flags(backend, port, events["a"]), *extra, script, env={"LOGLEVEL": "INFO"}
+    )  # its "rendezvous complete"
     assert wait_until(lambda: _listening(port), timeout=60), a.output()[1]  # a hosts the store
-    b = launcher.fsm(*flags(backend, port, events["b"]), script, env={"BAD": "1"})
+    b = launcher.fsm(*flags(backend, port, events["b"]), *extra, script, env={"BAD": "1"})
     assert wait_until(lambda: "rendezvous complete" in a.output()[1], timeout=60), a.output()[1]
-    c = launcher.fsm(*flags(backend, port, events["c"]), script)  # the round is full: a standby
+    c = launcher.fsm(*flags(backend, port, events["c"]), *extra, script)  # the round is full: a standby
     bad = b.wait(120)
     assert bad.returncode == 69, bad.stderr  # EX_UNAVAILABLE: requeue elsewhere, as a failed health check
     assert "node check failed (node_check)" in bad.stderr and "GPU 3: uncorrectable ECC error" in bad.stderr
@@ -95,3 +103,20 @@ def test_with_static_rendezvous_every_node_ends_naming_the_bad_one(launcher):
         assert "group rank 1" in result.stderr or "node check failed (node_check): localhost: device" in result.stderr
         assert "GPU 3: uncorrectable ECC error" in result.stderr
     assert "the static rendezvous cannot re-form the round without it" in procs[0].wait(1).stderr
+
+
+def test_when_the_store_host_fails_its_check_every_node_ends_naming_it(launcher):
+    """The node hosting the ``fsm`` store fails its check: the round cannot re-form without the
+    store, so every node ends with ``node_check_failed`` (exit 69) naming it, no worker started."""
+    port = free_port()
+    script = write_script(launcher.dir, "train.py", WORKER)
+    events = {name: Path(launcher.dir) / f"{name}.jsonl" for name in "ab"}
+    a = launcher.fsm(*flags("fsm", port, events["a"]), script, env={"BAD": "1"})
+    assert wait_until(lambda: _listening(port), timeout=60), a.output()[1]  # a hosts the store
+    b = launcher.fsm(*flags("fsm", port, events["b"]), script)
+    for proc, name in ((a, "a"), (b, "b")):
+        result = proc.wait(120)
+        assert result.returncode == 69, result.stderr
+        assert transitions(events[name]) == [("INIT", "FAILED", "node_check_failed")]
+        assert not any(e["kind"] == "worker_exit" for e in read_events(events[name]))
+    assert "hosts the rendezvous store: the round cannot re-form without it" in b.wait(1).stderr

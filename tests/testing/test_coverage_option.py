@@ -47,17 +47,17 @@ def test_the_report_lists_what_was_exercised_and_what_is_missing(suite):
     result.stdout.fnmatch_lines(
         [
             "*= fsm-agent statechart coverage =*",
-            "statechart coverage: 4/30 transitions exercised (13.3%)",
+            "statechart coverage: 4/34 transitions exercised (11.8%)",
             "*INIT --start--> HEALTHY * 2x  e.g. test_agent_paths.py::test_success",
             "*HEALTHY --workers_failed--> STOPPED * 1x  e.g. test_agent_paths.py::test_restart",
-            "  missing (26):",
+            "  missing (30):",
             "    UNHEALTHY --workers_failed--> STOPPED",
             "  cannot be taken by the run loop (not counted):",
             "    UNHEALTHY --workers_succeeded--> SUCCEEDED: workers_succeeded comes only from*",
         ]
     )
     report = json.loads((suite.path / "cov.json").read_text())
-    assert (report["covered"], report["counted"], report["threshold"]) == (4, 30, None)
+    assert (report["covered"], report["counted"], report["threshold"]) == (4, 34, None)
 
 
 def test_fail_under_fails_a_green_run(suite):
@@ -65,9 +65,9 @@ def test_fail_under_fails_a_green_run(suite):
     result.assert_outcomes(passed=2)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["  required: 90% -> FAILED"])
-    ok = suite.runpytest("-p", "no:cacheprovider", "--statechart-coverage-fail-under", "13")
+    ok = suite.runpytest("-p", "no:cacheprovider", "--statechart-coverage-fail-under", "11")
     assert ok.ret == 0
-    ok.stdout.fnmatch_lines(["  required: 13% -> passed"])
+    ok.stdout.fnmatch_lines(["  required: 11% -> passed"])
 
 
 def test_no_statechart_coverage_wins(suite):
