@@ -191,6 +191,13 @@ class PluginSurface:
         self._cycles.progress_file = progress_file or None
         self._cycles.no_progress_limit = max_no_progress_restarts
 
+    def declare_restart_policy(self, **options: str) -> None:
+        """The restart policy's options as its plugin resolved them (``budgets``,
+        ``exclude_node_on``; empty ones left out): each ``cycle`` event carries them, so
+        ``fsm-agent replay`` gives the policy the same. Called by the ``restart-policy`` plugin's
+        ``fsm_agent_configure``."""
+        self._cycles.restart_policy = {name: value for name, value in options.items() if value}
+
     def track_steps(self) -> None:
         """Hand every worker a heartbeat file from the next attempt on, so ``worker_steps()`` reads
         what ``fsm_agent.heartbeat(step=N)`` reports. Called by plugins' ``fsm_agent_configure``."""

@@ -107,6 +107,9 @@ class CycleLog:
         #: checkpoints); else ``progress_file`` is read.
         self.checkpoint_step_reader: Callable[[], int | None] | None = None
         self.no_progress_limit = 0
+        #: The restart policy's own options (``--restart-budgets``, ``--exclude-node-on``), in each
+        #: ``cycle`` record as ``restart_policy`` so replay decides with them too.
+        self.restart_policy: dict[str, str] = {}
         self._start: float | None = None
 
     def checkpoint_step(self) -> int | None:
@@ -134,7 +137,8 @@ class CycleLog:
         )
         self.cycles.append(cycle)
         limit = {"max_no_progress_restarts": self.no_progress_limit} if self.no_progress_limit else {}
-        return {**attrs.asdict(cycle), **limit}
+        policy = {"restart_policy": dict(self.restart_policy)} if self.restart_policy else {}
+        return {**attrs.asdict(cycle), **limit, **policy}
 
 
 _STEP = re.compile(r"\s*(-?\d+)\s*")

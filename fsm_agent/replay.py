@@ -396,6 +396,9 @@ def _replayer(run: list[tuple[int, int, dict]], *, load_plugins: bool, disabled:
     plugin_options: dict[str, dict[str, Any]] = {"drain": {"timeout": 0.0}}
     if limits:
         plugin_options["progress"] = {"max_no_progress_restarts": limits[0]}
+    policies = [r["restart_policy"] for _, _, r in run if r["kind"] == "cycle" and r.get("restart_policy")]
+    if policies:  # the restart policy's own options (--restart-budgets, --exclude-node-on)
+        plugin_options["restart-policy"] = dict(policies[0])
     pm = get_plugin_manager(disabled=(*NOT_REPLAYED_PLUGINS, *disabled), load_entry_points=load_plugins)
     pm.register(_NoBackoff(), "replay-no-backoff")
     rendezvous, launcher = (

@@ -193,3 +193,6 @@ def fsm_agent_configure(config, agent):
         exclude_node_on=parse_exclude_node_on(options.get("exclude_node_on") or ""),
     )
     agent.plugin_manager.register(policy, f"{PLUGIN_NAME}-{id(agent)}")
+    agent.declare_restart_policy(
+        budgets=options.get("budgets") or "", exclude_node_on=options.get("exclude_node_on") or ""
+    )

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from fsm_agent import cli
+from fsm_agent.config import LaunchConfig
 from fsm_agent.errors import ConfigError
 from fsm_agent.plugins import hookimpl
 from fsm_agent.replay import cli_main, read_events, replay
@@ -258,6 +259,9 @@ PATHS = {
     ),
     "second_of_two_nodes": lambda: Scenario(
         "rendezvous rank 1 of 2 -> worker 0 exits 1 -> restart -> all succeed", max_restarts=2
+    ),
+    "node_lost_budget_spent": lambda: Scenario(
+        "wait -> node lost", config=LaunchConfig(plugins={"restart-policy": {"budgets": "node_lost=0"}})
     ),
     "adopts_the_job_restart_count": lambda: (
         Scenario(max_restarts=3).rendezvous(rank=1, world_size=2, peer_restart_count=2).attempt("all_ok")
