@@ -22,14 +22,10 @@ import subprocess
 import time
 
 from fsm_agent.plugins import hookimpl
+from fsm_agent.plugins.registry import positive_seconds
 
 log = logging.getLogger(__name__)
 PLUGIN_NAME = "health-check"
-
-
-def _positive(value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"expected seconds > 0, got {value}")
 
 
 @hookimpl
@@ -48,7 +44,7 @@ def fsm_agent_addoption(options):
         default=30.0,
         flag="--health-check-interval",
         env="FSM_AGENT_HEALTH_CHECK_INTERVAL",
-        check=_positive,
+        check=positive_seconds,
         help="seconds between health checks (the first runs one interval after the workers start)",
     )
     options.add(
@@ -57,7 +53,7 @@ def fsm_agent_addoption(options):
         default=10.0,
         flag="--health-check-timeout",
         env="FSM_AGENT_HEALTH_CHECK_TIMEOUT",
-        check=_positive,
+        check=positive_seconds,
         help="seconds a health check may take before it counts as failed",
     )
 

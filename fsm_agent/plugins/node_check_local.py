@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsm_agent.node_checks import CheckResult, CheckRound, failed
 from fsm_agent.plugins import hookimpl
+from fsm_agent.plugins.registry import positive_seconds
 
 if TYPE_CHECKING:
     from fsm_agent.config import LaunchConfig, OptionRegistry
@@ -66,11 +67,6 @@ def _gib_at_least_zero(value: float) -> None:
         raise ValueError(f"expected GiB >= 0, got {value}")
 
 
-def _positive_seconds(value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"expected seconds > 0, got {value}")
-
-
 #: (name, type, default, check, help); option ``name`` is flag ``--node-check-<name>`` and env
 #: ``FSM_AGENT_NODE_CHECK_<NAME>`` (not the plugin's name: the three checks read as one family).
 OPTIONS: tuple[tuple[str, type, Any, Any, str], ...] = (
@@ -87,7 +83,7 @@ OPTIONS: tuple[tuple[str, type, Any, Any, str], ...] = (
     ("shm_min_gib", float, 0.0, _gib_at_least_zero, "GiB that must be free in --node-check-shm-path (0: no shm check)"),
     ("shm_path", str, "/dev/shm", None, "the shared-memory mount the shm check measures"),
     ("device_command", str, "", None, "shell command that must exit 0 before the workers start (empty: none)"),
-    ("device_timeout", float, 30.0, _positive_seconds, "seconds the device command may take"),
+    ("device_timeout", float, 30.0, positive_seconds, "seconds the device command may take"),
 )
 
 

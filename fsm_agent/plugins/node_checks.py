@@ -14,13 +14,9 @@ switched on, nothing runs and nothing is exchanged. This plugin only sets the ag
 from __future__ import annotations
 
 from fsm_agent.plugins import hookimpl
+from fsm_agent.plugins.registry import positive_seconds
 
 PLUGIN_NAME = "node-checks"
-
-
-def _positive(value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"expected seconds > 0, got {value}")
 
 
 @hookimpl
@@ -31,7 +27,7 @@ def fsm_agent_addoption(options):
         default=30.0,
         flag="--node-check-timeout",
         env="FSM_AGENT_NODE_CHECK_TIMEOUT",
-        check=_positive,
+        check=positive_seconds,
         help="seconds a node's checks may take together before the round starts; past it they count as failed",
     )
     options.add(

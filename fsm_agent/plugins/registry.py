@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -218,6 +219,16 @@ def _etcd_hint(name: str, installed: bool) -> str:
         f"--rdzv-backend {name}: torch's {name} backend needs etcd's v2 API and python-etcd, which fsm-agent "
         f"does not use; for etcd {how}, or use c10d"
     )
+
+
+def positive_seconds(value: float) -> None:
+    """The ``check`` of a plugin option in seconds (``options.add(..., check=positive_seconds)``).
+
+    Raises:
+        ValueError: ``expected seconds > 0, got VALUE`` (NaN and infinity included).
+    """
+    if not (math.isfinite(value) and value > 0):  # NaN compares false both ways
+        raise ValueError(f"expected seconds > 0, got {value}")
 
 
 def require_positive_seconds(config: dict[str, Any], defaults: dict[str, int]) -> None:
