@@ -26,6 +26,7 @@ Standard library only: the agent never imports torch, and to it a checkpoint is 
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -123,18 +124,28 @@ class Slot:
         the memory now (``posix_fallocate``: a full ``/dev/shm`` fails here, with ENOSPC, instead of
         a SIGBUS in the writer later); else sparse, pages taken when first written.
 
+        The slot is made under a temporary name and renamed into place once its header is written:
+        a reader that lists the directory (a status call, the replica server's peer, a test) never
+        maps a half-made slot, which a reserve of many MiB would otherwise leave visible for a while.
+
         Raises:
             OSError: the file cannot be created, sized or reserved.
         """
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        making = f"{path}.making"
+        fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, HEADER_AREA + capacity)
             if reserve:
                 os.posix_fallocate(fd, 0, HEADER_AREA + capacity)
             mapped = mmap.mmap(fd, HEADER_AREA + capacity)
+            _HEADER.pack_into(mapped, 0, MAGIC, VERSION, EMPTY, 0, -1, -1, 0, 0, capacity, 0, 0, 0.0, 0, 0)
+            os.rename(making, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(making)
+            raise
         finally:
             os.close(fd)
-        _HEADER.pack_into(mapped, 0, MAGIC, VERSION, EMPTY, 0, -1, -1, 0, 0, capacity, 0, 0, 0.0, 0, 0)
         return cls(path, mapped)
 
     @classmethod

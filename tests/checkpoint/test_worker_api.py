@@ -429,3 +429,34 @@ def test_a_save_waits_for_the_agent_to_persist_the_checkpoint_it_would_overwrite
     second.set_persisted(second.header().seq)
     assert ckpt.save({"w": torch.zeros(4)}, step=4, persist=False) is None  # memory only: never waited for
     assert not [s for s in pair.slots if s.header().step == 4][0].header().awaiting_persist
+
+
+def test_a_slot_appears_under_its_name_only_once_whole(tmp_path, monkeypatch):
+    """A reader listing the directory while the agent reserves a slot never maps a half-made one
+    (a CI run once read zeros there: "bad magic"): the slot is renamed into place after its header."""
+    path = str(tmp_path / "local-0-a")
+    seen_while_reserving = []
+    real_fallocate = os.posix_fallocate
+
+    def reserve_and_look(fd, offset, length):
+        seen_while_reserving.append(sorted(os.listdir(tmp_path)))
+        real_fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", reserve_and_look)
+    slot = Slot.create(path, 1 << 20, reserve=True)
+    assert seen_while_reserving == [["local-0-a.making"]]
+    assert os.listdir(tmp_path) == ["local-0-a"]
+    reopened = Slot.open(path)
+    assert reopened.header().state == EMPTY
+    reopened.close()
+    slot.close()
+
+
+def test_a_slot_that_cannot_be_reserved_leaves_no_file(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError):
+        Slot.create(str(tmp_path / "local-0-a"), 1 << 20, reserve=True)
+    assert os.listdir(tmp_path) == []
