@@ -56,109 +56,37 @@ environment finds torchrun's workers and replacement agents); worker cgroups a k
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import math
 import os
-import random
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
+from _jobs import (
+    HERE,
+    KINDS,
+    Fault,
+    InjectedFault,
+    Job,
+    fmt,
+    loadavg,
+    log,
+    pct,
+    schedule,
+)
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 WORKER = HERE / "workers" / "goodput_worker.py"
 MODES = ("torchrun", "fsm-disk", "fsm-memory")
-KINDS = ("worker_exception", "worker_sigkill", "worker_hang", "agent_sigkill", "node_sigterm")
-WORKER_KINDS = KINDS[:3]
 #: --quick's three faults: a worker's death, a node's loss (the spare takes its seat), a preemption
 QUICK_KINDS = ("worker_sigkill", "agent_sigkill", "node_sigterm")
 NODES, NPROC = 4, 2
 WORLD = NODES * NPROC
-TOKEN_VAR = "GOODPUT_TOKEN"
-SHM_PREFIX = "/dev/shm/fsm-agent-ckpt-"
 CALIB_K = 3
-_SCRUB_PREFIXES = ("PET_", "FSM_AGENT_", "TORCHELASTIC_", "TORCH_ELASTIC_", "GOODPUT_")
-_SCRUB_KEYS = frozenset(
-    {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
-    | {"OMP_NUM_THREADS", "LOGLEVEL", "PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "CUDA_VISIBLE_DEVICES"}
-)
-
-
-def log(message: str) -> None:
-    print(f"[goodput {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def loadavg() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    index = q * (len(values) - 1)
-    lo, hi = math.floor(index), math.ceil(index)
-    return values[lo] + (values[hi] - values[lo]) * (index - lo)
-
-
-def fmt(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-# ------------------------------------------------------------------------------------------------
-# The fault schedule
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Fault:
-    offset: float  # seconds after the window's start
-    kind: str
-    target: int  # a global rank (worker kinds), else an index into the non-host active nodes
-
-
-def schedule(seed: int, duration: float, interval: float, kinds: tuple[str, ...] = KINDS) -> list[Fault]:
-    """One fault per ``interval`` s (jitter ±25 %), kinds in seeded shuffled blocks of all kinds."""
-    rng = random.Random(seed)
-    count = max(1, int(duration // interval))
-    order: list[str] = []
-    while len(order) < count:
-        block = list(kinds)
-        rng.shuffle(block)
-        order += block
-    faults = []
-    for i in range(count):
-        offset = interval * (i + 0.5) + rng.uniform(-0.25, 0.25) * interval
-        kind = order[i]
-        target = rng.randrange(WORLD) if kind in WORKER_KINDS else rng.randrange(NODES - 1)
-        faults.append(Fault(round(offset, 2), kind, target))
-    return faults
-
-
 # ------------------------------------------------------------------------------------------------
 # One job: agents, their workers, injection, cleanup
 # ------------------------------------------------------------------------------------------------
@@ -175,40 +103,16 @@ class Settings:
     preload: bool
 
 
-@dataclass
-class Agent:
-    slot: int
-    proc: subprocess.Popen
-    started: float
-    injected: str | None = None
-
-
-@dataclass
-class InjectedFault:
-    fault: Fault
-    at: float  # wall time of injection
-    detail: str
-
-
-class Job:
-    """The processes of one job of one mode; ``close()`` leaves none behind."""
+class GoodputJob(Job):
+    """One mode's job: 4 agents x 2 workers of ``workers/goodput_worker.py``."""
 
     def __init__(self, mode: str, folder: Path, settings: Settings, k: int, max_steps: int):
+        super().__init__(f"goodput-{mode}", folder, NODES, NPROC)
         self.mode, self.settings, self.k, self.max_steps = mode, settings, k, max_steps
-        self.dir = folder
-        self.out = folder / "out"
         self.ckpt = folder / "ckpt"
-        for d in (self.out, self.ckpt):
-            d.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix="goodput-"))  # agents' TMPDIR: short, removed at the end
-        self.token = uuid.uuid4().hex
-        self.port = free_port()
-        self.run_id = f"goodput-{mode}-{self.token[:6]}"
-        self.agents: list[Agent] = []
-        self.shm_dirs: set[str] = set()
-        self.pending_replacements: list[tuple[float, Agent | None]] = []  # (not before, waiting on)
+        self.ckpt.mkdir(parents=True, exist_ok=True)
+        (self.ckpt / "torch").mkdir(exist_ok=True)
 
-    # -- starting ----------------------------------------------------------------------------
     def command(self, slot: int) -> list[str]:
         s = self.settings
         common = [
@@ -241,16 +145,11 @@ class Job:
                 cmd += ["--launcher", "preload"]
         return cmd + script
 
-    def env(self, slot: int) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB_KEYS}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    def job_env(self, slot: int) -> dict[str, str]:
+        env = {}
         env.update(
             {
-                TOKEN_VAR: self.token,
-                "TMPDIR": str(self.tmp),
-                "OMP_NUM_THREADS": "1",
                 "LOGLEVEL": "WARNING",
-                "GOODPUT_SLOT": str(slot),
                 "GOODPUT_CKPT_DIR": str(self.ckpt / "torch"),
                 "GOODPUT_PERSIST_EVERY": str(self.settings.persist_every),
             }
@@ -258,196 +157,6 @@ class Job:
         if self.mode == "torchrun" and not self.settings.torchrun_shared_store:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         return env
-
-    def start_agent(self) -> Agent:
-        slot = len(self.agents)
-        with (self.dir / f"agent{slot}.out").open("wb") as out, (self.dir / f"agent{slot}.err").open("wb") as err:
-            proc = subprocess.Popen(
-                self.command(slot),
-                env=self.env(slot),
-                cwd=self.dir,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-            )
-        agent = Agent(slot, proc, time.time())
-        self.agents.append(agent)
-        return agent
-
-    def start(self, spare: bool, deadline: float) -> None:
-        """Node 0 (it hosts the rendezvous store), the other three once it listens, then the spare
-        once every rank has stepped (so it is the one beyond MAX)."""
-        (self.ckpt / "torch").mkdir(exist_ok=True)
-        self.start_agent()
-        end = time.monotonic() + deadline
-        while not listening(self.port) and self.agents[0].proc.poll() is None and time.monotonic() < end:
-            time.sleep(0.02)
-        for _ in range(NODES - 1):
-            self.start_agent()
-        if spare:
-            while time.monotonic() < end and len(self.stepped_ranks()) < WORLD and self.any_agent_alive():
-                time.sleep(0.1)
-            self.start_agent()
-
-    # -- reading the workers' records -------------------------------------------------------------
-    def events(self) -> list[dict]:
-        found = []
-        with contextlib.suppress(FileNotFoundError):
-            for line in (self.out / "events.log").read_text().splitlines():
-                with contextlib.suppress(ValueError):
-                    found.append(json.loads(line))
-        return found
-
-    def steps(self) -> list[tuple[float, int, int, int]]:
-        """(time, step, rank, pid) of every completed step, in time order."""
-        found = []
-        for rank in range(WORLD):
-            with contextlib.suppress(FileNotFoundError):
-                for line in (self.out / f"steps.{rank}.log").read_text().splitlines():
-                    parts = line.split()
-                    if len(parts) == 3:
-                        found.append((float(parts[1]), int(parts[0]), rank, int(parts[2])))
-        found.sort()
-        return found
-
-    def stepped_ranks(self) -> set[int]:
-        return {rank for rank in range(WORLD) if (self.out / f"steps.{rank}.log").exists()}
-
-    def any_agent_alive(self) -> bool:
-        return any(a.proc.poll() is None for a in self.agents)
-
-    def newest_workers(self) -> dict[int, dict]:
-        """Global rank → the start record of its newest worker."""
-        newest: dict[int, dict] = {}
-        for record in self.events():
-            if record["kind"] == "start" and (
-                record["rank"] not in newest or record["t"] >= newest[record["rank"]]["t"]
-            ):
-                newest[record["rank"]] = record
-        return newest
-
-    # -- injection --------------------------------------------------------------------------------
-    def _tree(self, pid: int) -> list[psutil.Process]:
-        with contextlib.suppress(psutil.Error):
-            root = psutil.Process(pid)
-            return [root, *root.children(recursive=True)]
-        return []
-
-    def note_shm(self, procs: list[psutil.Process] | None = None) -> None:
-        """Remember the /dev/shm checkpoint directories our processes map or hold open."""
-        for proc in procs if procs is not None else self.token_procs():
-            with contextlib.suppress(psutil.Error, OSError):
-                for path in [m.path for m in proc.memory_maps(grouped=True)] + [f.path for f in proc.open_files()]:
-                    if path.startswith(SHM_PREFIX):
-                        self.shm_dirs.add(SHM_PREFIX + path[len(SHM_PREFIX) :].split("/", 1)[0])
-            with contextlib.suppress(OSError):
-                for fd in os.listdir(f"/proc/{proc.pid}/fd"):
-                    with contextlib.suppress(OSError):
-                        path = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
-                        if path.startswith(SHM_PREFIX):
-                            self.shm_dirs.add(SHM_PREFIX + path[len(SHM_PREFIX) :].split("/", 1)[0])
-
-    def active_slots(self) -> list[int]:
-        """Agents (not the store host) whose node runs live workers now."""
-        slots = set()
-        for record in self.newest_workers().values():
-            with contextlib.suppress(psutil.Error, ValueError):
-                if psutil.Process(record["pid"]).status() != psutil.STATUS_ZOMBIE and record["slot"] not in ("?", "0"):
-                    slots.add(int(record["slot"]))
-        return sorted(s for s in slots if self.agents[s].proc.poll() is None and self.agents[s].injected is None)
-
-    def inject(self, fault: Fault) -> InjectedFault | None:
-        """Inject ``fault`` now; None when its target is not there (the caller tries again)."""
-        if fault.kind in WORKER_KINDS:
-            record = self.newest_workers().get(fault.target)
-            if record is None:
-                return None
-            sig = {"worker_exception": signal.SIGUSR1, "worker_sigkill": signal.SIGKILL, "worker_hang": signal.SIGUSR2}
-            try:
-                os.kill(record["pid"], sig[fault.kind])
-            except ProcessLookupError:
-                return None
-            return InjectedFault(
-                fault, time.time(), f"rank {fault.target} (pid {record['pid']}, node slot {record['slot']})"
-            )
-        slots = self.active_slots()
-        if not slots:
-            return None
-        agent = self.agents[slots[fault.target % len(slots)]]
-        if fault.kind == "agent_sigkill":
-            tree = self._tree(agent.proc.pid)
-            self.note_shm(tree)
-            at = time.time()
-            for proc in tree:
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
-            self.pending_replacements.append((at + REPLACE_AFTER_S, None))
-        else:
-            at = time.time()
-            agent.proc.send_signal(signal.SIGTERM)
-            self.pending_replacements.append((at, agent))
-        agent.injected = fault.kind
-        return InjectedFault(fault, at, f"agent slot {agent.slot} (pid {agent.proc.pid})")
-
-    def tend(self) -> None:
-        """Start the replacement agents that are due (a lost node's machine comes back as a spare)."""
-        now = time.time()
-        for item in list(self.pending_replacements):
-            not_before, waiting_on = item
-            if now >= not_before and (waiting_on is None or waiting_on.proc.poll() is not None):
-                self.pending_replacements.remove(item)
-                agent = self.start_agent()
-                log(f"  replacement agent slot {agent.slot} started")
-
-    # -- stopping ---------------------------------------------------------------------------------
-    def token_procs(self) -> list[psutil.Process]:
-        found = []
-        for proc in psutil.process_iter():
-            with contextlib.suppress(psutil.Error, OSError):
-                if proc.pid != os.getpid() and proc.environ().get(TOKEN_VAR) == self.token:
-                    found.append(proc)
-        return found
-
-    def close(self) -> None:
-        """SIGTERM the agents' process groups (a checkpointing agent removes its shared memory),
-        SIGKILL what is left after 15 s (groups, then by token and pid), remove worker cgroups,
-        /dev/shm checkpoint directories and the temporary directory."""
-        try:
-            with contextlib.suppress(Exception):
-                self.note_shm()
-            for agent in self.agents:
-                if agent.proc.poll() is None:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(agent.proc.pid, signal.SIGTERM)
-            end = time.monotonic() + 15
-            while any(a.proc.poll() is None for a in self.agents) and time.monotonic() < end:
-                time.sleep(0.1)
-            for agent in self.agents:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(agent.proc.pid, signal.SIGKILL)
-            for agent in self.agents:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    agent.proc.wait(timeout=30)
-        finally:
-            end = time.monotonic() + 5  # a killed agent's cgroup keeper ends its workers itself
-            while self.token_procs() and time.monotonic() < end:
-                time.sleep(0.1)
-            left = self.token_procs()
-            for proc in left:
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()  # by pid
-            psutil.wait_procs(left, timeout=10)
-            with contextlib.suppress(Exception):
-                from fsm_agent.testing.processes import remove_worker_cgroups
-
-                remove_worker_cgroups(a.proc.pid for a in self.agents)
-            for path in self.shm_dirs:
-                shutil.rmtree(path, ignore_errors=True)
-            shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-REPLACE_AFTER_S = 1.0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -468,7 +177,7 @@ def calibrate(mode: str, folder: Path, settings: Settings, steps: int, deadline:
     """A fault-free job of ``steps`` steps with a checkpoint every ``CALIB_K``: the step time
     (median interval of steps after a plain step) and the checkpoint's cost (median extra time of
     the step after a checkpoint; the first two checkpoints, which map fresh memory, left out)."""
-    job = Job(mode, folder, settings, CALIB_K, steps)
+    job = GoodputJob(mode, folder, settings, CALIB_K, steps)
     try:
         job.start(spare=False, deadline=deadline)
         end = time.monotonic() + deadline
@@ -525,9 +234,9 @@ def run_mode(
     duration: float,
     deadline: float,
     spare: bool = True,
-) -> tuple[Result, Job]:
+) -> tuple[Result, GoodputJob]:
     result = Result(mode, k, calibration, load_start=loadavg())
-    job = Job(mode, folder, settings, k, 10**9)
+    job = GoodputJob(mode, folder, settings, k, 10**9)
     injected: list[InjectedFault] = []
     t0 = None
     try:
@@ -591,7 +300,7 @@ def run_mode(
 
 
 def analyse(
-    result: Result, job: Job, injected: list[InjectedFault], t0: float, t_window_end: float, t_stop: float
+    result: Result, job: GoodputJob, injected: list[InjectedFault], t0: float, t_window_end: float, t_stop: float
 ) -> None:
     steps = [s for s in job.steps() if s[0] <= t_stop]
     in_window = [s for s in steps if s[0] <= t_window_end]
@@ -712,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         if m not in MODES:
             parser.error(f"--modes: {m!r} is not one of {', '.join(MODES)}")
     forced = dict(item.split("=", 1) for item in args.k)
-    faults = schedule(args.seed, args.duration, args.fault_interval, kinds)
+    faults = schedule(args.seed, args.duration, args.fault_interval, kinds, WORLD, NODES)
     started = datetime.datetime.now(datetime.timezone.utc)
     log(
         f"load average {loadavg()}; schedule (seed {args.seed}): "

@@ -38,7 +38,7 @@ STATE_MIB, COMPUTE_S, K, MAX_STEPS, PG_TIMEOUT = (
 )
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-SLOT = os.environ.get("GOODPUT_SLOT", "?")
+SLOT = os.environ.get("JOB_SLOT", "?")
 CKPT_DIR = os.environ.get("GOODPUT_CKPT_DIR", "")
 PERSIST_EVERY = int(os.environ.get("GOODPUT_PERSIST_EVERY", "0"))
 

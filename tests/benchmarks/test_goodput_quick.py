@@ -9,31 +9,16 @@ agents used is left.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-import psutil
 import pytest
+
+from tests.helpers.processes import processes_with_tmpdir_under, run_benchmark
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
 MODES = ("torchrun", "fsm-disk", "fsm-memory")
-
-
-def _processes_under(folder: Path) -> list[str]:
-    """Processes whose TMPDIR lies under ``folder`` (every agent and worker the benchmark starts)."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.pid != os.getpid() and proc.environ().get("TMPDIR", "").startswith(str(folder)):
-                found.append(f"{proc.pid} {' '.join(proc.cmdline())[:200]}")
-        except (psutil.Error, OSError):
-            continue
-    return found
 
 
 @pytest.mark.slow
@@ -42,17 +27,10 @@ def test_goodput_quick_run_reports_every_mode_and_leaves_nothing(tmp_path):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     markdown, report_json = tmp_path / "goodput.md", tmp_path / "goodput.json"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "goodput.py"), "--quick"]
-        + ["--markdown", str(markdown), "--json", str(report_json)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=1440,
-        env={**os.environ, "TMPDIR": str(scratch)},
+    returncode, report = run_benchmark(
+        "goodput.py", ["--quick", "--markdown", str(markdown), "--json", str(report_json)], scratch, timeout=1440
     )
-    report = f"stdout:\n{done.stdout[-6000:]}\nstderr:\n{done.stderr[-8000:]}"
-    assert done.returncode == 0, report
+    assert returncode == 0, report
 
     # Every mode has a row with a goodput and a recovery figure.
     rows = {}
@@ -77,7 +55,7 @@ def test_goodput_quick_run_reports_every_mode_and_leaves_nothing(tmp_path):
         )
 
     # Nothing left: processes, temporary directories, the agents' shared memory.
-    assert _processes_under(tmp_path) == [], report
+    assert processes_with_tmpdir_under(tmp_path) == [], report
     assert list(scratch.iterdir()) == [], report
     memory = next(r for r in data["results"] if r["mode"] == "fsm-memory")
     assert memory["shm_dirs"], f"the fsm-memory run saw no /dev/shm checkpoint directory\n{report}"

@@ -88,3 +88,32 @@ def run_cli(argv: list[str], cwd: Path, env_extra: dict[str, str] | None = None)
     """``python -m fsm_agent run ARGV`` in ``cwd`` from this checkout, without PET_/FSM_AGENT_ variables
     (plus ``env_extra``); its group is killed past 120 s (the fuzzers)."""
     return run_fsm_agent(["run", *argv], checkout_env(**(env_extra or {})), cwd, timeout=120)
+
+
+def processes_with_tmpdir_under(folder: Path) -> list[str]:
+    """Processes (pid and command line) whose TMPDIR lies under ``folder``: a benchmark run with
+    ``TMPDIR=folder`` passes it to every agent and worker it starts, so these are its leftovers."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and proc.environ().get("TMPDIR", "").startswith(str(folder)):
+                found.append(f"{proc.pid} {' '.join(proc.cmdline())[:200]}")
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def run_benchmark(script: str, args: list[str], scratch: Path, timeout: float) -> tuple[int, str]:
+    """Run ``benchmarks/<script> <args>`` to the end with ``TMPDIR=scratch`` (see
+    ``processes_with_tmpdir_under``). Returns its exit code and the tails of its output, for messages."""
+    done = subprocess.run(
+        [sys.executable, str(CHECKOUT / "benchmarks" / script), *args],
+        cwd=CHECKOUT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "TMPDIR": str(scratch)},
+    )
+    return done.returncode, f"stdout:\n{done.stdout[-6000:]}\nstderr:\n{done.stderr[-8000:]}"
