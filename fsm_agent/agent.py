@@ -426,6 +426,13 @@ class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps):
             return
         self._drains.announce(self._worker_group, self.hostname, self._bounded_call)
 
+    def _announce_leaving(self, event: EventData | None = None) -> None:
+        """A stop signal (a preemption's SIGTERM) while workers run: tell the round's other nodes
+        that this node leaves before its workers stop (``NodeDrain.announce_leaving``), or their
+        workers, failing with ours, would count as a restart, not a membership change."""
+        if self.state in (S.HEALTHY, S.UNHEALTHY) and self._interrupts.abandoned_call is None:
+            self._drains.announce_leaving(self._worker_group, self._bounded_call)
+
     def _drain_workers(self, event: EventData | None = None) -> None:
         """The orderly stop (``NodeDrain.stop_and_settle``: the checkpoint signal, up to
         ``timeout_s`` seconds, then ``_stop_workers``; a job-wide drain's announcer then waits for

@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 #: The rendezvous-store key (in the round's store, shared by its agents) of a job-wide drain.
 JOB_DRAIN_KEY = "fsm_agent/drain/job"
-#: The same store's count of nodes that left the round by a node drain: a peer's workers that
-#: fail meanwhile (a collective with the departed node) are a membership change, not a failure.
+#: The same store's count of nodes that left the round (a node drain, or a stop signal such as a
+#: preemption's SIGTERM), written before their workers stop: a peer's workers that fail meanwhile
+#: (a collective with the departed node) are a membership change, not a failure.
 NODE_DRAIN_KEY = "fsm_agent/drain/nodes"
 #: Peers that saw the job-wide drain count themselves here, so its announcer (maybe the store's
 #: host, c10d) waits for them before it leaves and takes the store along.
@@ -228,7 +229,7 @@ class NodeDrain:
                 pass
 
     def peer_left(self, group: WorkerGroup) -> bool:
-        """Whether another node of this round announced it leaves by a node drain."""
+        """Whether another node of this round announced it leaves (a node drain, a stop signal)."""
         if not _shared(group) or self.taken is not None:
             return False
         try:
@@ -247,17 +248,28 @@ class NodeDrain:
         drain = self.taken
         if drain is None or drain["source"] == "peer" or not _shared(group):
             return
-        store = group.store
-        if drain["scope"] == "job":
-            who = f"{hostname} (group_rank {group.group_rank}): {drain['source']} {drain['by']}".strip()
-            # a peer's job failure marked there first stands: the first to end the job wins
-            announce = functools.partial(job_verdict.set_unless_set, store, JOB_DRAIN_KEY, who)
-        else:
-            announce = functools.partial(store.add, NODE_DRAIN_KEY, 1)
+        if drain["scope"] != "job":
+            self.announce_leaving(group, call)
+            return
+        who = f"{hostname} (group_rank {group.group_rank}): {drain['source']} {drain['by']}".strip()
+        # a peer's job failure marked there first stands: the first to end the job wins
         try:
-            call("announce-drain", announce)
+            call("announce-drain", functools.partial(job_verdict.set_unless_set, group.store, JOB_DRAIN_KEY, who))
         except Exception as exc:  # the others then see this node leave, later
             log.warning("could not tell the other nodes of the drain: %s", exc)
+
+    def announce_leaving(self, group: WorkerGroup, call: Callable[[str, Callable[[], Any]], Any]) -> None:
+        """Tell the other nodes of the round that this node leaves it (``NODE_DRAIN_KEY``), before
+        its workers stop: their workers fail about as soon as ours stop (a collective with them),
+        before this node has left the rendezvous, and must count as the membership change that
+        follows, not as a failure (``peer_left``). A node drain and a stop signal (a preemption's
+        SIGTERM) leave this way. ``call(name, fn)`` runs ``fn`` bounded and uninterruptible."""
+        if not _shared(group):
+            return
+        try:
+            call("announce-leaving", functools.partial(group.store.add, NODE_DRAIN_KEY, 1))
+        except Exception as exc:  # the others then count their failed workers as failures
+            log.warning("could not tell the other nodes that this node leaves: %s", exc)
 
     def stop_workers(
         self,

@@ -168,7 +168,8 @@ class HealthyWatch:
         failed = {rank: code for rank, code in exits.items() if code != 0}
         if failed and self._drains.peer_left(self._group):
             log.warning(
-                "[%s] workers failed after a peer left the job by a drain: a membership change, not counted",
+                "[%s] workers failed after a peer left the job by a drain or a stop signal: a membership change, "
+                "not counted",
                 self._group.spec.role,
             )
             return MembershipChanged(change=FailureClass.NODE_LOST)

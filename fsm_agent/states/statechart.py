@@ -73,6 +73,7 @@ HOOKS_BY_STEP: dict[str, tuple[str, ...]] = {
     "_backoff": (),
     "_decide_on_drain": (),
     "_announce_drain": (),
+    "_announce_leaving": (),
     "_drain_workers": ("fsm_agent_record_event",),
     "_decide_job_verdict": ("fsm_agent_classify_failure", "fsm_agent_record_event"),
     "_adopt_job_verdict": ("fsm_agent_record_event",),

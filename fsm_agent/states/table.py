@@ -142,7 +142,15 @@ TRANSITIONS: list[Row] = [
     ),
     # A node beyond max_nodes whose rendezvous closed: nothing to do, a clean exit.
     dict(trigger="rendezvous_not_needed", source=[S.INIT, S.STOPPED], dest=S.SUCCEEDED),
-    dict(trigger="stop_requested", source=_LIVE, dest=S.FAILED, before=["_stop_workers", "_release_exit_barrier"]),
+    # A stop signal (--signals-to-handle; a preemption's SIGTERM): this node leaves alone. It tells
+    # the round first (as a node drain does), so that the others, whose workers fail as soon as
+    # its workers stop, re-rendezvous without counting a restart. Fact: StopRequested.
+    dict(
+        trigger="stop_requested",
+        source=_LIVE,
+        dest=S.FAILED,
+        before=["_announce_leaving", "_stop_workers", "_release_exit_barrier"],
+    ),
     # A drain (preemption notice: a --drain-signals signal, the --drain-file, POST /drain, or a
     # peer's job-wide drain): an orderly stop that is neither a failure nor a restart. The workers
     # get their checkpoint signal and --drain-timeout s to exit, then the agent exits with the
