@@ -28,6 +28,8 @@ from pathlib import Path
 
 import psutil
 
+from fsm_agent.env import STANDARD_KEYS
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 KINDS = ("worker_exception", "worker_sigkill", "worker_hang", "agent_sigkill", "node_sigterm")
@@ -36,11 +38,10 @@ TOKEN_VAR = "JOB_TOKEN"
 SHM_PREFIX = "/dev/shm/fsm-agent-ckpt-"
 #: a SIGKILLed node's machine comes back (as a spare) this long after
 REPLACE_AFTER_S = 1.0
-_SCRUB_PREFIXES = ("PET_", "FSM_AGENT_", "TORCHELASTIC_", "TORCH_ELASTIC_", "GOODPUT_", "JOB_")
-_SCRUB_KEYS = frozenset(
-    {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
-    | {"OMP_NUM_THREADS", "LOGLEVEL", "PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "CUDA_VISIBLE_DEVICES"}
-)
+_SCRUB_PREFIXES = ("PET_", "FSM_AGENT_", "TORCHELASTIC_", "TORCH_ELASTIC_", "GOODPUT_")
+#: what a job's agents must not inherit: the worker environment a launcher sets, the harness's own
+_SCRUB_KEYS = STANDARD_KEYS | {TOKEN_VAR, "JOB_SLOT", "OMP_NUM_THREADS", "LOGLEVEL", "CUDA_VISIBLE_DEVICES"}
+_SCRUB_KEYS |= {"PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER"}
 
 
 def log(message: str) -> None:
@@ -177,7 +178,7 @@ class Job:
 
     def start(self, spare: bool, deadline: float) -> None:
         """Node 0 (it hosts the rendezvous store), the others once it listens, then the spare once
-        every rank has started (so it is the one beyond MAX)."""
+        the world is ready (``world_ready``: so it is the one beyond MAX)."""
         self.start_agent()
         end = time.monotonic() + deadline
         while not listening(self.port) and self.agents[0].proc.poll() is None and time.monotonic() < end:
@@ -185,9 +186,13 @@ class Job:
         for _ in range(self.nodes - 1):
             self.start_agent()
         if spare:
-            while time.monotonic() < end and len(self.newest_workers()) < self.world and self.any_agent_alive():
+            while time.monotonic() < end and not self.world_ready() and self.any_agent_alive():
                 time.sleep(0.1)
             self.start_agent()
+
+    def world_ready(self) -> bool:
+        """Every rank's worker has started (its start record)."""
+        return len(self.newest_workers()) >= self.world
 
     # -- reading the workers' records -------------------------------------------------------------
     def events(self) -> list[dict]:

@@ -145,6 +145,10 @@ class GoodputJob(Job):
                 cmd += ["--launcher", "preload"]
         return cmd + script
 
+    def world_ready(self) -> bool:
+        """Every rank has completed a step (the spare starts after the world's first step)."""
+        return len(self.stepped_ranks()) >= self.world
+
     def job_env(self, slot: int) -> dict[str, str]:
         env = {}
         env.update(

@@ -15,8 +15,8 @@ Recovered: every rank's newest worker started after the fault and has completed 
 recover is the fault to the last of those first steps. A fault not recovered within ``--deadline``
 s ends the soak (reported as such). At the end the workers are told to finish (the job succeeds),
 and what is left behind is counted before anything is cleaned up: processes of the run, worker
-cgroups, entries in the agents' temporary directories, /dev/shm entries its processes were seen
-holding. Everything is then removed (by process group, pid and path), whatever the count said.
+cgroups, entries in the agents' temporary directories, new ``fsm-agent*`` entries in /dev/shm.
+Everything is then removed (by process group, pid and path), whatever the count said.
 
     python benchmarks/soak.py --agents 64 --minutes 10 --seed 1
     python benchmarks/soak.py --agents 8 --minutes 1 --fault-interval 10 --seed 1   # the CI version
@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -42,7 +43,7 @@ WORKER = Path(__file__).resolve().parent / "workers" / "soak_worker.py"
 SHM = Path("/dev/shm")
 #: the key of a lost node's leftovers in the report (listed, not counted)
 LOST = "on lost nodes (not counted)"
-OTHER_SHM = "new in /dev/shm, not the run's (not counted)"
+OTHER_SHM = "new in /dev/shm, not fsm-agent's (not counted)"
 
 
 class SoakJob(Job):
@@ -88,9 +89,12 @@ class SoakJob(Job):
         times = []
         for rank in range(self.world):
             record = newest.get(rank)
-            if record is None or record["t"] <= since or record["pid"] not in first_steps:
+            # the newest first_step of that pid, and after this worker's start: a reused pid's
+            # earlier worker does not count
+            stepped = first_steps.get(record["pid"]) if record is not None else None
+            if record is None or record["t"] <= since or stepped is None or stepped < record["t"]:
                 return None
-            times.append(first_steps[record["pid"]])
+            times.append(stepped)
         return max(times)
 
 
@@ -166,7 +170,6 @@ def inject_faults(job: SoakJob, faults: list[Fault], t0: float, args: argparse.N
             report.failure = f"the job ended at +{now - t0:.0f} s (store host exit code {job.agents[0].proc.poll()})"
             return
         if pending is None and queue and now >= t0 + queue[0].offset:
-            job.note_shm()  # what /dev/shm the run's processes hold: counted at the end if still there
             injected = job.inject(queue[0])
             if injected is not None:
                 queue.pop(0)
@@ -181,7 +184,6 @@ def finish(job: SoakJob, deadline: float, report: Report) -> None:
     while (job.pending_replacements or not all(map(job.joined, job.agents))) and time.monotonic() < end:
         job.tend()  # a replacement still starting when the job ends would wait for a store that is gone
         time.sleep(0.1)
-    job.note_shm()
     (job.out / "done").touch()
     end = time.monotonic() + deadline
     while job.any_agent_alive() and time.monotonic() < end:
@@ -191,9 +193,15 @@ def finish(job: SoakJob, deadline: float, report: Report) -> None:
         report.agent_exit_codes[f"slot {agent.slot}{' (' + agent.injected + ')' if agent.injected else ''}"] = (
             -999 if code is None else code
         )
-    bad = {k: v for k, v in report.agent_exit_codes.items() if "(" not in k and v != 0}
+    # a finished job's agents end with 0, a preempted one with 128 + SIGTERM, a lost node's by SIGKILL
+    expected = {"": 0, "node_sigterm": 128 + signal.SIGTERM, "agent_sigkill": -signal.SIGKILL}
+    bad = {
+        f"slot {a.slot}": a.proc.returncode
+        for a in job.agents
+        if a.proc.returncode != expected.get(a.injected or "", a.proc.returncode)
+    }
     if bad:
-        report.failure = f"agents did not end with 0 after the workers finished: {bad}"
+        report.failure = f"agents ended with unexpected exit codes (0, 143 preempted, -9 lost): {bad}"
 
 
 def left_behind(job: SoakJob, shm_before: set[str]) -> dict[str, list[str]]:
@@ -220,10 +228,10 @@ def left_behind(job: SoakJob, shm_before: set[str]) -> dict[str, list[str]]:
         "processes": [] if alive else processes,  # a running agent's own processes are not leftovers
         "worker cgroups": [c for c in cgroups if c not in of_lost],
         "temporary files": [t for t in temporary if not t.startswith(lost_tmp)],
-        "/dev/shm entries": sorted(d for d in job.shm_dirs if os.path.exists(d)),
+        "/dev/shm entries": sorted(n for n in set(os.listdir(SHM)) - shm_before if n.startswith("fsm-agent")),
         LOST: of_lost + [t for t in temporary if t.startswith(lost_tmp)],
-        # new entries no process of the run was seen holding: other work on the machine, most likely
-        OTHER_SHM: sorted(set(os.listdir(SHM)) - shm_before - {os.path.basename(d) for d in job.shm_dirs}),
+        # new entries of other names: not fsm-agent's (other work on the machine)
+        OTHER_SHM: sorted(n for n in set(os.listdir(SHM)) - shm_before if not n.startswith("fsm-agent")),
     }
 
 

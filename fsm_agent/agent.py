@@ -12,6 +12,7 @@ the steps and from ``_after_state_change``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -28,7 +29,7 @@ from transitions.core import MachineError
 from fsm_agent import job_verdict, rendezvous_errors
 from fsm_agent._early_signals import take_early_drain, take_early_stop
 from fsm_agent.agent_surface import PluginSurface
-from fsm_agent.drain import NodeDrain
+from fsm_agent.drain import ANNOUNCE_LEAVING_WAIT_S, NodeDrain
 from fsm_agent.env import worker_env
 from fsm_agent.errors import FsmAgentError, PluginError
 from fsm_agent.exit_barrier import ExitBarrier
@@ -37,7 +38,7 @@ from fsm_agent.hang import HangDetector
 from fsm_agent.interrupts import DrainInterrupt, Interrupts, SignalStop
 from fsm_agent.job_verdict import NodeVerdicts
 from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, WorkerLogs
-from fsm_agent.node_check_steps import NodeCheckOutcome, NodeCheckSteps
+from fsm_agent.node_check_steps import FIXED_WORLD_BACKENDS, NodeCheckOutcome, NodeCheckSteps
 from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.plugins.protocols import LauncherAdapter, RendezvousAdapter
 from fsm_agent.progress import CycleLog
@@ -427,11 +428,17 @@ class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps):
         self._drains.announce(self._worker_group, self.hostname, self._bounded_call)
 
     def _announce_leaving(self, event: EventData | None = None) -> None:
-        """A stop signal (a preemption's SIGTERM) while workers run: tell the round's other nodes
-        that this node leaves before its workers stop (``NodeDrain.announce_leaving``), or their
-        workers, failing with ours, would count as a restart, not a membership change."""
-        if self.state in (S.HEALTHY, S.UNHEALTHY) and self._interrupts.abandoned_call is None:
-            self._drains.announce_leaving(self._worker_group, self._bounded_call)
+        """A stop signal (a preemption's SIGTERM) while workers run: tell the round's other nodes we
+        leave before our workers stop (``NodeDrain.announce_leaving``), or theirs, failing with ours,
+        count a restart. Not once ours all succeeded (nobody fails), nor on static (a fixed world)."""
+        if self.state not in (S.HEALTHY, S.UNHEALTHY) or self._interrupts.abandoned_call is not None:
+            return
+        exits = self._launcher.poll()
+        finished = len(exits) == self.spec.local_world_size and not any(exits.values())
+        if finished or self.spec.rendezvous.backend in FIXED_WORLD_BACKENDS:
+            return
+        bounded = functools.partial(self._interrupts.call, interruptible=False, timeout=ANNOUNCE_LEAVING_WAIT_S)
+        self._drains.announce_leaving(self._worker_group, bounded)
 
     def _drain_workers(self, event: EventData | None = None) -> None:
         """The orderly stop (``NodeDrain.stop_and_settle``: the checkpoint signal, up to

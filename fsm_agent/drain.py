@@ -35,6 +35,8 @@ JOB_DRAIN_KEY = "fsm_agent/drain/job"
 #: preemption's SIGTERM), written before their workers stop: a peer's workers that fail meanwhile
 #: (a collective with the departed node) are a membership change, not a failure.
 NODE_DRAIN_KEY = "fsm_agent/drain/nodes"
+#: Seconds a leaving node's announcement may take before its workers are stopped anyway.
+ANNOUNCE_LEAVING_WAIT_S = 1.0
 #: Peers that saw the job-wide drain count themselves here, so its announcer (maybe the store's
 #: host, c10d) waits for them before it leaves and takes the store along.
 JOB_DRAIN_SEEN_KEY = "fsm_agent/drain/job_seen"
@@ -263,7 +265,9 @@ class NodeDrain:
         its workers stop: their workers fail about as soon as ours stop (a collective with them),
         before this node has left the rendezvous, and must count as the membership change that
         follows, not as a failure (``peer_left``). A node drain and a stop signal (a preemption's
-        SIGTERM) leave this way. ``call(name, fn)`` runs ``fn`` bounded and uninterruptible."""
+        SIGTERM) leave this way. ``call(name, fn)`` runs ``fn`` bounded and uninterruptible; a stop
+        signal's bounds it to ``ANNOUNCE_LEAVING_WAIT_S`` seconds (a late announcement helps nobody,
+        and the workers' stop keeps the rest of a scheduler's grace period)."""
         if not _shared(group):
             return
         try:

@@ -138,14 +138,20 @@ class Slot:
             if reserve:
                 os.posix_fallocate(fd, 0, HEADER_AREA + capacity)
             mapped = mmap.mmap(fd, HEADER_AREA + capacity)
-            _HEADER.pack_into(mapped, 0, MAGIC, VERSION, EMPTY, 0, -1, -1, 0, 0, capacity, 0, 0, 0.0, 0, 0)
-            os.rename(making, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(making)
             raise
         finally:
             os.close(fd)
+        try:
+            _HEADER.pack_into(mapped, 0, MAGIC, VERSION, EMPTY, 0, -1, -1, 0, 0, capacity, 0, 0, 0.0, 0, 0)
+            os.rename(making, path)
+        except BaseException:
+            mapped.close()
+            with contextlib.suppress(OSError):
+                os.unlink(making)
+            raise
         return cls(path, mapped)
 
     @classmethod
