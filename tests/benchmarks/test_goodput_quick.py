@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.processes import processes_with_tmpdir_under, run_benchmark
+from tests.helpers.processes import left_by_benchmark, run_benchmark
 
 pytestmark = pytest.mark.e2e
 
@@ -24,11 +24,9 @@ MODES = ("torchrun", "fsm-disk", "fsm-memory")
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_goodput_quick_run_reports_every_mode_and_leaves_nothing(tmp_path):
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
     markdown, report_json = tmp_path / "goodput.md", tmp_path / "goodput.json"
     returncode, report = run_benchmark(
-        "goodput.py", ["--quick", "--markdown", str(markdown), "--json", str(report_json)], scratch, timeout=1440
+        "goodput.py", ["--quick", "--markdown", str(markdown), "--json", str(report_json)], tmp_path, timeout=1440
     )
     assert returncode == 0, report
 
@@ -55,8 +53,7 @@ def test_goodput_quick_run_reports_every_mode_and_leaves_nothing(tmp_path):
         )
 
     # Nothing left: processes, temporary directories, the agents' shared memory.
-    assert processes_with_tmpdir_under(tmp_path) == [], report
-    assert list(scratch.iterdir()) == [], report
+    assert left_by_benchmark(tmp_path) == [], report
     memory = next(r for r in data["results"] if r["mode"] == "fsm-memory")
     assert memory["shm_dirs"], f"the fsm-memory run saw no /dev/shm checkpoint directory\n{report}"
     left = [path for r in data["results"] for path in r["shm_dirs"] if Path(path).exists()]

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.helpers.processes import processes_with_tmpdir_under, run_benchmark
+from tests.helpers.processes import left_by_benchmark, run_benchmark
 
 pytestmark = pytest.mark.e2e
 
@@ -22,11 +22,9 @@ KINDS = ("worker_exception", "worker_sigkill", "worker_hang", "agent_sigkill", "
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_one_minute_soak_of_8_agents_recovers_every_fault_and_leaves_nothing(tmp_path):
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
     report_json = tmp_path / "soak.json"
     args = ["--agents", "8", "--minutes", "1", "--fault-interval", "10", "--seed", "1", "--json", str(report_json)]
-    returncode, report = run_benchmark("soak.py", args, scratch, timeout=840)
+    returncode, report = run_benchmark("soak.py", args, tmp_path, timeout=840)
     assert returncode == 0, report
 
     data = json.loads(report_json.read_text())
@@ -39,5 +37,4 @@ def test_a_one_minute_soak_of_8_agents_recovers_every_fault_and_leaves_nothing(t
     ), report
     counted = {k: v for k, v in data["left_behind"].items() if "(not counted)" not in k}
     assert counted and all(v == [] for v in counted.values()), report
-    assert processes_with_tmpdir_under(tmp_path) == [], report
-    assert list(scratch.iterdir()) == [], report
+    assert left_by_benchmark(tmp_path) == [], report

@@ -90,24 +90,12 @@ def run_cli(argv: list[str], cwd: Path, env_extra: dict[str, str] | None = None)
     return run_fsm_agent(["run", *argv], checkout_env(**(env_extra or {})), cwd, timeout=120)
 
 
-def processes_with_tmpdir_under(folder: Path) -> list[str]:
-    """Processes (pid and command line) whose TMPDIR lies under ``folder``: a benchmark run with
-    ``TMPDIR=folder`` passes it to every agent and worker it starts, so these are its leftovers."""
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.pid != os.getpid() and proc.environ().get("TMPDIR", "").startswith(str(folder)):
-                found.append(f"{proc.pid} {' '.join(proc.cmdline())[:200]}")
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
-def run_benchmark(script: str, args: list[str], scratch: Path, timeout: float) -> tuple[int, str]:
-    """Run ``benchmarks/<script> <args>`` to the end with ``TMPDIR=scratch`` (see
-    ``processes_with_tmpdir_under``). Returns its exit code and the tails of its output, for messages."""
+def run_benchmark(script: str, args: list[str], tmp_path: Path, timeout: float) -> tuple[int, str]:
+    """Run ``benchmarks/<script> <args>`` to the end with ``TMPDIR=tmp_path/tmp``: the benchmark
+    passes it to every agent and worker it starts (see ``left_by_benchmark``). Returns its exit code
+    and the tails of its output, for messages."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir(exist_ok=True)
     done = subprocess.run(
         [sys.executable, str(CHECKOUT / "benchmarks" / script), *args],
         cwd=CHECKOUT,
@@ -117,3 +105,18 @@ def run_benchmark(script: str, args: list[str], scratch: Path, timeout: float) -
         env={**os.environ, "TMPDIR": str(scratch)},
     )
     return done.returncode, f"stdout:\n{done.stdout[-6000:]}\nstderr:\n{done.stderr[-8000:]}"
+
+
+def left_by_benchmark(tmp_path: Path) -> list[str]:
+    """What a ``run_benchmark`` run left: processes whose TMPDIR lies under ``tmp_path`` (pid and
+    command line), and the entries of its temporary directory."""
+    import psutil
+
+    found = [f"file {entry}" for entry in sorted((tmp_path / "tmp").iterdir())]
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and proc.environ().get("TMPDIR", "").startswith(str(tmp_path)):
+                found.append(f"process {proc.pid} {' '.join(proc.cmdline())[:200]}")
+        except (psutil.Error, OSError):
+            continue
+    return found
