@@ -12,7 +12,6 @@ the steps and from ``_after_state_change``.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import signal
@@ -20,7 +19,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import pluggy
 from transitions import EventData
@@ -29,16 +28,19 @@ from transitions.core import MachineError
 from fsm_agent import job_verdict, rendezvous_errors
 from fsm_agent._early_signals import take_early_drain, take_early_stop
 from fsm_agent.agent_surface import PluginSurface
-from fsm_agent.drain import ANNOUNCE_LEAVING_WAIT_S, NodeDrain
+from fsm_agent.drain import NodeDrain
+from fsm_agent.drain_steps import DrainSteps
 from fsm_agent.env import worker_env
 from fsm_agent.errors import FsmAgentError, PluginError
 from fsm_agent.exit_barrier import ExitBarrier
 from fsm_agent.failures import dump_hung_stacks
 from fsm_agent.hang import HangDetector
+from fsm_agent.inprocess.recovery import InProcessRecovery
+from fsm_agent.inprocess.steps import InProcessSteps
 from fsm_agent.interrupts import DrainInterrupt, Interrupts, SignalStop
 from fsm_agent.job_verdict import NodeVerdicts
 from fsm_agent.logs import LogsLayout, TorchLogsSpecsLayout, WorkerLogs
-from fsm_agent.node_check_steps import FIXED_WORLD_BACKENDS, NodeCheckOutcome, NodeCheckSteps
+from fsm_agent.node_check_steps import NodeCheckOutcome, NodeCheckSteps
 from fsm_agent.plugins.listeners import reject_listener_wrappers
 from fsm_agent.plugins.protocols import LauncherAdapter, RendezvousAdapter
 from fsm_agent.progress import CycleLog
@@ -62,6 +64,7 @@ from fsm_agent.states.facts import (
     WorkersHung,
     WorkersSucceeded,
     fact_for,
+    fact_of,
 )
 from fsm_agent.states.table import DECIDERS
 from fsm_agent.verdict_steps import JobVerdictSteps
@@ -70,6 +73,7 @@ from fsm_agent.worker import (
     FailureClass,
     RestartDecision,
     RunResult,
+    Worker,
     WorkerFailure,
     WorkerGroup,
     WorkerSpec,
@@ -80,25 +84,12 @@ S = WorkerState
 #: The facts that report an error; firing one must not fail, so when a step of theirs raises the
 #: agent takes its last resort (see ``_fire_error``).
 ERROR_FACTS = (RendezvousFailed, AgentErrored)
-FactT = TypeVar("FactT", bound=Fact)
-
-
-def fact_of(event: EventData, kind: type[FactT]) -> FactT:
-    """The fact ``event`` carries (``event.kwargs["fact"]``), checked to be a ``kind``.
-
-    Raises:
-        TypeError: the event carries another fact, or none (a trigger fired without its fact).
-    """
-    fact = event.kwargs.get("fact")
-    if not isinstance(fact, kind):
-        raise TypeError(f"{event.event.name} carries {type(fact).__name__}, not the {kind.__name__} it needs")
-    return fact
 
 
 EXIT_BARRIER_RELEASE_WAIT_S = 5.0  # at most this long for a failing agent's exit-barrier check-in
 
 
-class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps):
+class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps, DrainSteps, InProcessSteps):
     """One node's agent: rendezvous, start, watch, restart and stop a worker group.
 
     Mirrors torch's ``LocalElasticAgent`` (``run() -> RunResult``, ``get_worker_group()``), with
@@ -158,12 +149,10 @@ class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps):
         self._cycles = CycleLog()
         self._step_times: dict[str, Any] | None = None
         self._checkpoints: dict[str, Any] | None = None
-        # What made the group UNHEALTHY (the data of workers_hung / health_check_failed): the
-        # workers UNHEALTHY's way out counts as failed.
+        # What made the group UNHEALTHY (workers_hung / health_check_failed): its way out fails them.
         self._hung, self._hung_stacks = {}, {}  # {local_rank: why}, {local_rank: stacks}
         self._health_problem: HealthCheckFailed | None = None
-        # The restart policy's decision, made by the trigger's decider (the table's DECIDERS) once
-        # per event and read by the guards, ``_backoff`` and the verdict.
+        # The restart policy's decision, made once per event by the trigger's decider (DECIDERS), read by the guards.
         self._decision: RestartDecision | None = None
         self._decided_class: str | None = None
         self._job_verdict: dict[str, Any] | None = None  # when the job failed: decided here or adopted
@@ -179,7 +168,7 @@ class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps):
         self._verdicts = NodeVerdicts(
             self._worker_group, self._hostname, spec.role, self._interrupts, self._bounded_call
         )
-        self._interrupts.drains = self._drains
+        self._interrupts.drains, self._inprocess = self._drains, InProcessRecovery()
         self._watch = HealthyWatch(
             self._worker_group,
             launcher,
@@ -190,6 +179,7 @@ class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps):
             self._interrupts,
             plugin_manager,
             self._on_worker_exit,
+            self._inprocess,
         )
         self.machine = build_machine(self)
         try:
@@ -371,10 +361,6 @@ class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps):
         """The restart policy took this node out of the job (``RestartDecision.exclude_node``)."""
         return self._decision is not None and self._decision.exclude_node
 
-    def drains_whole_job(self, event: EventData | None = None) -> bool:
-        """The drain ``_decide_on_drain`` took is job-wide (scope ``job``), not this node's alone."""
-        return self._drains.whole_job
-
     # -- the deciders (the table's DECIDERS, once per event): a fact becomes a decision -----------
     def _decide_on_failed_workers(self, event: EventData) -> None:
         """Turn the failed workers into WorkerFailures and ask the restart policy.
@@ -389,6 +375,8 @@ class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps):
         fact = fact_of(event, WorkersFailed)
         self._decided_class = None
         self._failures = self._failures_of(fact)
+        if self._chooses_in_process(fact):  # only the failed workers are replaced (InProcessSteps)
+            return
         cause = self._verdicts.local_root_cause(self._failures, self.failure_classifier())
         why = "" if cause.failure_class in (FailureClass.EXIT_CODE, FailureClass.SIGNAL) else f", {cause.failure_class}"
         what = (
@@ -412,41 +400,6 @@ class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps):
         )
         if self._decision is not None and not self._decision.restart:
             self._error = f"{fact.change}: {self._decision.reason or 'the restart policy gave up'}"
-
-    def _decide_on_drain(self, event: EventData) -> None:
-        """Take the drain request (``DrainRequested``: scope, source, by) as this run's drain."""
-        fact = fact_of(event, DrainRequested)
-        self._drains.take(fact.scope, fact.source, fact.by)
-        # A drain decides nothing about restarts: no earlier verdict or failure class applies.
-        self._decision, self._decided_class = None, None
-
-    def _announce_drain(self, event: EventData | None = None) -> None:
-        """Tell the round's other nodes of this drain before any worker stops (``NodeDrain.announce``),
-        bounded as the exit-barrier check-in: a store host that is gone must not hold the drain."""
-        if self._interrupts.abandoned_call is not None:  # the store client is still busy with it
-            return
-        self._drains.announce(self._worker_group, self.hostname, self._bounded_call)
-
-    def _announce_leaving(self, event: EventData | None = None) -> None:
-        """A stop signal (a preemption's SIGTERM) while workers run: tell the round's other nodes we
-        leave before our workers stop (``NodeDrain.announce_leaving``), or theirs, failing with ours,
-        count a restart. Not once ours all succeeded (nobody fails), nor on static (a fixed world)."""
-        if self.state not in (S.HEALTHY, S.UNHEALTHY) or self._interrupts.abandoned_call is not None:
-            return
-        exits = self._launcher.poll()
-        finished = len(exits) == self.spec.local_world_size and not any(exits.values())
-        if finished or self.spec.rendezvous.backend in FIXED_WORLD_BACKENDS:
-            return
-        bounded = functools.partial(self._interrupts.call, interruptible=False, timeout=ANNOUNCE_LEAVING_WAIT_S)
-        self._drains.announce_leaving(self._worker_group, bounded)
-
-    def _drain_workers(self, event: EventData | None = None) -> None:
-        """The orderly stop (``NodeDrain.stop_and_settle``: the checkpoint signal, up to
-        ``timeout_s`` seconds, then ``_stop_workers``; a job-wide drain's announcer then waits for
-        its peers to see it). A stop signal cuts both short. Records the ``drain`` event."""
-        record = self._drains.stop_and_settle(self._worker_group, self._launcher, self._interrupts, self._stop_workers)
-        if record is not None:
-            self.record_event("drain", **record)
 
     def _end_cycle(self, progress: Progress | None, failure_class: str | None) -> None:
         """Record the attempt that just ended as a ``Cycle`` (``cycle`` event). The progress comes
@@ -491,6 +444,7 @@ class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps):
         self._barrier.new_round(info.store, info.world_size)
         group.master_addr = self.spec.master_addr or info.bootstrap_store_info.master_addr
         group.master_port = self.spec.master_port or info.bootstrap_store_info.master_port
+        self._inprocess.new_round(group.master_addr, group.master_port, is_host=group.group_rank == 0)
         log.info(
             "[%s] rendezvous complete: restart_count=%s group_rank=%s group_world_size=%s master=%s:%s global_ranks=%s",
             self.spec.role,
@@ -537,21 +491,9 @@ class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps):
         self._worker_logs = self._logs.reify(
             self.restart_count, spec.local_world_size, spec.role, {w.local_rank: w.global_rank for w in group.workers}
         )
-        envs = {}
-        for worker in group.workers:
-            extra = [
-                self._hang.worker_env(worker.local_rank),
-                *self.plugin_manager.hook.fsm_agent_worker_env(worker=worker, worker_group=group),
-            ]
-            envs[worker.local_rank] = worker_env(
-                worker,
-                group,
-                restart_count=self.restart_count,
-                run_id=self.run_id,
-                error_file=self._worker_logs[worker.local_rank].error_file,
-                use_agent_store=self._rdzv.use_agent_store,  # torch's RendezvousHandler.use_agent_store
-                extra=extra,
-            )
+        world_size = group.workers[0].world_size if group.workers else 0
+        self._inprocess.new_attempt(self.run_id, self.restart_count, world_size)
+        envs = self._worker_envs(group.workers)
         self._failures, self._return_values = {}, {}
         pids = self._launcher.start(spec, envs, self._worker_logs, self._logs.filtered_paths(self.restart_count))
         for worker in group.workers:
@@ -559,6 +501,29 @@ class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps):
         self._report_launcher_timings()
         self._watch.new_attempt()
         self._listeners.broadcast("fsm_agent_workers_started", worker_group=group, pids=dict(pids))
+
+    def _worker_envs(self, workers: list[Worker], extra_env: dict[str, str] | None = None) -> dict[int, dict[str, str]]:
+        """``{local_rank: environment}`` of ``workers``: torchrun's, the plugins' extras, ``extra_env``."""
+        group = self._worker_group
+        envs = {}
+        for worker in workers:
+            extra = [
+                self._hang.worker_env(worker.local_rank),
+                self._inprocess.worker_env(),
+                *self.plugin_manager.hook.fsm_agent_worker_env(worker=worker, worker_group=group),
+                extra_env,
+            ]
+            envs[worker.local_rank] = worker_env(
+                worker,
+                group,
+                restart_count=self.restart_count,
+                run_id=self.run_id,
+                error_file=self._worker_logs[worker.local_rank].error_file,
+                # torch's RendezvousHandler.use_agent_store; in-process restart's store is the agent's
+                use_agent_store=self._rdzv.use_agent_store or self._inprocess.enabled,
+                extra=extra,
+            )
+        return envs
 
     def _stop_workers(self, event: EventData | None = None) -> None:
         """Stop every live worker: the stop signal the agent received (torch's ``_shutdown(death_sig=
@@ -685,6 +650,7 @@ class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps):
         self._launcher.close()
         self._launcher_extras.shutdown()  # e.g. the preload launcher's zygote
         self._hang.close()
+        self._inprocess.close()
         leaving_alone = (
             self._interrupts.signal is not None
             or self.excludes_this_node()

@@ -110,6 +110,13 @@ class HangDetector:
                 os.unlink(self._heartbeat_file(local_rank))
         self._timers.clear()
 
+    def workers_replaced(self, local_ranks: set[int]) -> None:
+        """Forget the heartbeats of workers whose processes were replaced (in-process restart):
+        a new process is not hung by its predecessor's last heartbeat."""
+        for local_rank in sorted(local_ranks) if self._heartbeats else ():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._heartbeat_file(local_rank))
+
     def wait_fds(self) -> list[int]:
         return [self._fifo_r] if self._fifo_r is not None else []
 

@@ -499,8 +499,10 @@ class _Replayer:
         verdict, self._verdict = self._verdict, None
         try:
             fact = _recorded_fact(record, source, self._exits, self._cycle)
-            if trigger in ("workers_failed", "membership_changed") and verdict:
+            if trigger in ("workers_failed", "inprocess_failed", "membership_changed") and verdict:
                 fact = attrs.evolve(fact, job_verdict=_verdict_fields(verdict))  # decided with the peers: as recorded
+            if trigger == "workers_failed" and source == "HEALTHY":  # in process or not: decided live, as recorded
+                fact = attrs.evolve(fact, in_process=dest == "HEALTHY")
             agent.fire_fact(fact)
         except MachineError:
             return self.diverged(event, line, "refused", record, dest, agent.state.value)

@@ -21,6 +21,7 @@ import pluggy
 from fsm_agent.drain import NodeDrain
 from fsm_agent.finished_nodes import count_finished
 from fsm_agent.hang import HangDetector
+from fsm_agent.inprocess.recovery import InProcessRecovery
 from fsm_agent.interrupts import Interrupts
 from fsm_agent.plugins.protocols import RendezvousAdapter
 from fsm_agent.states.facts import (
@@ -55,6 +56,7 @@ class HealthyWatch:
         interrupts: the signal and wake-up-pipe service.
         plugin_manager: asked ``fsm_agent_health_check`` at each tick.
         on_worker_exit: called once per worker exit seen, ``(local_rank, exitcode)``.
+        inprocess: the in-process recovery this node's agent may be watching.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class HealthyWatch:
         interrupts: Interrupts,
         plugin_manager: pluggy.PluginManager,
         on_worker_exit: Callable[[int, int], None],
+        inprocess: InProcessRecovery,
     ) -> None:
         self._group = group
         self._launcher = launcher
@@ -78,6 +81,7 @@ class HealthyWatch:
         self._interrupts = interrupts
         self._plugin_manager = plugin_manager
         self._on_worker_exit = on_worker_exit
+        self._inprocess = inprocess
         self._exits: dict[int, int] | None = None  # the launcher's last answer to poll()
         self._reported_exits: set[int] = set()
         self._next_tick = 0.0
@@ -92,6 +96,10 @@ class HealthyWatch:
         """The workers of a new attempt started: watch them from scratch, first tick one interval on."""
         self._exits, self._reported_exits = None, set()
         self._next_tick = time.monotonic() + (self.tick_interval or 0.0)
+
+    def workers_replaced(self, local_ranks: set[int]) -> None:
+        """New processes replaced these workers (in-process restart): watch them from scratch."""
+        self._exits, self._reported_exits = None, self._reported_exits - local_ranks
 
     @property
     def tick_interval(self) -> float | None:
@@ -116,6 +124,8 @@ class HealthyWatch:
         if watches_drain:
             drain_wait = self._drains.seconds_to_next_look()
             timeout = drain_wait if timeout is None else min(timeout, drain_wait)
+        if (recovery_wait := self._inprocess.seconds_to_next_look()) is not None:
+            timeout = recovery_wait if timeout is None else min(timeout, recovery_wait)
         # A backend's membership fd stays readable until the next rendezvous: watch it only here.
         membership = [self._membership_fd] if self._membership_fd is not None else []
         launcher_fds = list(self._launcher.wait_fds())
@@ -139,6 +149,8 @@ class HealthyWatch:
         exited = self._exited_workers(poll=self._exits is None or ticked or bool(set(ready) & set(launcher_fds)))
         if exited is not None:
             return exited
+        if (recovery := self._inprocess.look()) is not None:  # an in-process recovery ended
+            return recovery
         if ticked and tick is not None:
             self._next_tick = time.monotonic() + tick
             return self._tick()

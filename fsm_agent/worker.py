@@ -177,7 +177,10 @@ class FailureClass:
     slower than the job's median step time, with ``--exclude-node-on straggler``). Group-level causes (no worker failed): ``NODE_LOST`` (a peer
     stopped keeping its rendezvous alive or left), ``MEMBERSHIP_CHANGE`` (nodes wait to join:
     scale-up). ``AGENT_ERROR``: the agent or a plugin raised; the group lands in UNKNOWN
-    without asking the policy (the agent can no longer vouch for its workers).
+    without asking the policy (the agent can no longer vouch for its workers). In-process restart
+    (``fsm_agent.inprocess``): ``INPROCESS`` (the policy is asked whether a worker failure may be
+    recovered by replacing only the failed ranks; its budget counts those recoveries) and
+    ``INPROCESS_FAILED`` (such a recovery did not complete: the whole group restarts).
     """
 
     EXIT_CODE = "exit_code"
@@ -187,9 +190,22 @@ class FailureClass:
     STRAGGLER = "straggler"
     NODE_LOST = "node_lost"
     MEMBERSHIP_CHANGE = "membership_change"
+    INPROCESS = "inprocess"
+    INPROCESS_FAILED = "inprocess_failed"
     AGENT_ERROR = "agent_error"
     #: Every class, in documentation order.
-    ALL = (EXIT_CODE, SIGNAL, HANG, HEALTH_CHECK, STRAGGLER, NODE_LOST, MEMBERSHIP_CHANGE, AGENT_ERROR)
+    ALL = (
+        EXIT_CODE,
+        SIGNAL,
+        HANG,
+        HEALTH_CHECK,
+        STRAGGLER,
+        NODE_LOST,
+        MEMBERSHIP_CHANGE,
+        INPROCESS,
+        INPROCESS_FAILED,
+        AGENT_ERROR,
+    )
     #: The classes the restart policy is asked about (an agent error never is).
     DECIDED = ALL[:-1]
 
@@ -324,6 +340,8 @@ class RestartDecision:
             agent ends FAILED. False (the default) with ``restart=False``: the whole job gives up.
         exit_code: with ``restart=False``: the exit code the agent ends with (e.g.
             ``DO_NOT_REQUEUE_EXIT_CODE``); None (the default): the root-cause worker's code.
+        in_process: with ``restart=True``, asked about class ``inprocess``: replace only the failed
+            workers' processes (``fsm_agent.inprocess``) instead of restarting the group.
 
     Raises:
         ValueError: ``restart`` and ``exclude_node`` both True, or a negative ``delay_s``.
@@ -334,8 +352,11 @@ class RestartDecision:
     reason: str = ""
     exclude_node: bool = False
     exit_code: int | None = None
+    in_process: bool = False
 
     def __attrs_post_init__(self) -> None:
+        if self.in_process and not self.restart:
+            raise ValueError("RestartDecision: in_process needs restart=True")
         if self.restart and self.exclude_node:
             raise ValueError("RestartDecision: restart and exclude_node cannot both be True")
         if self.restart and self.exit_code is not None:

@@ -168,7 +168,8 @@ def fsm_agent_worker_env(worker: Worker, worker_group: WorkerGroup) -> dict[str,
 
     Called from:
         Transitions ``start`` and ``restart``, step ``_start_workers``, once per worker,
-        before the process is spawned.
+        before the process is spawned; ``workers_failed`` recovered in process, step
+        ``_replace_failed_workers``, once per worker replaced.
     """
 
 
@@ -232,9 +233,11 @@ def fsm_agent_restart_policy(
 
     Called from:
         The table's deciders (``DECIDERS``), once per event: ``_decide_on_failed_workers`` for
-        ``workers_failed`` (from HEALTHY or UNHEALTHY) and ``_decide_on_membership_change`` for
-        ``membership_changed``, before their rows' guards are read; its answer is what the
-        guards ``has_restarts_left`` and ``excludes_this_node`` read.
+        ``workers_failed`` (from HEALTHY or UNHEALTHY, first about class ``inprocess`` when the
+        failure could be recovered in process), ``_decide_on_inprocess_failure`` for
+        ``inprocess_failed`` and ``_decide_on_membership_change`` for ``membership_changed``,
+        before their rows' guards are read; its answer is what the guards ``has_restarts_left``,
+        ``excludes_this_node`` and ``recovers_in_process`` read.
     """
 
 
@@ -259,7 +262,7 @@ def fsm_agent_classify_failure(report: FailureReport) -> str | None:
     Called from:
         ``_decide_on_failed_workers`` (``workers_failed``), once per failed worker of this node, to
         name the root cause the restart policy decides on; ``_decide_job_verdict``, the step of the rows of
-        ``workers_failed`` and ``membership_changed`` that give the job up, once per failed rank of every node that
+        ``workers_failed``, ``inprocess_failed`` and ``membership_changed`` that give the job up, once per failed rank of every node that
         reported; ``_name_the_lost_store_host`` (``rendezvous_failed`` while workers ran), once per
         failed rank of this node; and by the run loop (no step) before it fires ``workers_failed`` on a
         node of several, to learn whether its failures were all collateral.
@@ -370,8 +373,11 @@ def fsm_agent_record_event(event: dict[str, Any]) -> None:
         (``membership_changed``) and ``_record_return_values`` (``workers_succeeded``); a ``drain``
         record from ``_drain_workers`` (``drain_requested``), once its workers are stopped; a
         ``launcher_timings`` record from ``_start_workers`` (``start``, ``restart``), when the launcher
-        reports its timings; a ``verdict`` record from ``_decide_job_verdict`` (``workers_failed``,
-        ``membership_changed``: giving the job up), ``_adopt_job_verdict`` (``job_failed``) and
+        reports its timings; ``inprocess_recovery_begun`` from ``_replace_failed_workers``
+        (``workers_failed`` recovered in process) and ``inprocess_recovery`` from
+        ``_record_inprocess_recovery`` (``inprocess_recovered``) and ``_decide_on_inprocess_failure``
+        (``inprocess_failed``, with its ``cycle``); a ``verdict`` record from ``_decide_job_verdict``
+        (``workers_failed``, ``inprocess_failed``, ``membership_changed``: giving the job up), ``_adopt_job_verdict`` (``job_failed``) and
         ``_name_the_lost_store_host`` (``rendezvous_failed`` while workers ran, the store's host gone);
         a ``node_check`` record from ``_check_nodes`` (``start``, ``restart``).
     """

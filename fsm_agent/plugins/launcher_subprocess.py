@@ -218,6 +218,32 @@ class SubprocessLauncher:
                 filtered, (getattr(spec, "duplicate_stdout_filters", ()), getattr(spec, "duplicate_stderr_filters", ()))
             )
         ]
+        self._spawn(spec, envs, logs)
+        return self.pids()
+
+    def replace_workers(self, spec, envs: dict[int, dict[str, str]], logs: dict[int, WorkerLogs]) -> dict[int, int]:
+        """Start a new process for each local rank in ``envs``, whose worker has exited; the other
+        workers keep running (in-process restart, ``fsm_agent.inprocess``). The preload launcher
+        inherits it and forks the new ones from its warm zygote.
+
+        Returns:
+            ``{local_rank: pid}`` of the new processes.
+
+        Raises:
+            ValueError: a local rank in ``envs`` whose worker still runs, or that never started.
+        """
+        running = [r for r in envs if r not in self._handles or self._handles[r].poll() is None]
+        if running:
+            raise ValueError(f"replace_workers: local rank(s) {running} still running or never started")
+        for local_rank in envs:
+            handle = self._handles.pop(local_rank)
+            _killpg(handle.pid, signal.SIGKILL)  # grandchildren left in the dead worker's group
+            self._close_handle(handle)
+        self._spawn(spec, envs, logs)
+        return {r: self._handles[r].pid for r in envs}
+
+    def _spawn(self, spec, envs: dict[int, dict[str, str]], logs: dict[int, WorkerLogs]) -> None:
+        """Start one worker per local rank in ``envs`` (its handle replaces any old one)."""
         # Not for callables: multiprocessing may start its helpers (resource tracker, forkserver)
         # on the way, and those must live outside; a callable worker enters the cgroup itself.
         step_in = self._cgroup is not None and self.workers_are_our_children and not callable(spec.entrypoint)
@@ -228,7 +254,17 @@ class SubprocessLauncher:
                 else:
                     handle = self._start_program(spec, local_rank, envs[local_rank], logs[local_rank], inside)
                 self._handles[local_rank] = handle
-        return self.pids()
+
+    @staticmethod
+    def _close_handle(handle: _Handle) -> None:
+        """Release what an exited worker's handle holds: its log readers' threads and its wait fd."""
+        for reader in handle.readers:
+            reader.join(2.0)
+        handle.readers.clear()
+        if handle.owns_fd:
+            with contextlib.suppress(OSError):
+                os.close(handle.wait_fd)
+            handle.owns_fd = False
 
     def _ensure_cgroup(self) -> None:
         """On the first start: the workers' cgroup and its keeper (none where cgroup v2 is not writable)."""
@@ -416,13 +452,7 @@ class SubprocessLauncher:
         if not live:
             self._release_subreaper()
         for h in self._handles.values():
-            for reader in h.readers:
-                reader.join(2.0)
-            h.readers.clear()
-            if h.owns_fd:
-                with contextlib.suppress(OSError):
-                    os.close(h.wait_fd)
-                h.owns_fd = False
+            self._close_handle(h)
         for sink in self._filtered:
             if sink is not None:
                 sink.close()

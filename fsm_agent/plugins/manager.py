@@ -35,6 +35,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "launcher-subprocess": "fsm_agent.plugins.launcher_subprocess",
     "launcher-preload": "fsm_agent.plugins.launcher_preload",
     "restart-policy": "fsm_agent.plugins.restart_policy",
+    "inprocess": "fsm_agent.plugins.inprocess",
     "attribution": "fsm_agent.plugins.attribution",
     "progress": "fsm_agent.plugins.progress",
     "checkpoint": "fsm_agent.plugins.checkpoint",

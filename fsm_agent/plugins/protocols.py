@@ -131,6 +131,14 @@ LAUNCHER_OPTIONAL: tuple[OptionalMember, ...] = (
         "metrics fsm_agent.launcher.<name> and one launcher_timings event.",
     ),
     OptionalMember(
+        "replace_workers",
+        "method",
+        "replace_workers(spec, envs: dict[int, dict[str, str]], logs: dict[int, WorkerLogs]) -> dict[int, int]",
+        "absent: no in-process restart (--restart-mode inprocess restarts the whole group)",
+        "Start a new process for each exited local rank in envs while the other workers keep running; returns "
+        "{local_rank: pid}. In-process restart (fsm_agent.inprocess) replaces a failed rank with it.",
+    ),
+    OptionalMember(
         "shutdown",
         "method",
         "shutdown() -> None",
@@ -278,6 +286,22 @@ class LauncherAdapter:
     def take_timings(self) -> dict[str, float]:
         method = getattr(self.launcher, "take_timings", None)
         return dict(method()) if method is not None else {}
+
+    @property
+    def replaces_workers(self) -> bool:
+        """The launcher can replace one exited worker while the others run (``replace_workers``)."""
+        return callable(getattr(self.launcher, "replace_workers", None))
+
+    def replace_workers(self, spec: Any, envs: dict[int, dict[str, str]], logs: dict[int, Any]) -> dict[int, int]:
+        """The launcher's ``replace_workers``.
+
+        Raises:
+            NotImplementedError: the launcher has none (check ``replaces_workers`` first).
+        """
+        method = getattr(self.launcher, "replace_workers", None)
+        if method is None:
+            raise NotImplementedError(f"{type(self.launcher).__name__} cannot replace one worker")
+        return dict(method(spec, envs, logs))
 
     def shutdown(self) -> None:
         method = getattr(self.launcher, "shutdown", None)

@@ -14,6 +14,10 @@ Worker failures (the root cause's class: ``exit_code``, ``signal``, ``hang``, ``
 
 Membership changes (``node_lost``, ``membership_change``): re-rendezvous without counting a
 restart, as torch does, unless a budget for that class is spent (``--restart-budgets node_lost=2``).
+In-process restart (``--restart-mode inprocess``): asked about class ``inprocess``, the policy
+lets the failed ranks be replaced in process, not counted against ``--max-restarts``, unless
+``--restart-budgets inprocess=N`` is spent (then the whole group restarts). A recovery that does
+not complete is class ``inprocess_failed``: a counted whole-group restart (budget ``inprocess_failed=N``).
 - ``--restart-backoff S`` (``FSM_AGENT_RESTART_BACKOFF``, ``[plugins.restart-policy] backoff``)
   waits ``S * 2**restart_count`` seconds, capped by ``--restart-backoff-max`` (default 60), times
   a jitter factor in [0.5, 1.5), before restarting. 0 (the default): restart at once, as torchrun.
@@ -151,6 +155,10 @@ class RestartPolicy:
 
     @hookimpl(trylast=True)
     def fsm_agent_restart_policy(self, failures, worker_group, restart_count, failure_class):
+        if failure_class == FailureClass.INPROCESS:  # may only the failed ranks be replaced?
+            return self._spend(failure_class) or RestartDecision(
+                True, in_process=True, reason="in-process recovery (not counted against max_restarts)"
+            )
         if failure_class in MEMBERSHIP_CLASSES:
             return self._spend(failure_class) or RestartDecision(
                 True, reason="re-rendezvous (not counted against max_restarts)"
@@ -162,7 +170,9 @@ class RestartPolicy:
                 False, reason=f"rank {refusing[0]} exited with {DO_NOT_RESTART_EXIT_CODE} (do not restart)"
             )
         cause = first_failure(failures)
-        kind = cause.failure_class if cause is not None else failure_class
+        # A failed in-process recovery is its own class (budget inprocess_failed=N), whatever the fault was.
+        in_process_failed = failure_class == FailureClass.INPROCESS_FAILED or cause is None
+        kind = failure_class if in_process_failed else cause.failure_class
         if kind in self.exclude_node_on:
             return RestartDecision(
                 False,

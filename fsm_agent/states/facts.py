@@ -148,11 +148,55 @@ class WorkersFailed(Fact):
         progress: how far the attempt got (replay), else None: the workers' reports are read.
         job_verdict: the job's verdict when this node gave the job up (replay: the recorded
             ``verdict`` event), else None: decided with the other nodes through the store.
+        in_process: whether the agent recovered in process (replay: the recorded next state), else
+            None: decided live (``fsm_agent.inprocess``).
     """
 
     trigger: ClassVar[str] = "workers_failed"
     exits: dict[int, int] = attrs.field(factory=dict, converter=_exit_codes)
     exit_times: dict[int, float] = attrs.field(factory=dict, converter=_seconds)
+    progress: Progress | None = attrs.field(default=None, converter=_progress)
+    job_verdict: dict[str, Any] | None = None
+    in_process: bool | None = None
+
+
+@attrs.frozen(kw_only=True)
+class InProcessRecovered(Fact):
+    """Every rank arrived at the barrier of the generation this node's agent began when it replaced
+    its failed workers (``fsm_agent.inprocess``): training goes on, no other process restarted.
+
+    Attributes:
+        generation: the generation that began.
+        replaced: ``{local_rank: global_rank}`` of the workers whose processes were replaced.
+        phases: seconds of each phase (``detect_s``, ``replace_s``, ``barrier_s``, ``total_s``).
+    """
+
+    trigger: ClassVar[str] = "inprocess_recovered"
+    generation: int = 0
+    replaced: dict[int, int] = attrs.field(factory=dict, converter=_int_keys)
+    phases: dict[str, float] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class InProcessFailed(Fact):
+    """An in-process recovery this node's agent began did not complete within
+    ``--inprocess-timeout`` seconds (a rank that never reached the barrier), or its store went
+    away: the whole group restarts, as for any failure (class ``inprocess_failed``).
+
+    Attributes:
+        reason: why, in one line.
+        generation: the generation that did not complete.
+        replaced: ``{local_rank: global_rank}`` of the workers replaced for it.
+        phases: seconds of each phase until it was given up.
+        progress: how far the attempt got (replay), else None: the workers' reports are read.
+        job_verdict: the job's verdict when this node gave the job up (replay), else None.
+    """
+
+    trigger: ClassVar[str] = "inprocess_failed"
+    reason: str = ""
+    generation: int = 0
+    replaced: dict[int, int] = attrs.field(factory=dict, converter=_int_keys)
+    phases: dict[str, float] = attrs.field(factory=dict)
     progress: Progress | None = attrs.field(default=None, converter=_progress)
     job_verdict: dict[str, Any] | None = None
 
@@ -275,6 +319,18 @@ class AgentErrored(Fact):
     error: str = attrs.field(converter=str)
 
 
+def fact_of(event: Any, kind: type[F]) -> F:
+    """The fact a transitions ``EventData`` carries (``event.kwargs["fact"]``), checked to be a ``kind``.
+
+    Raises:
+        TypeError: the event carries another fact, or none (a trigger fired without its fact).
+    """
+    fact = event.kwargs.get("fact")
+    if not isinstance(fact, kind):
+        raise TypeError(f"{event.event.name} carries {type(fact).__name__}, not the {kind.__name__} it needs")
+    return fact
+
+
 #: ``{trigger: its fact class}``: every trigger of the table, and nothing else (``check_facts``).
 FACTS: dict[str, type[Fact]] = {
     cls.trigger: cls
@@ -285,6 +341,8 @@ FACTS: dict[str, type[Fact]] = {
         HealthCheckFailed,
         WorkersSucceeded,
         WorkersFailed,
+        InProcessRecovered,
+        InProcessFailed,
         MembershipChanged,
         RendezvousFailed,
         RendezvousNotNeeded,

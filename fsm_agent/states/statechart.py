@@ -78,6 +78,9 @@ HOOKS_BY_STEP: dict[str, tuple[str, ...]] = {
     "_decide_job_verdict": ("fsm_agent_classify_failure", "fsm_agent_record_event"),
     "_adopt_job_verdict": ("fsm_agent_record_event",),
     "_name_the_lost_store_host": ("fsm_agent_classify_failure", "fsm_agent_record_event"),
+    "_replace_failed_workers": ("fsm_agent_worker_env", "fsm_agent_record_event"),
+    "_record_inprocess_recovery": ("fsm_agent_record_event",),
+    "_decide_on_inprocess_failure": ("fsm_agent_record_event", "fsm_agent_restart_policy"),
 }
 
 #: Fired after every transition, once the state has changed, by ``ElasticAgent._after_state_change``.

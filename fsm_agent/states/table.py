@@ -32,6 +32,7 @@ _RUNNING = [S.HEALTHY, S.UNHEALTHY]
 #: ``has_restarts_left`` and ``excludes_this_node`` read; the drain's scope, ``drains_whole_job``.
 DECIDERS: dict[str, str] = {
     "workers_failed": "_decide_on_failed_workers",
+    "inprocess_failed": "_decide_on_inprocess_failure",
     "membership_changed": "_decide_on_membership_change",
     "drain_requested": "_decide_on_drain",
 }
@@ -73,29 +74,69 @@ TRANSITIONS: list[Row] = [
     # none: the workers that made the group unhealthy are the failures. The facts of the rows that
     # end a cycle (WorkersFailed, MembershipChanged, WorkersSucceeded) may carry the attempt's
     # progress (replay); else the step reads what the workers reported (fsm_agent.progress).
+    # In-process restart (--restart-mode inprocess, fsm_agent.inprocess): the decider found every
+    # rank on the API and no recovery running: only the failed workers' processes are replaced, the
+    # survivors (on every node) are interrupted and re-form their process group. Not counted
+    # against max_restarts (budget: --restart-budgets inprocess=N).
     dict(
         trigger="workers_failed",
-        source=_RUNNING,
+        source=S.HEALTHY,
+        dest=S.HEALTHY,
+        conditions="recovers_in_process",
+        before="_replace_failed_workers",
+    ),
+    # The other decisions, from HEALTHY (when not in process) and UNHEALTHY alike:
+    *(
+        row
+        for source, not_in_process in ((S.HEALTHY, ["recovers_in_process"]), (S.UNHEALTHY, []))
+        for row in (
+            dict(
+                trigger="workers_failed",
+                source=source,
+                dest=S.STOPPED,
+                conditions="has_restarts_left",
+                unless=not_in_process,
+                before="_stop_workers",
+                after="_count_restart",
+            ),
+            dict(
+                trigger="workers_failed",
+                source=source,
+                dest=S.FAILED,
+                conditions="excludes_this_node",
+                unless=["has_restarts_left", *not_in_process],
+                before="_stop_workers",
+            ),
+            # Giving the job up decides the job's verdict (fsm_agent.job_verdict): the root cause
+            # among every node's failed ranks, published so that the other nodes end with the same one.
+            dict(
+                trigger="workers_failed",
+                source=source,
+                dest=S.FAILED,
+                unless=["has_restarts_left", "excludes_this_node", *not_in_process],
+                before=["_stop_workers", "_decide_job_verdict", "_release_exit_barrier"],
+            ),
+        )
+    ),
+    # The in-process recovery this node began completed: every rank arrived at its generation's
+    # barrier. Fact: InProcessRecovered (generation, replaced ranks, each phase's seconds).
+    dict(trigger="inprocess_recovered", source=S.HEALTHY, dest=S.HEALTHY, before="_record_inprocess_recovery"),
+    # It did not within --inprocess-timeout (a rank that never reached the barrier, e.g. hung in a
+    # collective): the whole group restarts as for any failure, class inprocess_failed, or gives up.
+    # Fact: InProcessFailed.
+    dict(
+        trigger="inprocess_failed",
+        source=S.HEALTHY,
         dest=S.STOPPED,
         conditions="has_restarts_left",
         before="_stop_workers",
         after="_count_restart",
     ),
     dict(
-        trigger="workers_failed",
-        source=_RUNNING,
+        trigger="inprocess_failed",
+        source=S.HEALTHY,
         dest=S.FAILED,
-        conditions="excludes_this_node",
         unless="has_restarts_left",
-        before="_stop_workers",
-    ),
-    # Giving the job up decides the job's verdict (fsm_agent.job_verdict): the root cause among
-    # every node's failed ranks, published so that the other nodes end with the same one.
-    dict(
-        trigger="workers_failed",
-        source=_RUNNING,
-        dest=S.FAILED,
-        unless=["has_restarts_left", "excludes_this_node"],
         before=["_stop_workers", "_decide_job_verdict", "_release_exit_barrier"],
     ),
     # Another node gave the job up: end with its verdict, restarts left or not. Fact: JobFailed.

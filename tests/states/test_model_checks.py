@@ -165,7 +165,7 @@ def test_trigger_shadowed_by_a_model_attribute_is_reported():
         ),
         pytest.param(
             [row for row in TRANSITIONS if not (row["trigger"] == "workers_failed" and "unless" in row)],
-            "HEALTHY --workers_failed--> has no enabled row when has_restarts_left=False",
+            "HEALTHY --workers_failed--> has no enabled row when recovers_in_process=False",
             id="guard-without-its-complement",
         ),
     ],
@@ -207,7 +207,7 @@ def test_a_row_with_its_own_prepare_and_a_decider_for_no_trigger_are_caught():
 
 def test_the_deciding_triggers_are_the_guarded_ones():
     guarded = {row["trigger"] for row in TRANSITIONS if row.get("conditions") or row.get("unless")}
-    assert guarded == set(DECIDERS) == {"workers_failed", "membership_changed", "drain_requested"}
+    assert guarded == set(DECIDERS) == {"workers_failed", "inprocess_failed", "membership_changed", "drain_requested"}
     assert all(callable(getattr(ElasticAgent, step)) for step in DECIDERS.values())
 
 

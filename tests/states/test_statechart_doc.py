@@ -206,10 +206,14 @@ def test_json_lists_states_and_transitions():
     assert doc["terminal"] == [s.value for s in TERMINAL]
     assert len(doc["transitions"]) == len(TRANSITIONS)
     failed = [t for t in doc["transitions"] if t["trigger"] == "workers_failed"]
-    assert [(t["dest"], t["conditions"], t["unless"]) for t in failed] == [
-        ("STOPPED", ["has_restarts_left"], []),
-        ("FAILED", ["excludes_this_node"], ["has_restarts_left"]),
-        ("FAILED", [], ["has_restarts_left", "excludes_this_node"]),
+    assert [(t["source"], t["dest"], t["conditions"], t["unless"]) for t in failed] == [
+        (["HEALTHY"], "HEALTHY", ["recovers_in_process"], []),
+        (["HEALTHY"], "STOPPED", ["has_restarts_left"], ["recovers_in_process"]),
+        (["HEALTHY"], "FAILED", ["excludes_this_node"], ["has_restarts_left", "recovers_in_process"]),
+        (["HEALTHY"], "FAILED", [], ["has_restarts_left", "excludes_this_node", "recovers_in_process"]),
+        (["UNHEALTHY"], "STOPPED", ["has_restarts_left"], []),
+        (["UNHEALTHY"], "FAILED", ["excludes_this_node"], ["has_restarts_left"]),
+        (["UNHEALTHY"], "FAILED", [], ["has_restarts_left", "excludes_this_node"]),
     ]
 
 
