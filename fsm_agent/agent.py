@@ -375,9 +375,9 @@ class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps, DrainSteps, I
         fact = fact_of(event, WorkersFailed)
         self._decided_class = None
         self._failures = self._failures_of(fact)
+        cause = self._verdicts.local_root_cause(self._failures, self.failure_classifier())
         if self._chooses_in_process(fact):  # only the failed workers are replaced (InProcessSteps)
             return
-        cause = self._verdicts.local_root_cause(self._failures, self.failure_classifier())
         why = "" if cause.failure_class in (FailureClass.EXIT_CODE, FailureClass.SIGNAL) else f", {cause.failure_class}"
         what = (
             f"workers failed (first: local_rank {cause.local_rank}, rank {cause.global_rank}, "

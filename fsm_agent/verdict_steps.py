@@ -19,7 +19,7 @@ from fsm_agent.failures import exit_failures, failures_of
 from fsm_agent.interrupts import Interrupts
 from fsm_agent.logs import WorkerLogs
 from fsm_agent.states import WorkerState
-from fsm_agent.states.facts import Fact, HealthCheckFailed, JobFailed, MembershipChanged, WorkersFailed
+from fsm_agent.states.facts import Fact, HealthCheckFailed, InProcessFailed, JobFailed, MembershipChanged, WorkersFailed
 from fsm_agent.worker import RestartDecision, WorkerFailure, WorkerGroup, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class JobVerdictSteps:
         reports, attributed, published once, seen by the peers), or the recorded one (replay).
         Records the ``verdict`` event."""
         fact = event.kwargs.get("fact") if event is not None else None
-        recorded = fact.job_verdict if isinstance(fact, (WorkersFailed, MembershipChanged)) else None
+        recorded = fact.job_verdict if isinstance(fact, (WorkersFailed, InProcessFailed, MembershipChanged)) else None
         record = dict(recorded) if recorded else None
         if record is None:
             exit_code = self._decision.exit_code if self._decision is not None else None

@@ -146,11 +146,13 @@ class HealthyWatch:
         self._hang.read_timer_requests()
         if membership and membership[0] in ready and (change := self._membership_change()):
             return self._membership_fact(change, watches_drain)
+        # An in-process recovery that completed is reported before an exit seen at the same time
+        # (a replacement that fails at once is then a fault after the recovery, not during it).
+        if (recovery := self._inprocess.look()) is not None:
+            return recovery
         exited = self._exited_workers(poll=self._exits is None or ticked or bool(set(ready) & set(launcher_fds)))
         if exited is not None:
             return exited
-        if (recovery := self._inprocess.look()) is not None:  # an in-process recovery ended
-            return recovery
         if ticked and tick is not None:
             self._next_tick = time.monotonic() + tick
             return self._tick()

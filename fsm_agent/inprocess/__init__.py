@@ -20,12 +20,14 @@ unchanged under plain torchrun (one ``init_process_group``, one call)::
     def train(state, steps):                       # re-entrant: called again in each generation
         gen = inprocess.context()
         if gen.replaced:                           # a new process joined: it takes a survivor's state
-            src = min(r for r in range(dist.get_world_size()) if r not in gen.replaced)
-            step = torch.tensor([state.step])
-            dist.broadcast(step, src)
+            mine = -1 if dist.get_rank() in gen.replaced else state.step
+            newest = torch.tensor([mine])          # the most advanced survivor: the source
+            dist.all_reduce(newest, op=dist.ReduceOp.MAX)
+            src = torch.tensor([dist.get_rank() if mine == int(newest) else dist.get_world_size()])
+            dist.all_reduce(src, op=dist.ReduceOp.MIN)
             for p in state.model.parameters():     # (and the optimizer's state, if it has any)
-                dist.broadcast(p.data, src)
-            state.step = int(step)
+                dist.broadcast(p.data, int(src))
+            state.step = int(newest)
         ddp = DDP(state.model)                     # tied to this generation's group: made here
         while state.step < steps:
             state.optim.zero_grad()                # first: an interrupted step left its gradients
@@ -37,10 +39,8 @@ unchanged under plain torchrun (one ``init_process_group``, one call)::
 
     inprocess.run(train, State(), 1000, backend="gloo")
 
-Survivors continue from their in-memory step; the replacement gets the parameters and the step by
-broadcast. (Take as source the survivor with the highest step when a fault may land between two
-ranks' updates: an ``all_reduce(MAX)`` of the survivors' steps, then a broadcast from one that
-holds it.)
+Survivors continue from their in-memory step; every rank takes the parameters and the step of the
+most advanced one (a fault may land between two ranks' updates), so the replacement is restored.
 
 What survives: the process's memory, every Python object, tensors, optimizer state, RNG, open
 files, imported modules and loaded data; not the process group and what is tied to it (DDP and
@@ -78,6 +78,7 @@ import ctypes
 import gc
 import json
 import os
+import sys
 import threading
 import time
 import traceback
@@ -88,17 +89,20 @@ from typing import Any, TypeVar
 import attrs
 
 from fsm_agent.inprocess.protocol import (
+    ABANDONED,
     ENROLLED,
     ENV_GENERATION,
     ENV_PREFIX,
     ENV_STORE,
     ENV_TIMEOUT,
     GENERATION,
+    READY,
     arrived_key,
     begun_key,
     pg_prefix,
-    ready_key,
     replaced_key,
+    state_key,
+    worker_wait_s,
 )
 
 __all__ = ["Generation", "RecoveryTimeout", "RestartInterrupt", "context", "run", "uninterrupted"]
@@ -137,8 +141,11 @@ class Generation:
 
     Attributes:
         generation: 0 for the attempt's first process group, then one more per recovery.
-        replaced: the global ranks whose processes are new since the last generation that ran
-            (they must be restored from a survivor); empty in generation 0.
+        replaced: the global ranks whose processes are new since the last generation whose
+            barrier completed (they must be restored from a survivor); empty in generation 0. A
+            rank replaced earlier whose restore a second fault cut short is not listed again:
+            pick the source by the highest step among all ranks, as the example does, not by
+            "not in replaced".
         is_replacement: this process was started for a generation > 0 (it replaced a failed one).
     """
 
@@ -256,10 +263,11 @@ class _Job:
     def from_env(cls) -> _Job:
         host, _, port = os.environ[ENV_STORE].rpartition(":")
         address = (host.strip("[]"), int(port))
-        timeout_s = float(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S)
+        # Past the agent's own timeout: its fallback, not this process's, ends a recovery.
+        timeout_s = worker_wait_s(float(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S))
         prefix = os.environ.get(ENV_PREFIX, "")
         return cls(
-            store=_connect(address, prefix, timeout_s),
+            store=_connect(address, prefix, FIRST_BARRIER_TIMEOUT_S),  # the first processes start far apart
             address=address,
             prefix=prefix,
             rank=int(os.environ["RANK"]),
@@ -296,7 +304,7 @@ def _run_generations(
         job.store.add(ENROLLED, 1)
         _ENROLLED.add((job.address, job.prefix))
     if _WATCHER is None or _WATCHER.address != (job.address, job.prefix):
-        _WATCHER = _Watcher(job.address, job.prefix, job.timeout_s)
+        _WATCHER = _Watcher(job.address, job.prefix, FIRST_BARRIER_TIMEOUT_S)
     generation = max(job.started_in, job.newest())
     first_barrier_s = pg_timeout_s or FIRST_BARRIER_TIMEOUT_S
     while True:
@@ -309,8 +317,8 @@ def _run_generations(
 
 
 def _join(job: _Job, generation: int, timeout_s: float) -> int:
-    """Arrive at ``generation``'s barrier (at a newer one when the counter moves past it) and
-    return the generation whose barrier completed.
+    """Arrive at ``generation``'s barrier (at a newer one when it is abandoned) and return the
+    generation whose barrier completed (``state_key``: ``ready``; see ``protocol``).
 
     Raises:
         RecoveryTimeout: no barrier completed within ``timeout_s`` seconds.
@@ -318,33 +326,50 @@ def _join(job: _Job, generation: int, timeout_s: float) -> int:
     deadline = time.monotonic() + timeout_s
     while True:
         if job.store.add(arrived_key(generation), 1) == job.world_size:
-            job.store.set(ready_key(generation), b"1")
-        newer = _await(job, generation, deadline, ready_key(generation))
+            _settle(job, generation, READY)
+        newer = _await_barrier(job, generation, deadline)
         if newer is None:
             return generation
         generation = newer
 
 
-def _await(job: _Job, generation: int, deadline: float, key: str | None) -> int | None:
-    """Wait for ``key`` (None: nothing) or for the counter to pass ``generation``: None when
-    ``key`` was set first, else the newest generation.
+def _settle(job: _Job, generation: int, outcome: bytes) -> bytes:
+    """Set ``generation``'s state to ``outcome`` unless it is set already; the state it has."""
+    return bytes(job.store.compare_set(state_key(generation), "", outcome))
+
+
+def _await_barrier(job: _Job, generation: int, deadline: float) -> int | None:
+    """Wait until ``generation``'s barrier completed (None) or was abandoned for a newer one (the
+    newest generation). A rank that sees a newer generation first abandons this one, unless it
+    completed meanwhile: one ``compare_set`` decides, so no rank enters a generation alone.
 
     Raises:
-        RecoveryTimeout: neither came by ``deadline`` (``time.monotonic()``).
+        RecoveryTimeout: neither by ``deadline`` (``time.monotonic()``).
     """
     while True:
-        is_set = key is not None and job.store.check([key])
-        newest = job.newest()  # read after the key: a ready generation already left is skipped
+        if job.store.check([state_key(generation)]):
+            if job.store.get(state_key(generation)) == READY:
+                return None
+            return max(generation + 1, job.newest())
+        newest = job.newest()
         if newest > generation:
-            return newest
-        if is_set:
-            return None
+            return None if _settle(job, generation, ABANDONED) == READY else newest
         if time.monotonic() >= deadline:
-            raise RecoveryTimeout(
-                f"rank {job.rank}: generation {generation} did not "
-                f"{'complete its barrier' if key else 'begin'} within the timeout"
-            )
+            raise RecoveryTimeout(f"rank {job.rank}: generation {generation} did not complete its barrier in time")
         time.sleep(POLL_S)
+
+
+def _await_newer(job: _Job, generation: int, deadline: float) -> int:
+    """Wait until a generation newer than ``generation`` began; the newest.
+
+    Raises:
+        RecoveryTimeout: none by ``deadline`` (``time.monotonic()``).
+    """
+    while (newest := job.newest()) <= generation:
+        if time.monotonic() >= deadline:
+            raise RecoveryTimeout(f"rank {job.rank}: no generation after {generation} began in time")
+        time.sleep(POLL_S)
+    return newest
 
 
 def _run_generation(
@@ -426,7 +451,7 @@ def _survives(job: _Job, generation: int, error: BaseException | None, interrupt
         if error is None or not _is_distributed_error(error):
             return False
         # A peer is gone: its agent begins the next generation, or nobody does (the fault is ours).
-        _await(job, generation, time.monotonic() + job.timeout_s, None)
+        _await_newer(job, generation, time.monotonic() + job.timeout_s)
     except Exception:  # no new generation in time, or the store is gone with the agent
         return False
     return True
@@ -449,7 +474,7 @@ def _replaced(job: _Job, generation: int) -> tuple[int, ...]:
     for g in range(generation, 0, -1):
         if job.store.check([replaced_key(g)]):
             ranks.update(json.loads(job.store.get(replaced_key(g))))
-        if job.store.check([ready_key(g - 1)]):
+        if job.store.check([state_key(g - 1)]) and job.store.get(state_key(g - 1)) == READY:
             break
     return tuple(sorted(ranks))
 
@@ -470,6 +495,17 @@ def _async_raise(thread_id: int, exc_type: type[BaseException] | None) -> None:
     """Raise ``exc_type`` in thread ``thread_id`` when it next runs Python (None: clear a pending one)."""
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(thread_id), ctypes.py_object(exc_type) if exc_type is not None else None
+    )
+
+
+def _watcher_lost(error: BaseException) -> None:
+    """Say once that this process is no longer interrupted by a new generation (only a collective's
+    error ends its ``train_fn`` now): the store went away, usually with the agent at the job's end."""
+    print(
+        f"fsm_agent.inprocess: rank {os.environ.get('RANK', '?')} stopped watching for new generations "
+        f"({type(error).__name__}: {error})",
+        file=sys.stderr,
+        flush=True,
     )
 
 
@@ -546,7 +582,8 @@ class _Watcher:
 
         try:
             store = _connect(self.address[0], self.address[1], self._connect_timeout_s)
-        except Exception:  # the store is gone (the agent ended): nothing to watch
+        except Exception as exc:  # the store is gone (the agent ended): nothing to watch
+            _watcher_lost(exc)
             return
         while True:
             with self._lock:
@@ -556,8 +593,10 @@ class _Watcher:
             except DistStoreError as exc:
                 if "timeout" in str(exc).lower():
                     continue  # look again (the target may have moved on meanwhile)
+                _watcher_lost(exc)
                 return
-            except Exception:  # the store is gone: nothing to watch
+            except Exception as exc:  # the store is gone: nothing to watch
+                _watcher_lost(exc)
                 return
             with self._lock:
                 self._begun = max(self._begun, watched)

@@ -33,9 +33,10 @@ log = logging.getLogger(__name__)
 
 #: Seconds between looks at the barrier while a recovery runs (a store ``check``, this node only).
 LOOK_INTERVAL_S = 0.02
-#: Seconds a non-host agent waits to connect to the round's in-process store before it gives up
-#: on in-process recovery for this fault (the whole-group restart instead).
-CONNECT_TIMEOUT_S = 5.0
+#: Seconds an agent waits to connect to the round's in-process store before it gives up on it (no
+#: in-process recovery for this fault; a recovery running waits for its deadline): the run loop
+#: waits that long, so short.
+CONNECT_TIMEOUT_S = 1.0
 
 
 @attrs.define
@@ -49,6 +50,7 @@ class Recovery:
         began_at: when the agent began the generation (seconds since the epoch).
         spawned_at: when the new processes were started (seconds since the epoch), or None.
         deadline: ``time.monotonic()`` past which the recovery failed.
+        failure: why it cannot complete, when that is known before the deadline, else None.
     """
 
     generation: int
@@ -57,6 +59,10 @@ class Recovery:
     began_at: float
     deadline: float
     spawned_at: float | None = None
+    #: Why it cannot complete, known before its deadline (a step that failed to replace a worker).
+    failure: str | None = None
+    #: Why its store could not be read (then it is not asked again: the deadline decides).
+    unreachable: str | None = None
 
     def phases(self, now: float) -> dict[str, float]:
         """Seconds of each phase: ``detect`` (exit seen -> generation begun), ``replace`` (begun
@@ -80,7 +86,6 @@ class InProcessRecovery:
         #: ``{global_rank: time.monotonic()}`` when a recovery that replaced it completed.
         self._recovered_at: dict[int, float] = {}
         self._server: Any = None
-        self._server_at: tuple[str, int] | None = None
         self._client: Any = None
         self._endpoint: tuple[str, int] | None = None
         self._prefix = ""
@@ -101,16 +106,15 @@ class InProcessRecovery:
 
         self._drop_client()
         self._endpoint = (host, int(port))
-        if is_host and self._server_at != self._endpoint:
+        if is_host:  # a new server each round: a new round never reads an earlier one's keys
             self.close()
             from torch.distributed import TCPStore  # type: ignore[attr-defined]  # lazy: only with in-process restart
 
             self._server = TCPStore(
                 host, int(port), None, True, timedelta(seconds=self.timeout_s), wait_for_workers=False
             )
-            self._server_at = self._endpoint
             log.info("in-process restart: serving the workers' store on port %s", port)
-        elif not is_host and self._server is not None:
+        elif self._server is not None:
             self.close()
 
     def new_attempt(self, run_id: str, restart_count: int, world_size: int) -> None:
@@ -159,7 +163,7 @@ class InProcessRecovery:
         processes' ``FSM_AGENT_INPROCESS_GENERATION``.
 
         Raises:
-            Exception: the store's error (unreachable): the caller falls back.
+            Exception: the store's error (unreachable): the caller ``abandon``s the recovery.
         """
         if self.enabled:
             store = self._store()
@@ -177,6 +181,17 @@ class InProcessRecovery:
         )
         return self.current
 
+    def abandon(self, replaced: dict[int, int], fault_at: float, why: str) -> None:
+        """The recovery of ``replaced`` cannot go on (``why``: a worker could not be replaced, the
+        generation could not begin): the next :meth:`look` reports it failed, so the whole
+        group restarts."""
+        if self.current is None:
+            now = time.time()
+            self.current = Recovery(
+                generation=0, replaced=dict(replaced), fault_at=fault_at, began_at=now, deadline=time.monotonic()
+            )
+        self.current.failure = why
+
     def seconds_to_next_look(self) -> float | None:
         """How long the run loop may wait before :meth:`look` (None: no recovery to watch)."""
         return LOOK_INTERVAL_S if self.current is not None else None
@@ -188,22 +203,32 @@ class InProcessRecovery:
         recovery = self.current
         if recovery is None:
             return None
-        try:
-            store = self._store()
-            # A newer generation (another node's fault meanwhile) supersedes it: watch that one.
-            recovery.generation = max(recovery.generation, int(store.add(protocol.GENERATION, 0)))
-            ready = store.check([protocol.ready_key(recovery.generation)])
-        except Exception as exc:
-            return self._end(recovery, f"its store is unreachable: {type(exc).__name__}: {exc}")
-        if ready:
+        if recovery.failure is not None:
+            return self._end(recovery, recovery.failure)
+        if recovery.unreachable is None and self._barrier_state(recovery) == protocol.READY:
             return self._end(recovery, None)
         if time.monotonic() >= recovery.deadline:
             return self._end(
                 recovery,
                 f"not every rank reached the barrier of generation {recovery.generation} within "
-                f"{self.timeout_s:g}s (--inprocess-timeout)",
+                f"{self.timeout_s:g}s (--inprocess-timeout)"
+                + (f"; its store is unreachable: {recovery.unreachable}" if recovery.unreachable else ""),
             )
         return None
+
+    def _barrier_state(self, recovery: Recovery) -> bytes:
+        """The state of the recovery's generation (following a newer one: another node's fault
+        meanwhile); b"" while undecided, or when the store is unreachable (then noted and not asked
+        again: its host's node is lost, and that membership change, not this, decides)."""
+        try:
+            store = self._store()
+            recovery.generation = max(recovery.generation, int(store.add(protocol.GENERATION, 0)))
+            key = protocol.state_key(recovery.generation)
+            return bytes(store.get(key)) if store.check([key]) else b""
+        except Exception as exc:
+            recovery.unreachable = f"{type(exc).__name__}: {exc}"
+            log.warning("in-process recovery: its store is unreachable: %s", recovery.unreachable)
+            return b""
 
     def _end(self, recovery: Recovery, failure: str | None) -> InProcessRecovered | InProcessFailed:
         self.current = None
@@ -237,4 +262,4 @@ class InProcessRecovery:
     def close(self) -> None:
         """Stop serving the store (the agent ends, or another node hosts the next round's)."""
         self._drop_client()
-        self._server, self._server_at = None, None
+        self._server = None

@@ -89,21 +89,29 @@ class InProcessSteps:
     def _replace_failed_workers(self, event: EventData) -> None:
         """Begin the next generation (the survivors of every node are interrupted) and start a new
         process for each failed worker of this node (the launcher's ``replace_workers``); the
-        other workers keep running. Records an ``inprocess_recovery_begun`` event."""
+        other workers keep running. Records an ``inprocess_recovery_begun`` event. When either
+        fails (the store gone, a launcher or plugin error), the recovery is abandoned: the next
+        look reports ``inprocess_failed`` and the whole group restarts."""
         fact = fact_of(event, WorkersFailed)
-        group = self._worker_group
-        workers = [w for w in group.workers if w.local_rank in fact.exits]
+        workers = [w for w in self._worker_group.workers if w.local_rank in fact.exits]
         replaced = {w.local_rank: w.global_rank for w in workers}
         fault_at = min(fact.exit_times.values(), default=time.time())
-        recovery = self._inprocess.begin(replaced, fault_at)
-        for local_rank in replaced:  # the new process writes its own error file, if it fails
-            with contextlib.suppress(OSError):
-                os.remove(self._worker_logs[local_rank].error_file)
-        envs = self._worker_envs(workers, {protocol.ENV_GENERATION: str(recovery.generation)})
-        if self._launcher_extras.replaces_workers:  # else a replay, whose launcher has no processes
-            pids = self._launcher_extras.replace_workers(self.spec, envs, {r: self._worker_logs[r] for r in envs})
-            for worker in workers:
-                worker.id = pids[worker.local_rank]
+        try:
+            recovery = self._inprocess.begin(replaced, fault_at)
+            for local_rank in replaced:  # kept beside it: the new process writes its own, if it fails
+                with contextlib.suppress(OSError):
+                    error_file = self._worker_logs[local_rank].error_file
+                    os.replace(error_file, f"{error_file}.generation{recovery.generation - 1}")
+            envs = self._worker_envs(workers, {protocol.ENV_GENERATION: str(recovery.generation)})
+            if self._launcher_extras.replaces_workers:  # else a replay, whose launcher has no processes
+                pids = self._launcher_extras.replace_workers(self.spec, envs, {r: self._worker_logs[r] for r in envs})
+                for worker in workers:
+                    worker.id = pids[worker.local_rank]
+        except Exception as exc:  # nothing to wait for: the whole group restarts
+            why = f"replacing local ranks {sorted(replaced)} failed: {type(exc).__name__}: {exc}"
+            log.error("[%s] in-process recovery: %s", self.spec.role, why)
+            self._inprocess.abandon(replaced, fault_at, why)
+            return
         recovery.spawned_at = time.time()
         self._watch.workers_replaced(set(replaced))
         self._hang.workers_replaced(set(replaced))
@@ -119,6 +127,7 @@ class InProcessSteps:
         ranks replaced and each phase's seconds."""
         fact = fact_of(event, InProcessRecovered)
         self._record_recovery_end("recovered", fact)
+        self._failures = {}  # recovered: a later success reports none (the events keep them)
 
     def _decide_on_inprocess_failure(self, event: EventData) -> None:
         """The recovery did not complete: record it (outcome ``failed``), end the attempt's cycle

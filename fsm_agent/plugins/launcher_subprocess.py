@@ -185,6 +185,8 @@ class SubprocessLauncher:
 
     def __init__(self, agent: Any = None) -> None:
         self._handles: dict[int, _Handle] = {}
+        #: Handles of workers replaced in process (``replace_workers``), released at ``close()``.
+        self._retired: list[_Handle] = []
         self._filtered: list = []
         self._not_ours: set[int] = set()
         self._cgroup: WorkerCgroup | None = None
@@ -237,8 +239,9 @@ class SubprocessLauncher:
             raise ValueError(f"replace_workers: local rank(s) {running} still running or never started")
         for local_rank in envs:
             handle = self._handles.pop(local_rank)
-            _killpg(handle.pid, signal.SIGKILL)  # grandchildren left in the dead worker's group
-            self._close_handle(handle)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(handle.pid, signal.SIGKILL)  # grandchildren left in its group (never a reused pid)
+            self._retired.append(handle)  # its log readers may still drain: joined at close()
         self._spawn(spec, envs, logs)
         return {r: self._handles[r].pid for r in envs}
 
@@ -451,8 +454,9 @@ class SubprocessLauncher:
                 log.warning("stopped %d leftover process(es) of the workers: %s", len(swept), swept)
         if not live:
             self._release_subreaper()
-        for h in self._handles.values():
+        for h in [*self._handles.values(), *self._retired]:
             self._close_handle(h)
+        self._retired = []
         for sink in self._filtered:
             if sink is not None:
                 sink.close()
@@ -571,6 +575,8 @@ class _FileTailer(threading.Thread):
     def __init__(self, path: str, console, prefix: str, handle: _Handle):
         super().__init__(daemon=True, name=f"tail{prefix}")
         self._path, self._console, self._prefix, self._handle = path, console, prefix.encode(), handle
+        # A replaced worker's log already holds its predecessor's output: follow only what is new.
+        self._offset = os.path.getsize(path) if os.path.exists(path) else 0
         self.start()
 
     def run(self) -> None:
@@ -581,6 +587,7 @@ class _FileTailer(threading.Thread):
                 return
             time.sleep(0.05)
         with open(self._path, "rb") as f:
+            f.seek(self._offset)
             while True:
                 chunk = f.read(65536)
                 if chunk:

@@ -153,12 +153,22 @@ class RestartPolicy:
         self.spent[kind] = self.spent.get(kind, 0) + 1
         return None
 
+    def _in_process(self, failures) -> RestartDecision:
+        """In process unless the failure's own answer would refuse it (the do-not-restart exit code,
+        a class that takes the node out) or the ``inprocess`` budget is spent."""
+        cause = first_failure(failures)
+        if any(f.exitcode == DO_NOT_RESTART_EXIT_CODE for f in failures.values()):
+            return RestartDecision(False, reason=f"not in process: exit {DO_NOT_RESTART_EXIT_CODE} (do not restart)")
+        if cause is not None and cause.failure_class in self.exclude_node_on:
+            return RestartDecision(False, reason=f"not in process: {cause.failure_class} takes this node out")
+        return self._spend(FailureClass.INPROCESS) or RestartDecision(
+            True, in_process=True, reason="in-process recovery (not counted against max_restarts)"
+        )
+
     @hookimpl(trylast=True)
     def fsm_agent_restart_policy(self, failures, worker_group, restart_count, failure_class):
         if failure_class == FailureClass.INPROCESS:  # may only the failed ranks be replaced?
-            return self._spend(failure_class) or RestartDecision(
-                True, in_process=True, reason="in-process recovery (not counted against max_restarts)"
-            )
+            return self._in_process(failures)
         if failure_class in MEMBERSHIP_CLASSES:
             return self._spend(failure_class) or RestartDecision(
                 True, reason="re-rendezvous (not counted against max_restarts)"

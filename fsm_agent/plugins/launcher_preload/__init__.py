@@ -4,9 +4,11 @@
 the launcher is built, before the rendezvous, so that importing the modules of ``--preload-modules``
 (default ``torch``) once is paid while the nodes gather; each worker of each attempt, the first
 included, is then a fork of it running the script with ``runpy``: no worker imports torch itself,
-and the agent process never does. The workers' rank 0 hosts their TCPStore, as under the subprocess
-launcher (``TORCHELASTIC_USE_AGENT_STORE=False``): a store that outlived ``destroy_process_group``
-would hand a re-created process group the earlier group's keys.
+and the agent process does not either (except under ``--restart-mode inprocess``, whose store the
+agent hosts). The workers' rank 0 hosts their TCPStore, as under the subprocess launcher
+(``TORCHELASTIC_USE_AGENT_STORE=False``; in-process restart: the agent's, ``True``): a store that
+outlived ``destroy_process_group`` would hand a re-created process group the earlier group's keys.
+In-process restart forks a replacement for one failed worker from the same zygote (``replace_workers``).
 The import's seconds are reported apart from the agent's own (metric ``fsm_agent.launcher.preload_import_s``,
 event ``launcher_timings``). The
 worker sees what ``python -u script.py`` would: ``sys.argv``, ``__main__``, the environment,
@@ -191,6 +193,10 @@ class PreloadLauncher(SubprocessLauncher):
             )
         self._ensure_zygote()
         return super().start(spec, envs, logs, filtered)
+
+    def replace_workers(self, spec, envs, logs) -> dict[int, int]:
+        self._ensure_zygote()  # a zygote lost since the start is started again, not asked and found dead
+        return super().replace_workers(spec, envs, logs)
 
     def _start_program(
         self, spec, local_rank: int, env: dict[str, str], wlogs: WorkerLogs, born_in_cgroup: bool = False
