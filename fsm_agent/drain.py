@@ -6,6 +6,11 @@ their ``DrainSettings``; the statechart's ``drain_requested`` rows name the agen
 is asked for by a drain signal, the ``--drain-file``, ``POST /drain``, the Python API, or a peer's
 job-wide drain read from the round's rendezvous store; the agent's run loop fires it.
 (torch has no drain: a preempted torchrun job is a failure.)
+
+A peer's job-wide drain (``JOB_DRAIN_KEY``): where the round's store can tell of a key's changes
+(``subscribe``: the ``fsm`` backend's membership watch carries the key, held by the store), the
+agent asks the store only when it says the key changed, so an idle agent makes no request for
+it; elsewhere (``c10d``, ``etcd-v3``, ``static``) it looks every ``job_drain_look_interval``.
 """
 
 from __future__ import annotations
@@ -94,6 +99,11 @@ class NodeDrain:
         self._lock = threading.RLock()  # RLock: a drain signal may arrive while the loop holds it
         self._next_check = 0.0
         self._next_job_look: float | None = None  # None: at a random phase of the first interval
+        #: the round's store that tells this drain of the job-wide key's changes (None: look)
+        self._subscribed: Any = None
+        self._tried_store: Any = None  # the store a subscription was last asked of
+        #: the store said the job-wide key changed since the last look at it
+        self._store_news = False
 
     def configure(self, settings: DrainSettings, stop_signals: list[int], forwarded: list[int]) -> None:
         """Take ``settings`` (the ``drain`` plugin's). See ``ElasticAgent.drain_on``.
@@ -161,20 +171,53 @@ class NodeDrain:
         return bool(self.settings.file) or _shared(group)
 
     def seconds_to_next_look(self) -> float:
-        return max(0.0, self._next_check - time.monotonic())
+        """Seconds until ``look_if_due`` has something to do (0: now)."""
+        return 0.0 if self._store_news else max(0.0, self._next_check - time.monotonic())
 
     def look_if_due(self, group: WorkerGroup, healthy: bool) -> None:
-        """The run loop's periodic look (every ``DRAIN_POLL_S`` s; at the store only when this
-        agent's turn of ``job_drain_look_interval`` has come)."""
+        """The run loop's periodic look (every ``DRAIN_POLL_S`` s): the drain file, and the store
+        for a peer's job-wide drain when the store said its key changed (``subscribe``) or, from a
+        store that cannot say, when this agent's turn of ``job_drain_look_interval`` has come."""
         now = time.monotonic()
-        if now >= self._next_check:
+        self._subscribe(group)
+        news = self._store_news and healthy
+        if now >= self._next_check or news:
             self._next_check = now + DRAIN_POLL_S
-            self.look(group, healthy, peers=self._job_look_due(group, now))
+            self._store_news = self._store_news and not news
+            self.look(group, healthy, peers=news or self._job_look_due(group, now))
+
+    def _subscribe(self, group: WorkerGroup) -> None:
+        """Ask the round's store, once per store, to tell of the job-wide key's changes."""
+        store = group.store
+        if store is self._tried_store or not _shared(group):
+            return
+        self._tried_store, self._subscribed = store, None
+        subscribe = getattr(store, "subscribe", None)
+        try:
+            if callable(subscribe) and subscribe(JOB_DRAIN_KEY, functools.partial(self._on_store_news, store)):
+                self._subscribed = store
+        except Exception as exc:  # then this agent looks on its own schedule
+            log.debug("could not subscribe to the job-wide drain key: %s", exc)
+
+    def _on_store_news(self, store: Any) -> None:
+        """The store says the job-wide key changed (called on the rendezvous keep-alive thread):
+        wake the run loop, whose next ``look_if_due`` looks. Never blocks."""
+        with self._lock:
+            if self.closed or store is not self._subscribed:
+                return
+            self._store_news = True
+            try:
+                os.write(self._wake_w, b"j")
+            except OSError:  # the pipe is full (the loop wakes anyway)
+                pass
 
     def _job_look_due(self, group: WorkerGroup, now: float) -> bool:
         """Whether this look also asks the store for a peer's job-wide drain; schedules the next.
-        Agents look at random phases (spread over the first interval, then jittered by +-50 %) so
-        that nodes started together do not all ask at the same instant."""
+        Never for a store that tells of the key's changes itself. Agents look at random phases
+        (spread over the first interval, then jittered by +-50 %) so that nodes started together
+        do not all ask at the same instant."""
+        if self._subscribed is not None and self._subscribed is group.store:
+            return False
         interval = job_drain_look_interval(group.group_world_size or 1)
         if self._next_job_look is None:
             self._next_job_look = now + interval * random.random()

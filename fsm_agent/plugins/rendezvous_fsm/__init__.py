@@ -30,16 +30,33 @@ Protocol (O(1) requests and bytes per node per join, keep-alive and round comple
 
 Keep-alive
     Each node holds a lease key ``fsm_rdzv/<run_id>/alive/<node id>`` (ttl =
-    ``keep_alive_interval * keep_alive_max_attempt``), created by its ``rdzv_join`` itself and
-    deleted by the server as soon as the join's connection closes; one daemon thread renews it
-    every ``keep_alive_interval`` on a second connection, with ``touch`` while joining and with its
-    ``rdzv_watch`` (which then blocks at most ``keep_alive_interval``) in a round. So a node holds
-    two store connections and one thread whatever N (10k nodes: 20k sockets on the store host).
-    Replies may take ``join_timeout``: a busy store is load, never a dropped lease. When
-    it ends the store counts the node lost at once: a killed agent is seen at once, a silent host
-    (power off, partition) within ``keep_alive_timeout`` = 1.5 s by default. Above
-    ``KEEP_ALIVE_RATE * keep_alive_interval`` nodes the interval grows with ``max_nodes`` so the
-    store renews at most ``KEEP_ALIVE_RATE`` leases per second.
+    ``keep_alive_interval * keep_alive_max_attempt`` = ``keep_alive_timeout``), created by its
+    ``rdzv_join`` itself and deleted by the server as soon as the join's connection closes. One
+    daemon thread keeps it on a second connection: while joining with a ``touch`` every
+    ``keep_alive_interval``; in a round with its ``rdzv_watch``, which the store holds up to
+    ``keep_alive_hold`` (10 s) and during which the store keeps the lease alive itself (the lease
+    then lasts ``keep_alive_timeout`` past the watch's answer). So an idle node makes one request
+    per ``keep_alive_hold``, and holds two store connections and one thread whatever N (10k
+    nodes: 20k sockets on the store host). Replies may take ``join_timeout``: a busy store is
+    load, never a dropped lease. When the lease ends the store counts the node lost at once.
+    Bounds: a killed agent is lost at once (its connection closes); a silent host (power off,
+    partition: no FIN, no RST) once the store host's kernel gave up on the lease's connection
+    (TCP keep-alive probes every ``keep_alive_interval``, whole seconds, and
+    ``TCP_USER_TIMEOUT`` = ``keep_alive_timeout``: about 2 s by default, no request made); a hung
+    agent (its process stopped, its host answering) within ``keep_alive_hold +
+    keep_alive_timeout`` (11.5 s by default). Above ``KEEP_ALIVE_RATE * keep_alive_interval``
+    nodes the interval grows with ``max_nodes``, above ``HELD_WATCH_RATE * keep_alive_hold`` the
+    hold does, so the store renews at most ``KEEP_ALIVE_RATE`` leases per second while joining
+    and ``HELD_WATCH_RATE`` watches per second while idle.
+
+Watched keys
+    The membership watch also carries keys of the round's store that the agent subscribed to
+    (``PrefixStore.subscribe``: a peer's job-wide drain, ``fsm_agent.drain``): the store answers
+    it when one changes, and the handler calls the subscriber on its keep-alive thread, so the
+    agent asks the store for such a key only when it changed. A watch already held when a key is
+    subscribed to is answered by setting the node's own ``fsm_rdzv/<run_id>/poke/<node id>``
+    (ephemeral: it goes with the join's connection); later rounds' watches carry the key from
+    their start.
 
 Rounds
     A round completes when ``min <= n`` and one of: ``n == max``; no other live node can still

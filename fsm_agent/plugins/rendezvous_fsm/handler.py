@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import socket
@@ -14,6 +15,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import attrs
 
 from fsm_agent.errors import ConfigError, RendezvousFailed, RendezvousNotNeeded
 from fsm_agent.plugins.rendezvous_fsm.params import (
@@ -53,6 +56,23 @@ class RendezvousInfo:
 @dataclass
 class _Round:
     round: int
+
+
+@attrs.define
+class _WatchedKeys:
+    """Keys of the round's store that the membership watch carries (``subscribe``), under the
+    handler's ``_cv``."""
+
+    #: a key of this node's own: setting it answers the watch held now, so the next carries a new key
+    poke_key: str
+    poke_version: int = 0
+    #: round-relative keys subscribed to in some round: every later round's watch carries them
+    sticky: set[str] = attrs.Factory(set)
+    #: this round's watched keys (full names) -> the version the store last reported (0: missing)
+    versions: dict[str, int] = attrs.Factory(dict)
+    callbacks: dict[str, list[Callable[[], None]]] = attrs.Factory(dict)
+    #: the keys of the watch held now (None: none is)
+    in_flight: frozenset[str] | None = None
 
 
 # -- the handler -------------------------------------------------------------------------------------------
@@ -112,6 +132,7 @@ class FsmRendezvousHandler:
         self._base = base
         self._alive_key = f"{base}/alive/{self.node_id}"
         self._keep_alive_interval, self._keep_alive_timeout = s.keep_alive_for(max_nodes)
+        self._keep_alive_hold = s.keep_alive_hold_for(max_nodes)
         fast = self._port_taken
         # A busy store makes a joining node wait, never fail: until the join timeout, a slow
         # hello counts as load. Only after finding the endpoint port taken (by a store or by some
@@ -145,6 +166,7 @@ class FsmRendezvousHandler:
         os.set_blocking(self._fd_w, False)
         self._signalled = False
         self._threads: list[threading.Thread] = []
+        self._keys = _WatchedKeys(f"{base}/poke/{self.node_id}")
         #: called with a one-line message when this node becomes a standby (the agent logs it,
         #: records a ``standby`` event and shows it in ``fsm-agent status``); None: log only
         self.on_standby: Callable[[str], None] | None = None
@@ -263,6 +285,7 @@ class FsmRendezvousHandler:
             self._round = None
             self._gen += 1
             self._lost, self._self_lost, self._waiting, self._store_error = 0, False, 0, None
+            self._keys.versions, self._keys.callbacks = {}, {}
         try:
             self._ensure_started()
             return self._join()
@@ -312,6 +335,7 @@ class FsmRendezvousHandler:
                 rejoin_timeout=s.rejoin_timeout,
                 returned_round=self._returned_round,
                 standby=self.standby,
+                probe=self._keep_alive_interval,
             )
             status = reply.get("status")
             if status == "ranked":
@@ -374,9 +398,11 @@ class FsmRendezvousHandler:
             self._gen += 1
             self._round = _Round(rnd)
             self._lost, self._self_lost, self._waiting, self._store_error = 0, False, 0, None
+            self._keys.versions = {f"{self._base}/round/{rnd}/{rel}": 0 for rel in self._keys.sticky}
+            self._keys.callbacks = {}
             self._drain()
             self._cv.notify_all()
-        store = PrefixStore(f"{self._base}/round/{rnd}", self._client)
+        store = PrefixStore(f"{self._base}/round/{rnd}", self._client, functools.partial(self._subscribe, rnd))
         log.info(
             "fsm rendezvous %s round %s complete: rank %s of %s, master %s:%s",
             self.run_id,
@@ -403,7 +429,7 @@ class FsmRendezvousHandler:
         counts itself when its own lease lapsed, and the store counts when it became unreachable.
 
         Non-zero as soon as the first is lost; the count itself is brought up to date every
-        ``keep_alive_interval`` (the store wakes watchers once per round, not once per lost node)."""
+        ``keep_alive_hold`` (the store wakes watchers once per round, not once per lost node)."""
         with self._cv:
             lost = self._lost + (1 if self._self_lost else 0)
             return max(lost, 1) if self._store_error else lost
@@ -491,14 +517,40 @@ class FsmRendezvousHandler:
         except (BlockingIOError, OSError):
             pass
 
+    def _subscribe(self, rnd: int, rel: str, callback: Callable[[], None]) -> bool:
+        """``PrefixStore.subscribe`` of round ``rnd``'s store: the membership watch carries the key
+        ``rel`` from now on (and in every later round from its start) and ``callback()`` is called
+        on the keep-alive thread when the store answers that it changed. A watch held now without
+        it is answered by setting this node's poke key (one request), so the next one carries it.
+        False: no keep-alive watch (a one-node job, shut down, or not in round ``rnd``)."""
+        full = f"{self._base}/round/{rnd}/{rel}"
+        with self._cv:
+            if self._shut or self.max_nodes == 1 or self._round is None or self._round.round != rnd:
+                return False
+            keys = self._keys
+            keys.sticky.add(rel)
+            keys.versions.setdefault(full, 0)
+            keys.callbacks.setdefault(full, []).append(callback)
+            seen = keys.versions[full] != 0
+            poke = keys.in_flight is not None and full not in keys.in_flight
+        if seen:  # the store reported it set already
+            callback()
+        if poke:
+            try:
+                self._client.set(self._keys.poke_key, uuid.uuid4().hex[:8], ephemeral=True)
+            except StoreError as exc:  # the keep-alive reports a store that is gone
+                log.debug("fsm rendezvous %s: could not renew the watch's keys: %s", self.run_id, exc)
+                return False
+        return True
+
     def _keep_alive_loop(self) -> None:
-        """Renew this node's lease every ``keep_alive_interval`` and watch its round's membership,
-        on one connection: between rounds a ``touch``; in a completed round one ``rdzv_watch`` that
-        renews the lease and blocks at most ``keep_alive_interval`` (the store answers at once when
-        this node's round lost a participant, another round opened, or nodes waited
-        ``last_call_timeout`` to join; each event answers each watcher once)."""
-        c, key, ttl, interval = self._alive_client, self._alive_key, self._keep_alive_timeout, self._keep_alive_interval
-        due = time.monotonic() + interval
+        """Keep this node's lease and watch its round's membership, on one connection: between
+        rounds a ``touch`` every ``keep_alive_interval``; in a completed round one ``rdzv_watch``
+        at a time, which the store holds up to ``keep_alive_hold`` while it keeps the lease alive,
+        and answers at once when this node's round lost a participant, another round opened, nodes
+        waited ``last_call_timeout`` to join (each event answers each watcher once), or a
+        subscribed key changed (``_subscribe``). An idle node makes one request per hold."""
+        due = time.monotonic() + self._keep_alive_interval
         while True:
             with self._cv:
                 while self._round is None and not self._stop.is_set() and time.monotonic() < due:
@@ -506,55 +558,91 @@ class FsmRendezvousHandler:
                 if self._stop.is_set():
                     return
                 rnd, gen, lost, waiting = self._round, self._gen, self._lost, self._waiting
+                keys = self._keys
+                versions = None if rnd is None else {keys.poke_key: keys.poke_version, **keys.versions}
+                keys.in_flight = None if versions is None else frozenset(versions)
             try:
-                if rnd is None:
-                    # Joining: a lease not there yet (the join not read yet) or lapsed (the store
-                    # then answers the join no_lease) is (re)created by the join itself.
-                    reply, leased = None, True
-                    c.touch([key], ttl)
-                else:
-                    reply = c.rendezvous(
-                        "watch",
-                        interval,
-                        run=self.run_id,
-                        node=self.node_id,
-                        round=rnd.round,
-                        lost=lost,
-                        waiting=waiting,
-                        lease=key,
-                        ttl=ttl,
-                    )
-                    leased = reply.get("leased", True)
-                due = time.monotonic() + interval
-                if not leased and not self._stop.is_set():
-                    c.set(key, self.node_id, ttl=ttl, ephemeral=True)
-                    log.warning(
-                        "fsm rendezvous %s: this node's keep-alive lapsed; the others may count it lost", self.run_id
-                    )
+                reply, leased = self._renew(rnd, lost, waiting, versions)
             except Exception as exc:  # store gone, or a reply this code cannot read
                 if self._stop.is_set():
                     return
-                log.warning("fsm rendezvous %s: keep-alive to %s failed: %s", self.run_id, self.endpoint, exc)
-                with self._cv:
-                    if rnd is None:  # joining: the join itself reports a lost store
-                        due = time.monotonic() + interval
-                        continue
-                    if gen == self._gen:  # in a round: redo it
-                        self._store_error = str(exc)
-                        self._signal()
-                    while self._gen == gen and not self._stop.is_set():
-                        self._cv.wait()
+                self._keep_alive_failed(exc, rnd, gen)
+                due = time.monotonic() + self._keep_alive_interval
                 continue
-            with self._cv:
-                if gen != self._gen:
-                    continue
-                if not leased and self._round is not None:
-                    self._self_lost = True
-                if reply is not None:
-                    self._lost = max(self._lost, int(reply["lost"]))
-                    self._waiting = int(reply["waiting"])
-                if self._lost or self._waiting or self._self_lost:
-                    self._signal()
+            finally:
+                with self._cv:
+                    self._keys.in_flight = None
+            due = time.monotonic() + self._keep_alive_interval
+            for callback in self._heard(reply, leased, gen):
+                try:
+                    callback()
+                except Exception:  # a subscriber's bug must not stop the keep-alive
+                    log.exception("fsm rendezvous %s: a key subscriber failed", self.run_id)
+
+    def _renew(self, rnd: _Round | None, lost: int, waiting: int, versions: dict | None) -> tuple[dict | None, bool]:
+        """One keep-alive exchange: a ``touch`` while joining (``rnd`` None), else the membership
+        watch carrying ``versions`` (key -> version last seen). Returns ``(reply, leased)``:
+        the watch's reply (None for a touch), and False when the lease had lapsed (it is set again)."""
+        c, key, ttl = self._alive_client, self._alive_key, self._keep_alive_timeout
+        if rnd is None:
+            # Joining: a lease not there yet (the join not read yet) or lapsed (the store then
+            # answers the join no_lease) is (re)created by the join itself.
+            c.touch([key], ttl)
+            return None, True
+        reply = c.rendezvous(
+            "watch",
+            self._keep_alive_hold,
+            run=self.run_id,
+            node=self.node_id,
+            round=rnd.round,
+            lost=lost,
+            waiting=waiting,
+            lease=key,
+            ttl=ttl,
+            versions=versions,
+        )
+        leased = reply.get("leased", True)
+        if not leased and not self._stop.is_set():
+            c.set(key, self.node_id, ttl=ttl, ephemeral=True)
+            log.warning("fsm rendezvous %s: this node's keep-alive lapsed; the others may count it lost", self.run_id)
+        return reply, leased
+
+    def _keep_alive_failed(self, exc: Exception, rnd: _Round | None, gen: int) -> None:
+        """The keep-alive could not reach the store: while joining the join reports it; in a
+        round, the membership fd says so (redo the round) and this waits for the next one."""
+        log.warning("fsm rendezvous %s: keep-alive to %s failed: %s", self.run_id, self.endpoint, exc)
+        if rnd is None:
+            return
+        with self._cv:
+            if gen == self._gen:
+                self._store_error = str(exc)
+                self._signal()
+            while self._gen == gen and not self._stop.is_set():
+                self._cv.wait()
+
+    def _heard(self, reply: dict | None, leased: bool, gen: int) -> list[Callable[[], None]]:
+        """Take a keep-alive reply of generation ``gen`` in: the counts, the membership fd, the
+        watched keys' versions. Returns the subscribers to call (outside the lock)."""
+        changed = dict((reply or {}).get("changed") or {})
+        with self._cv:
+            keys = self._keys
+            if keys.poke_key in changed:
+                keys.poke_version = int(changed.pop(keys.poke_key))
+            if gen != self._gen:
+                return []
+            if not leased and self._round is not None:
+                self._self_lost = True
+            if reply is not None:
+                self._lost = max(self._lost, int(reply["lost"]))
+                self._waiting = int(reply["waiting"])
+            if self._lost or self._waiting or self._self_lost:
+                self._signal()
+            callbacks = []
+            for key, version in changed.items():
+                if key in keys.versions:
+                    keys.versions[key] = int(version)
+                    callbacks += keys.callbacks.get(key, [])
+            return callbacks
 
     def __repr__(self) -> str:
         return (

@@ -20,6 +20,9 @@ DEFAULT_PORT = 29400
 #: ``max_nodes``, so keep-alive traffic stays bounded. A killed node is still seen at once (its
 #: lease ends with its connection); only a silent host takes the longer timeout.
 KEEP_ALIVE_RATE = 2000.0
+#: Held membership watches the whole job renews per second at most, idle: above
+#: ``HELD_WATCH_RATE * keep_alive_hold`` nodes (5,000 by default) the hold grows with ``max_nodes``.
+HELD_WATCH_RATE = 500.0
 
 
 # -- parameters (torch's RendezvousParameters, without torch) -----------------------------------------
@@ -101,9 +104,19 @@ class FsmRendezvousSettings:
             (at once when they fill every seat), and are not waited for again in the next round.
         rejoin_timeout: how long a round waits for live nodes of the previous round before it
             completes without them (60; above the default ``--shutdown-timeout`` of 30).
-        keep_alive_interval / keep_alive_max_attempt: lease renewal period and how many may be
-            missed; a silent node is lost after their product (0.5 x 3 = 1.5). Above 1,000
-            nodes the period grows with max_nodes (``keep_alive_for``; ``KEEP_ALIVE_RATE``).
+        keep_alive_interval / keep_alive_max_attempt: lease renewal period while joining and
+            how many may be missed; their product (0.5 x 3 = 1.5) is ``keep_alive_timeout``, the
+            lease's ttl: a node not heard from for that long is lost. In a round the lease is
+            renewed by the store while it holds the node's membership watch, and a host that goes
+            silent (power off, partition) is found by TCP keep-alive probes every
+            ``keep_alive_interval`` (whole seconds, at least 1) on the store host: lost about
+            ``keep_alive_timeout`` + 1 s after it was last heard. Above 1,000 nodes the period
+            grows with max_nodes (``keep_alive_for``; ``KEEP_ALIVE_RATE``).
+        keep_alive_hold: how long the store may hold a node's membership watch, in a round (10;
+            at least ``keep_alive_interval``): an idle node makes one request per hold, and a
+            hung agent (stopped, its host up, its connections open) is lost within
+            ``keep_alive_hold + keep_alive_timeout``. A killed agent is lost at once (its
+            connection closes). Above 5,000 nodes it grows with max_nodes (``HELD_WATCH_RATE``).
         read_timeout: the round store's timeout for get/wait (torch's c10d key; 60).
         handshake_timeout: how long a peer on the endpoint gets to answer the store hello (3).
         linger_timeout: how long the store host's ``shutdown`` waits for other nodes to leave (5).
@@ -117,6 +130,7 @@ class FsmRendezvousSettings:
     rejoin_timeout: float = 60.0
     keep_alive_interval: float = 0.5
     keep_alive_max_attempt: int = 3
+    keep_alive_hold: float = 10.0
     read_timeout: float = 60.0
     handshake_timeout: float = 3.0
     linger_timeout: float = 5.0
@@ -135,6 +149,12 @@ class FsmRendezvousSettings:
         interval = max(self.keep_alive_interval, max_nodes / KEEP_ALIVE_RATE)
         return interval, interval * self.keep_alive_max_attempt
 
+    def keep_alive_hold_for(self, max_nodes: int) -> float:
+        """Seconds the store may hold a node's membership watch in a job of ``max_nodes``:
+        ``keep_alive_hold``, at least the keep-alive interval, stretched so that all idle nodes
+        together renew at most ``HELD_WATCH_RATE`` watches per second."""
+        return max(self.keep_alive_hold, self.keep_alive_for(max_nodes)[0], max_nodes / HELD_WATCH_RATE)
+
     @classmethod
     def from_params(cls, params: Any) -> FsmRendezvousSettings:
         values: dict[str, Any] = {}
@@ -148,7 +168,7 @@ class FsmRendezvousSettings:
                 continue
             values[f.name] = _convert(f.name, raw, f.default)
         settings = cls(**values)
-        for name in ("join_timeout", "keep_alive_interval", "read_timeout", "handshake_timeout"):
+        for name in ("join_timeout", "keep_alive_interval", "keep_alive_hold", "read_timeout", "handshake_timeout"):
             if getattr(settings, name) <= 0:
                 raise ConfigError(f"--rdzv-conf {name}={getattr(settings, name)!r}: must be > 0 seconds")
         for name in ("last_call_timeout", "rejoin_timeout", "linger_timeout"):

@@ -19,8 +19,8 @@ Operations (``StoreClient`` method in brackets): set, get (blocks until the key 
 (atomic counter), compare_set, multi_get (blocks until all exist), multi_set, check, wait,
 delete_key, num_keys, stats, and for the rendezvous: get_versioned (values, versions, a prefix listing
 and ``now`` in one round trip), watch (block until a key's version changes), touch (extend
-leases). Every mutation gives the key a new version (a server-wide counter); a missing key has
-version 0.
+leases), and the ``rdzv_*`` operations (``StoreServer._rdzv_handle``). Every mutation gives the key
+a new version (a server-wide counter); a missing key has version 0.
 
 Blocking operations (get, multi_get, wait, watch) wait on the server: the server answers when a
 mutation satisfies them or their timeout passes. Clients never poll and never sleep, except
@@ -28,7 +28,14 @@ between attempts to connect to a server that is not listening yet (a short backo
 
 Leases: ``set(key, value, ttl=s)`` makes the key expire ``s`` seconds after its last ``set`` or
 ``touch``; ``ephemeral=True`` also deletes it when the connection that set it closes (the
-process died). Deletion by expiry is a mutation: watchers wake at once.
+process died). Deletion by expiry is a mutation: watchers wake at once. A rendezvous node's
+lease is also renewed by its held membership watch (``rdzv_watch`` with ``lease``/``ttl``): the
+store keeps the lease while it holds the watch, and ``ttl`` seconds after it answered it, so an
+idle node renews its lease with one request per watch, not one per ``ttl``. The connection that
+owns a node's lease (its ``rdzv_join``'s) gets TCP keep-alive probes every ``probe`` seconds
+(whole seconds, at least 1) and ``TCP_USER_TIMEOUT`` = ``ttl``: a host that goes silent (power
+off, partition) has its connection closed by this host's kernel, and so its lease ended, about
+``ttl`` (+ up to one probe) seconds after it was last heard; probes cost no request.
 
 The server (``StoreServer``) is one ``selectors`` loop in a daemon thread, so every operation is
 atomic without locks. ``python -m fsm_agent.store --host H --port P`` (a stable name for ``main`` below) runs one on its own.
@@ -134,6 +141,27 @@ def _unread(sock: socket.socket) -> bool:
     except OSError:
         return False
     return buf[0] > 0
+
+
+def _probe_silent_peer(sock: socket.socket, ttl: float, probe: float) -> None:
+    """Have this host's kernel close ``sock`` once its peer went silent for about ``ttl`` seconds
+    (power off, partition: no FIN, no RST ever comes): TCP keep-alive probes every ``probe``
+    seconds (whole seconds, at least 1) while it is idle, and ``TCP_USER_TIMEOUT`` = ``ttl`` (an
+    unanswered probe or unacknowledged data for that long resets it). Answered by the peer's kernel,
+    so a live but busy agent is never dropped; no request is made. Best effort: a platform
+    without these options keeps the lease's ``ttl`` alone."""
+    step = max(1, round(probe))
+    options = [
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPIDLE", None), step),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPINTVL", None), step),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPCNT", None), max(1, -(-round(ttl) // step))),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_USER_TIMEOUT", None), max(1, round(ttl * 1000))),
+    ]
+    for level, option, value in options:
+        if option is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(level, option, value)
 
 
 def _encode(obj: dict) -> bytes:
@@ -509,11 +537,13 @@ class StoreServer:
 
     # -- waiting ---------------------------------------------------------------------------------
     def _satisfied(self, w: _Waiter) -> bool:
-        if w.kind == "watch":
-            return any(self._version(k) != v for k, v in w.versions.items())
+        if w.kind in ("watch", "rdzv_watch"):
+            return any(self._version(k) != v for k, v in (w.versions or {}).items())
         return all(k in self._data for k in w.keys)
 
     def _answer(self, w: _Waiter) -> dict:
+        if w.kind == "rdzv_watch":
+            return self._rdzv_watch_reply(w.run, w.req["node"], w.req, time.monotonic(), w.versions)
         if w.kind == "get":
             return {"ok": True, "value": _b64(self._data[w.keys[0]].value)}
         if w.kind == "multi_get":
@@ -553,6 +583,8 @@ class StoreServer:
 
     def _unregister(self, w: _Waiter) -> None:
         w.done = True
+        if w.kind == "rdzv_watch":
+            self._rdzv_watch_ended(w)
         if w.run is not None:
             node = w.req.get("node")
             for table in (w.run.joins, w.run.watchers):
@@ -773,6 +805,8 @@ class StoreServer:
             self._lease(lease, entry, req["lease_ttl"], now, conn)
             entry.owner = conn
             conn.owned.add(lease)
+            if req["lease_ttl"] is not None:
+                _probe_silent_peer(conn.sock, float(req["lease_ttl"]), float(req.get("probe") or req["lease_ttl"]))
         if lease not in self._data:  # the lease lapsed before this join: the node renews it first
             self._reply(conn, {"ok": True, "status": "no_lease"})
             return
@@ -830,20 +864,44 @@ class StoreServer:
         )
 
     def _op_rdzv_watch(self, conn: _Conn, run: _Run, node: str, req: dict, now: float) -> None:
-        # The watch renews the node's lease (``lease``, ``ttl``): keep-alive and membership on one connection.
-        leased = True
-        if req.get("lease") is not None:
-            lease, entry = str(req["lease"]), self._data.get(str(req["lease"]))
-            leased = entry is not None
-            if leased:
+        """The node's membership watch, which also renews its lease (``lease``, ``ttl``: keep-alive
+        and membership on one connection) for as long as it is held, and (``versions``: key ->
+        version) is answered when one of those keys changes (a peer's job-wide drain)."""
+        versions = {str(k): int(v) for k, v in dict(req.get("versions") or {}).items()}
+        lease, entry = req.get("lease"), None
+        if lease is not None:
+            lease = str(lease)
+            entry = self._data.get(lease)
+            if entry is not None:
                 self._lease(lease, entry, float(req["ttl"]), now, conn)
-        lost, waiting, _ = run.rdzv.membership(node, int(req["round"]), now)
-        if not leased:  # it lapsed: the node renews it at once, then watches again
-            self._reply(conn, {"ok": True, "lost": lost, "waiting": waiting, "leased": False})
-        elif self._rdzv_news(lost, waiting, req):
-            self._reply(conn, {"ok": True, "lost": lost, "waiting": waiting})
+        reply = self._rdzv_watch_reply(run, node, req, now, versions)
+        if lease is not None and entry is None:  # it lapsed: the node renews it at once, then watches again
+            self._reply(conn, {**reply, "leased": False})
+        elif self._rdzv_news(reply["lost"], reply["waiting"], req) or reply["changed"]:
+            self._reply(conn, reply)
         else:
-            self._rdzv_block(conn, run, "rdzv_watch", req, run.watchers)
+            w = self._rdzv_block(conn, run, "rdzv_watch", req, run.watchers, versions)
+            if entry is not None:  # held: the store keeps the lease while it holds the watch
+                self._lease(lease, entry, w.deadline - now + float(req["ttl"]), now, conn)
+
+    def _rdzv_watch_reply(self, run: _Run, node: str, req: dict, now: float, versions: dict[str, int] | None) -> dict:
+        """A membership watch's answer: the counts of its round, and the watched keys that changed
+        (their new versions)."""
+        lost, waiting, _ = run.rdzv.membership(node, int(req["round"]), now)
+        changed = {k: self._version(k) for k, v in (versions or {}).items() if self._version(k) != v}
+        return {"ok": True, "lost": lost, "waiting": waiting, "changed": changed}
+
+    def _rdzv_watch_ended(self, w: _Waiter) -> None:
+        """A held watch was answered, timed out or lost its connection: its node's lease now
+        lasts ``ttl`` from here (it renews it with its next watch), no longer the hold's end."""
+        lease = w.req.get("lease")
+        entry = self._data.get(str(lease)) if lease is not None else None
+        if entry is None or entry.renewer is not w.conn or entry.expiry is None:
+            return
+        now = time.monotonic()
+        ttl = float(w.req["ttl"])
+        if now + ttl < entry.expiry:
+            self._lease(str(lease), entry, ttl, now, w.conn)
 
     def _op_rdzv_linger(self, conn: _Conn, run: _Run, node: str, req: dict, now: float) -> None:
         others = len(run.rdzv.nodes) - (node in run.rdzv.nodes)
@@ -867,10 +925,17 @@ class StoreServer:
         (the counts ride along; a watch that times out brings them up to date)."""
         return (lost > 0, waiting > 0) != (int(req["lost"]) > 0, int(req["waiting"]) > 0)
 
-    def _rdzv_block(self, conn: _Conn, run: _Run, kind: str, req: dict, table: dict | None) -> None:
-        w = _Waiter(conn, kind, [], None, time.monotonic() + min(max(0.0, float(req["timeout"])), 1e6))
+    def _rdzv_block(
+        self, conn: _Conn, run: _Run, kind: str, req: dict, table: dict | None, versions: dict[str, int] | None = None
+    ) -> _Waiter:
+        """Block ``req`` on ``conn`` until its run answers it or its timeout; ``versions``: keys
+        whose change (``_notify``) answers it too."""
+        keys = list(versions or ())
+        w = _Waiter(conn, kind, keys, versions, time.monotonic() + min(max(0.0, float(req["timeout"])), 1e6))
         w.run, w.req = run, req
         conn.waiter = w
+        for k in keys:
+            self._waiting.setdefault(k, set()).add(w)
         if table is None:
             run.lingers.add(w)
         else:
@@ -879,6 +944,7 @@ class StoreServer:
                 self._finish(old, {"ok": False, "error": "bad_request", "message": "superseded by a later request"})
             table[req["node"]] = w
         heapq.heappush(self._deadlines, (w.deadline, next(self._seq), w))
+        return w
 
     @staticmethod
     def _rdzv_joined(rdzv: Rendezvous, status: str, node: str) -> dict:
@@ -915,8 +981,7 @@ class StoreServer:
     def _rdzv_timed_out(self, w: _Waiter) -> dict:
         rdzv, node = w.run.rdzv, w.req["node"]
         if w.kind == "rdzv_watch":
-            lost, waiting, _ = rdzv.membership(node, int(w.req["round"]), time.monotonic())
-            return {"ok": True, "lost": lost, "waiting": waiting}
+            return self._rdzv_watch_reply(w.run, node, w.req, time.monotonic(), w.versions)
         if w.kind == "rdzv_linger":
             return {"ok": True, "others": len(rdzv.nodes) - (node in rdzv.nodes)}
         reply = {
@@ -937,7 +1002,7 @@ class StoreServer:
         if run is None:
             return
         rdzv, now = run.rdzv, time.monotonic()
-        before = (rdzv.round, rdzv.closed, len(rdzv.lost), len(rdzv.nodes))
+        before = (rdzv.round, rdzv.closed, len(rdzv.lost), len(rdzv.nodes), now >= rdzv.waiting_due_at())
         change(rdzv, now)
         ranked, away = rdzv.tick(now)
         for p in ranked:
@@ -954,12 +1019,15 @@ class StoreServer:
             for w in list(run.joins.values()):
                 self._finish(w, self._rdzv_joined(rdzv, "closed", w.req["node"]))
         # Watchers hear whether nodes are lost or waiting, not each count: a loss storm wakes each
-        # watcher once per round (O(N)), not once per lost node (O(N^2)).
-        if (rdzv.round, len(rdzv.lost) > 0) != (before[0], before[2] > 0) or (timer and now >= rdzv.waiting_due_at()):
+        # watcher once per round (O(N)), not once per lost node (O(N^2)). Waiting nodes are due at
+        # a timer, or at once when they fill every seat (this change made them due): held watches
+        # are not answered by their own timeouts soon enough to tell.
+        reported = now >= rdzv.waiting_due_at()
+        if (rdzv.round, len(rdzv.lost) > 0, reported) != (before[0], before[2] > 0, before[4]) or (timer and reported):
             for w in list(run.watchers.values()):
-                lost, waiting, _ = rdzv.membership(w.req["node"], int(w.req["round"]), now)
-                if self._rdzv_news(lost, waiting, w.req):
-                    self._finish(w, {"ok": True, "lost": lost, "waiting": waiting})
+                reply = self._rdzv_watch_reply(run, w.req["node"], w.req, now, w.versions)
+                if self._rdzv_news(reply["lost"], reply["waiting"], w.req):
+                    self._finish(w, reply)
         if len(rdzv.nodes) != before[3]:
             for w in list(run.lingers):
                 if len(rdzv.nodes) - (w.req["node"] in rdzv.nodes) == 0:
@@ -1366,13 +1434,26 @@ class StoreClient:
 
 
 class PrefixStore:
-    """``torch.distributed.PrefixStore`` for fsm stores: every key becomes ``<prefix>/<key>``."""
+    """``torch.distributed.PrefixStore`` for fsm stores: every key becomes ``<prefix>/<key>``.
 
-    def __init__(self, prefix: str, store: Any):
+    ``subscribe``: how ``subscribe()`` asks to be told of a key's changes (the ``fsm`` handler's,
+    for its round's store: its membership watch carries the key); None: ``subscribe()`` says poll.
+    """
+
+    def __init__(self, prefix: str, store: Any, subscribe: Callable[[str, Callable[[], None]], bool] | None = None):
         self.prefix, self.underlying_store = prefix, store
+        self._subscribe = subscribe
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{key}"
+
+    def subscribe(self, key: str, callback: Callable[[], None]) -> bool:
+        """Have ``callback()`` called, from another thread, whenever ``key`` may have been set or
+        changed (at once when it is set already), instead of polling it. It must not block: it is
+        called on the thread that keeps this node alive. Returns False when this store cannot do
+        that (the caller polls); spurious calls are possible, missed changes are not while the
+        rendezvous round this store belongs to lasts."""
+        return self._subscribe is not None and self._subscribe(key, callback)
 
     @property
     def timeout(self) -> timedelta:
