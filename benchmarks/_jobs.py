@@ -256,6 +256,25 @@ class Job:
                         if path.startswith(SHM_PREFIX):
                             self.shm_dirs.add(SHM_PREFIX + path[len(SHM_PREFIX) :].split("/", 1)[0])
 
+    def shm_of(self, procs: list[psutil.Process]) -> set[str]:
+        """The /dev/shm checkpoint directories only ``procs`` use (``note_shm`` of them alone)."""
+        before, self.shm_dirs = self.shm_dirs, set()
+        try:
+            self.note_shm(procs)
+            return set(self.shm_dirs)
+        finally:
+            self.shm_dirs = before | self.shm_dirs
+
+    def drop_lost_memory(self, tree: list[psutil.Process], dirs: set[str]) -> None:
+        """A lost node's memory goes with it: once its killed processes are gone, remove the /dev/shm
+        checkpoint directories they held (else each lost node's checkpoints stay in this machine's
+        memory until the job ends: with large states, an OOM)."""
+        if not dirs:
+            return
+        psutil.wait_procs(tree[1:], timeout=5)  # not the agent: our child, Popen reaps it (its exit code)
+        for path in dirs:
+            shutil.rmtree(path, ignore_errors=True)
+
     def active_slots(self) -> list[int]:
         """Agents (not the store host) whose node runs live workers now."""
         slots = set()
@@ -285,12 +304,13 @@ class Job:
         agent = self.agents[slots[fault.target % len(slots)]]
         if fault.kind == "agent_sigkill":
             tree = self._tree(agent.proc.pid)
-            self.note_shm(tree)
+            lost = self.shm_of(tree)  # noted for close() too
             at = time.time()
             for proc in tree:
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
             self.pending_replacements.append((at + REPLACE_AFTER_S, None))
+            self.drop_lost_memory(tree, lost)
         else:
             at = time.time()
             agent.proc.send_signal(signal.SIGTERM)
