@@ -33,7 +33,7 @@ from fsm_agent.drain_steps import DrainSteps
 from fsm_agent.env import worker_env
 from fsm_agent.errors import FsmAgentError, PluginError
 from fsm_agent.exit_barrier import ExitBarrier
-from fsm_agent.failures import dump_hung_stacks
+from fsm_agent.failures import HANG_KILL_HOLD_S, dump_hung_stacks
 from fsm_agent.hang import HangDetector
 from fsm_agent.inprocess.recovery import InProcessRecovery
 from fsm_agent.inprocess.steps import InProcessSteps
@@ -559,7 +559,8 @@ class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps, DrainSteps, I
     def _dump_worker_stacks(self, event: EventData | None = None) -> None:
         """Record where each hung worker is stuck (``failures.dump_hung_stacks``: py-spy, else a
         faulthandler dump) for the hang failures that follow."""
-        self._hung_stacks = dump_hung_stacks(self._launcher, self._worker_logs, self._hung, self.spec.role)
+        hold_s = HANG_KILL_HOLD_S if (self._worker_group.group_world_size or 1) > 1 else 0.0
+        self._hung_stacks = dump_hung_stacks(self._launcher, self._worker_logs, self._hung, self.spec.role, hold_s)
 
     def _exit_barrier(self, event: EventData | None = None) -> None:
         """Wait (up to exit_barrier_timeout s) until every agent is done (``ExitBarrier.wait``, torch's

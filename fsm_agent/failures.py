@@ -7,6 +7,7 @@ py-spy or faulthandler stacks) and never changes the group.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -18,11 +19,16 @@ from typing import Any
 from fsm_agent import errorfile
 from fsm_agent.hang import announce_stack_dump, dump_stacks
 from fsm_agent.logs import WorkerLogs
+from fsm_agent.stack_dump import DUMP_SIGNAL, catches, signal_main_thread
 from fsm_agent.states.facts import HealthCheckFailed
 from fsm_agent.worker import HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, FailureClass, WorkerFailure, WorkerGroup
 
 log = logging.getLogger(__name__)
-STACK_DUMP_WAIT_S = 5.0  # at most this long for an aborted hung worker to write its stacks and exit
+STACK_DUMP_WAIT_S = 5.0  # at most this long for a hung worker to write its stacks (and, aborted, exit)
+DUMP_POLL_S = 0.02
+#: With more than one node, a hung worker dumped without dying is killed only this long (seconds)
+#: after its dump began: the other nodes' agents see the same hang within a monitor interval or so.
+HANG_KILL_HOLD_S = 1.0
 
 
 def exit_failures(
@@ -152,34 +158,51 @@ def hang_failures(
 
 
 def dump_hung_stacks(
-    launcher: Any, worker_logs: Mapping[int, WorkerLogs], hung: Mapping[int, str], role: str
+    launcher: Any, worker_logs: Mapping[int, WorkerLogs], hung: Mapping[int, str], role: str, hold_s: float = 0.0
 ) -> dict[int, str]:
-    """Record where each hung worker is stuck: py-spy if installed, else a faulthandler dump;
-    returns ``{local_rank: stacks}`` of those py-spy read.
+    """Record where each hung worker is stuck: py-spy if installed, else faulthandler; returns
+    ``{local_rank: stacks}`` of those whose stacks were read (also written to ``stacks.txt``
+    beside the worker's logs).
 
-    The py-spy text goes to ``stacks.txt`` beside the worker's logs and into the summary. Without
-    py-spy the worker gets SIGABRT, and ``PYTHONFAULTHANDLER=1`` (set for workers when hang
-    detection is on) makes Python print every thread's stack to its stderr before it dies.
+    Without py-spy, a worker that registered ``stack_dump.DUMP_SIGNAL`` prints its stacks to its
+    stderr on that signal and lives on; it is killed (SIGKILL) once every dump is written and
+    ``hold_s`` seconds have passed: the agents of the other nodes, which see the same hang about
+    as soon, dump their ranks before a death here wakes them (``fsm_agent.stack_dump``). Any other
+    worker gets SIGABRT, and ``PYTHONFAULTHANDLER=1`` makes Python dump before it dies.
     """
-    found, pids, aborted = {}, launcher.pids(), []
+    found, pids, aborted, dumping = {}, launcher.pids(), [], {}
+    held_until = time.monotonic() + hold_s
     for local_rank, why in hung.items():
         pid = pids[local_rank]
         log.warning("[%s] local_rank %s (pid %s) is hung: %s", role, local_rank, pid, why)
         stacks = dump_stacks(pid)
         wlogs = worker_logs.get(local_rank)
+        stderr = wlogs.stderr if wlogs and wlogs.stderr != os.devnull else None
         if stacks:
             found[local_rank] = stacks
             log.warning("stacks of local_rank %s:\n%s", local_rank, stacks)
-            if wlogs is not None and wlogs.error_file:
-                with open(os.path.join(os.path.dirname(wlogs.error_file), "stacks.txt"), "w") as f:
-                    f.write(stacks)
-            continue
-        announce_stack_dump(wlogs.stderr if wlogs else None, local_rank, pid)
-        aborted.append(local_rank)
+        elif stderr and catches(pid, DUMP_SIGNAL):
+            announce_stack_dump(stderr, local_rank, pid, fatal=False)
+            dumping[local_rank] = (pid, stderr, os.path.getsize(stderr))
+        else:
+            announce_stack_dump(stderr, local_rank, pid)
+            aborted.append(local_rank)
     # Every hung worker dumps at the same instant: one after the other, a worker would die of the
     # dump before the next dumped, and the next be caught failing because of it, not where it hung.
+    for pid, _, _ in dumping.values():
+        with contextlib.suppress(ProcessLookupError):
+            signal_main_thread(pid, DUMP_SIGNAL)
     for local_rank in aborted:
         launcher.signal_worker(local_rank, signal.SIGABRT)
+    found.update(_read_dumps(dumping))
+    time.sleep(max(0.0, held_until - time.monotonic()) if found else 0.0)
+    for local_rank in dumping:
+        launcher.signal_worker(local_rank, signal.SIGKILL)
+    for local_rank, stacks in found.items():
+        wlogs = worker_logs.get(local_rank)
+        if wlogs is not None and wlogs.error_file:
+            with open(os.path.join(os.path.dirname(wlogs.error_file), "stacks.txt"), "w") as f:
+                f.write(stacks)
     # Let faulthandler finish writing before the group's SIGTERM can cut the dump short.
     deadline = time.monotonic() + STACK_DUMP_WAIT_S
     for local_rank in aborted:
@@ -187,3 +210,24 @@ def dump_hung_stacks(
         if exit_fds:
             select.select(exit_fds, [], [], max(0.0, deadline - time.monotonic()))
     return found
+
+
+def _read_dumps(dumping: Mapping[int, tuple[int, str, int]]) -> dict[int, str]:
+    """The stacks each worker in ``dumping`` (``{local_rank: (pid, stderr path, offset)}``) wrote to
+    its stderr after ``offset``: polled until each dump is there and no longer grows, at most
+    ``STACK_DUMP_WAIT_S`` s (faulthandler writes from its signal handler, within milliseconds)."""
+    dumps: dict[int, str] = {}
+    sizes: dict[int, int] = {}
+    deadline = time.monotonic() + STACK_DUMP_WAIT_S
+    while len(dumps) < len(dumping) and time.monotonic() < deadline:
+        time.sleep(DUMP_POLL_S)
+        for local_rank, (_, path, offset) in dumping.items():
+            size = os.path.getsize(path)
+            if local_rank not in dumps and size == sizes.get(local_rank):  # stable since the last poll
+                with open(path, errors="replace") as f:
+                    f.seek(offset)
+                    text = f.read()
+                if "most recent call first" in text:
+                    dumps[local_rank] = text
+            sizes[local_rank] = size
+    return dumps

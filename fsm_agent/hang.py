@@ -24,6 +24,7 @@ import tempfile
 import time
 
 from fsm_agent.heartbeat import HEARTBEAT_FILE_ENV, read_compute, read_step
+from fsm_agent.stack_dump import DUMP_SIGNAL, STACK_DUMP_SIGNAL_ENV
 from fsm_agent.tempdirs import forget, remove_if_the_agent_dies
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class HangDetector:
             env[HEARTBEAT_FILE_ENV] = self._heartbeat_file(local_rank)
         if self.hang_timeout is not None:
             env["PYTHONFAULTHANDLER"] = "1"  # a SIGABRT then dumps every thread's stack
+            env[STACK_DUMP_SIGNAL_ENV] = str(int(DUMP_SIGNAL))  # and this signal too, without killing
         if self.fifo_path is not None:
             env[TIMER_FILE_ENV] = self.fifo_path
         return env
@@ -173,17 +175,24 @@ class HangDetector:
             forget(self._dir)
 
 
-def announce_stack_dump(stderr_path: str | None, local_rank: int, pid: int) -> None:
-    """Say, where the dump will appear, that the SIGABRT about to come is the agent's request.
+def announce_stack_dump(stderr_path: str | None, local_rank: int, pid: int, fatal: bool = True) -> None:
+    """Say, where the dump will appear, that the signal about to come is the agent's request.
 
-    faulthandler's dump opens with ``Fatal Python error: Aborted``, which reads like a crash. The
+    faulthandler's dump after SIGABRT (``fatal``) opens with ``Fatal Python error: Aborted``, which
+    reads like a crash; the non-fatal one (``fsm_agent.stack_dump``) has no heading at all. The
     line goes to the agent's log (the console, where an unredirected worker's stderr goes too) and,
     when the worker's stderr is a file, into that file just before the dump.
     """
-    note = (
-        f"fsm-agent: local_rank {local_rank} (pid {pid}) is hung: the agent sent it SIGABRT for a stack dump "
-        f"(no py-spy installed); the 'Fatal Python error: Aborted' that follows is that dump, not a crash"
-    )
+    if fatal:
+        note = (
+            f"fsm-agent: local_rank {local_rank} (pid {pid}) is hung: the agent sent it SIGABRT for a stack dump "
+            f"(no py-spy installed); the 'Fatal Python error: Aborted' that follows is that dump, not a crash"
+        )
+    else:
+        note = (
+            f"fsm-agent: local_rank {local_rank} (pid {pid}) is hung: the stacks that follow are dumped on the "
+            f"agent's request (no py-spy installed); the agent then kills it"
+        )
     log.warning("%s", note)
     if stderr_path and stderr_path != os.devnull:
         try:

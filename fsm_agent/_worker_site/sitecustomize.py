@@ -4,7 +4,7 @@ The launcher puts this folder first on the worker's PYTHONPATH, so Python's ``si
 file as ``sitecustomize``. It removes the folder from ``sys.path`` and ``PYTHONPATH`` again (the
 worker's environment stays torchrun's; the worker's own children do not inherit it), runs the
 ``sitecustomize`` this one shadows (the user's or the distribution's), then installs the
-process-group generations. A Python without fsm_agent (``--no-python`` running another
+process-group generations and the hang detector's stack dump (fsm_agent/stack_dump.py). A Python without fsm_agent (``--no-python`` running another
 interpreter) only loses the generations.
 """
 
@@ -42,7 +42,9 @@ _leave_path()
 _run_shadowed_sitecustomize()
 try:
     from fsm_agent.pg_generations import install
+    from fsm_agent.stack_dump import install as install_stack_dump
 except ImportError:
     pass
 else:
     install()
+    install_stack_dump()

@@ -42,7 +42,7 @@ import time
 MAX_FDS = 2
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _helpers: dict = {}  # "boot": fsm_agent/_early_zygote.py, "containment": fsm_agent/plugins/containment.py,
-# "pg_generations": fsm_agent/pg_generations.py
+# "pg_generations": fsm_agent/pg_generations.py, "stack_dump": fsm_agent/stack_dump.py
 
 
 def _load(name: str, path: str):
@@ -93,6 +93,7 @@ def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
     # As `python -u`: unbuffered text streams.
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
+    _helpers["stack_dump"].install()
     sys.argv = list(argv)
     try:
         if mode == "module":
@@ -262,6 +263,7 @@ def main() -> None:
     _helpers["pg_generations"] = _load(
         "_fsm_agent_pg_generations", os.path.join(_HERE, "..", "..", "pg_generations.py")
     )
+    _helpers["stack_dump"] = _load("_fsm_agent_stack_dump", os.path.join(_HERE, "..", "..", "stack_dump.py"))
     _send(sock, {"ready": True, "import_s": time.monotonic() - started})
     serve(sock)
 
