@@ -149,92 +149,97 @@ def main(argv=None):
         start_epoch = resumed_from + 1
         print(f"[rank {rank}] resumed from epoch {resumed_from}", flush=True)
     ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    loss_fn = nn.CrossEntropyLoss()
+    try:
+        loss_fn = nn.CrossEntropyLoss()
 
-    for epoch in range(start_epoch, args.epochs + 1):
-        if rank == args.crash_rank and epoch == args.crash_epoch and (args.crash_always or restart_count == 0):
-            print(f"[rank {rank}] injecting crash at epoch {epoch} (restart {restart_count})", flush=True)
-            if args.crash_exit_code is not None:
-                sys.exit(args.crash_exit_code)
-            raise RuntimeError(f"injected crash on rank {rank} at epoch {epoch}")
+        for epoch in range(start_epoch, args.epochs + 1):
+            if rank == args.crash_rank and epoch == args.crash_epoch and (args.crash_always or restart_count == 0):
+                print(f"[rank {rank}] injecting crash at epoch {epoch} (restart {restart_count})", flush=True)
+                if args.crash_exit_code is not None:
+                    sys.exit(args.crash_exit_code)
+                raise RuntimeError(f"injected crash on rank {rank} at epoch {epoch}")
 
-        ddp.train()
-        sampler.set_epoch(epoch)
-        stats = torch.zeros(3, device=device)  # summed loss, number of samples, ranks that saw --stop-file
-        for step, (xb, yb) in enumerate(loader, (epoch - 1) * len(loader) + 1):
-            xb, yb = xb.to(device), yb.to(device)
-            opt.zero_grad()
-            with fsm_agent.compute():  # the forward pass has no collective: this rank's own time
-                loss = loss_fn(ddp(xb), yb)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()  # time the kernels, not their launch
-            loss.backward()  # DDP's gradient all_reduce: every rank waits for the slowest here
-            opt.step()
-            fsm_agent.heartbeat(step=step)  # steps (and the compute time above) for --straggler-window
-            stats += torch.tensor([loss.item() * len(yb), len(yb), 0.0], device=device)
-            if args.checkpoint_on_signal:
-                wanted = torch.tensor([asked], device=device)
-                dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # every rank decides at the same batch
-                if wanted.item():
-                    if rank == 0:
-                        save_atomic(
-                            {
-                                "model": model.state_dict(),
-                                "optimizer": opt.state_dict(),
-                                "epoch": epoch - 1,
-                                "signal": int(wanted.item()),
-                            },
-                            args.checkpoint,
-                        )
-                        print(
-                            f"[rank 0] checkpoint saved on {'SIGTERM' if wanted.item() == 2 else 'SIGUSR1'} "
-                            f"in epoch {epoch}",
-                            flush=True,
-                        )
-                    if wanted.item() == 2:
-                        dist.barrier()
-                        sys.exit(128 + signal.SIGTERM)
-                    asked = 0
-        stats[2] = float(bool(args.stop_file) and os.path.exists(args.stop_file))
-        dist.all_reduce(stats)
+            ddp.train()
+            sampler.set_epoch(epoch)
+            stats = torch.zeros(3, device=device)  # summed loss, number of samples, ranks that saw --stop-file
+            for step, (xb, yb) in enumerate(loader, (epoch - 1) * len(loader) + 1):
+                xb, yb = xb.to(device), yb.to(device)
+                opt.zero_grad()
+                with fsm_agent.compute():  # the forward pass has no collective: this rank's own time
+                    loss = loss_fn(ddp(xb), yb)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()  # time the kernels, not their launch
+                loss.backward()  # DDP's gradient all_reduce: every rank waits for the slowest here
+                opt.step()
+                fsm_agent.heartbeat(step=step)  # steps (and the compute time above) for --straggler-window
+                stats += torch.tensor([loss.item() * len(yb), len(yb), 0.0], device=device)
+                if args.checkpoint_on_signal:
+                    wanted = torch.tensor([asked], device=device)
+                    dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # every rank decides at the same batch
+                    if wanted.item():
+                        if rank == 0:
+                            save_atomic(
+                                {
+                                    "model": model.state_dict(),
+                                    "optimizer": opt.state_dict(),
+                                    "epoch": epoch - 1,
+                                    "signal": int(wanted.item()),
+                                },
+                                args.checkpoint,
+                            )
+                            print(
+                                f"[rank 0] checkpoint saved on {'SIGTERM' if wanted.item() == 2 else 'SIGUSR1'} "
+                                f"in epoch {epoch}",
+                                flush=True,
+                            )
+                        if wanted.item() == 2:
+                            dist.barrier()
+                            sys.exit(128 + signal.SIGTERM)
+                        asked = 0
+            stats[2] = float(bool(args.stop_file) and os.path.exists(args.stop_file))
+            dist.all_reduce(stats)
 
-        if checkpoint.enabled():  # a memory copy: returns once copied; the agent persists it
-            checkpoint.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step=epoch)
+            if checkpoint.enabled():  # a memory copy: returns once copied; the agent persists it
+                checkpoint.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step=epoch)
+            if rank == 0:
+                print(f"epoch {epoch}/{args.epochs} loss {(stats[0] / stats[1]).item():.4f}", flush=True)
+                os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
+                save_atomic(
+                    {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch}, args.checkpoint
+                )
+            dist.barrier()
+            if stats[2].item():
+                print(f"[rank {rank}] {args.stop_file} appeared: training ends after epoch {epoch}", flush=True)
+                break
+
+        model.eval()
+        with torch.no_grad():
+            acc = (model(x_test.to(device)).argmax(1) == y_test.to(device)).float().mean().item()
         if rank == 0:
-            print(f"epoch {epoch}/{args.epochs} loss {(stats[0] / stats[1]).item():.4f}", flush=True)
-            os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
-            save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch}, args.checkpoint)
+            print(f"final test accuracy: {acc:.3f}", flush=True)
+            if args.result_file:
+                result = {
+                    "test_accuracy": acc,
+                    "epochs": args.epochs,
+                    "world_size": world,
+                    "resumed_from": resumed_from,
+                    "restart_count": restart_count,
+                    "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+                }
+                os.makedirs(os.path.dirname(os.path.abspath(args.result_file)), exist_ok=True)
+                tmp = f"{args.result_file}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(result, f)
+                os.replace(tmp, args.result_file)
         dist.barrier()
-        if stats[2].item():
-            print(f"[rank {rank}] {args.stop_file} appeared: training ends after epoch {epoch}", flush=True)
-            break
-
-    model.eval()
-    with torch.no_grad():
-        acc = (model(x_test.to(device)).argmax(1) == y_test.to(device)).float().mean().item()
-    if rank == 0:
-        print(f"final test accuracy: {acc:.3f}", flush=True)
-        if args.result_file:
-            result = {
-                "test_accuracy": acc,
-                "epochs": args.epochs,
-                "world_size": world,
-                "resumed_from": resumed_from,
-                "restart_count": restart_count,
-                "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
-            }
-            os.makedirs(os.path.dirname(os.path.abspath(args.result_file)), exist_ok=True)
-            tmp = f"{args.result_file}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(result, f)
-            os.replace(tmp, args.result_file)
-    dist.barrier()
-    # Release DDP before destroying the group: its reducer keeps the gloo process group alive, and
-    # one that lives on into interpreter shutdown can abort the worker at exit (SIGABRT/SIGSEGV in
-    # about 1 of 10 runs on a loaded machine, under torchrun too).
-    del ddp
-    gc.collect()
-    dist.destroy_process_group()
+    finally:
+        # Release DDP before destroying the group, on every way out (a crash and sys.exit too): its
+        # reducer keeps the gloo process group alive, and one that lives on into interpreter shutdown
+        # can abort the worker at exit (SIGABRT/SIGSEGV in about 1 of 10 runs on a loaded machine,
+        # under torchrun too), which then hides the exit code of the error it raised.
+        del ddp
+        gc.collect()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def test_no_restarts_left_reports_root_cause_first(agents, tmp_path):
         str(tmp_path / "ck.pt"),
         timeout=TIMEOUT,
     )
-    assert result.returncode == 1  # the root-cause worker's exit code (RuntimeError -> 1)
+    assert result.returncode == 1, result.stderr[-4000:]  # the root-cause worker's exit code (RuntimeError -> 1)
     report = result.stderr[result.stderr.index("=" * 20) :].splitlines()
     head = "\n".join(report[:12])
     assert "FAILED" in report[1]
