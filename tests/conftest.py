@@ -373,6 +373,19 @@ def launcher(tmp_path):
 
 
 @pytest.fixture
+def own_tempdir(monkeypatch, tmp_path):  # tmp_path first: pytest makes its base directory once, in the real one
+    """An agent run in the test's own process (``elastic_launch`` with torch's ``LaunchConfig``, no
+    ``log_dir``) makes torch's ``torchelastic_*`` log directory, which torch never removes, in the
+    temporary directory: here a fresh one (short: forkserver sockets), removed afterwards, and the
+    workers' ``TMPDIR`` too."""
+    directory = tempfile.mkdtemp(prefix="fsm_t_")
+    monkeypatch.setattr(tempfile, "tempdir", directory)
+    monkeypatch.setenv("TMPDIR", directory)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
 def job_factory(tmp_path):
     """``make(flags)``: a ``NodeLossJob`` (agents as separate "nodes" with real workers) with those
     flags; every job made is closed (its agents and workers stopped by process group) afterwards."""

@@ -13,7 +13,7 @@ from fsm_agent.launch import WorkerGroupFailedError
 from tests.conftest import free_port
 from tests.helpers.events import read_events, transitions
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("own_tempdir")]
 
 
 def write(path, body: str):

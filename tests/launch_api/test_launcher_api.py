@@ -27,7 +27,7 @@ from fsm_agent.plugins.launcher_subprocess import is_subreaper
 from tests.agent.test_agent_behaviour import _fail_on_rank_one, _square_rank
 from tests.conftest import free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("own_tempdir")]
 
 
 def write(path, body: str) -> str:

@@ -18,7 +18,7 @@ from tests.conftest import write_script
 from tests.launch_api.test_launcher_api import torch_config
 from tests.parity.conftest import FSM_AGENT, TORCHRUN
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("own_tempdir")]
 
 #: case -> (the script's last line, succeeds)
 ENDINGS = {
