@@ -8,8 +8,13 @@ import os
 import textwrap
 
 import pytest
+import torch  # noqa: F401  (see below)
 
 from fsm_agent.testing.coverage import COVERAGE_DIR_ENV, read_observations
+
+# pytester's in-process runs drop from sys.modules every module first imported inside them; torch
+# dropped that way is later garbage-collected and crashes the interpreter (SIGSEGV when this file
+# ran alone). Imported here first, it stays.
 
 pytestmark = pytest.mark.unit
 
