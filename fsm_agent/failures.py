@@ -214,20 +214,36 @@ def dump_hung_stacks(
 
 def _read_dumps(dumping: Mapping[int, tuple[int, str, int]]) -> dict[int, str]:
     """The stacks each worker in ``dumping`` (``{local_rank: (pid, stderr path, offset)}``) wrote to
-    its stderr after ``offset``: polled until each dump is there and no longer grows, at most
-    ``STACK_DUMP_WAIT_S`` s (faulthandler writes from its signal handler, within milliseconds)."""
+    its stderr after ``offset``: polled until each dump is there and no longer grows, or its
+    process died without one, at most ``STACK_DUMP_WAIT_S`` s (faulthandler writes from its
+    signal handler, within milliseconds)."""
     dumps: dict[int, str] = {}
     sizes: dict[int, int] = {}
+    waiting = set(dumping)
     deadline = time.monotonic() + STACK_DUMP_WAIT_S
-    while len(dumps) < len(dumping) and time.monotonic() < deadline:
+    while waiting and time.monotonic() < deadline:
         time.sleep(DUMP_POLL_S)
-        for local_rank, (_, path, offset) in dumping.items():
+        for local_rank in sorted(waiting):
+            pid, path, offset = dumping[local_rank]
             size = os.path.getsize(path)
-            if local_rank not in dumps and size == sizes.get(local_rank):  # stable since the last poll
+            if size == sizes.get(local_rank):  # stable since the last poll
                 with open(path, errors="replace") as f:
                     f.seek(offset)
                     text = f.read()
                 if "most recent call first" in text:
                     dumps[local_rank] = text
+                    waiting.discard(local_rank)
+                elif not _running(pid):  # it died before the signal came: no dump will
+                    waiting.discard(local_rank)
             sizes[local_rank] = size
     return dumps
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie does not)."""
+    import psutil
+
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False

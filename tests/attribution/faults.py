@@ -54,6 +54,8 @@ class Fault:
     truth_node: int | None = None
     #: flags for ``fsm-agent run`` beyond the common ones (torchrun has none of these)
     agent_flags: tuple[str, ...] = ()
+    #: flags for one node's ``fsm-agent run`` after ``agent_flags`` (``{node: flags}``; a later flag wins)
+    node_agent_flags: dict[int, tuple[str, ...]] = field(default_factory=dict)
     #: extra worker environment (FAULT_PG_TIMEOUT_S, FAULT_STEP_S...)
     env: dict[str, str] = field(default_factory=dict)
     #: a real report or the issue the kind comes from

@@ -207,6 +207,7 @@ def _command(fault: Fault, launcher: str, node: int, port: int, run_id: str, eve
         "--events-file",
         str(events),
         *fault.agent_flags,
+        *fault.node_agent_flags.get(node, ()),
         str(WORKER),
     ]
 

@@ -10,10 +10,14 @@ prints both side by side.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from tests.attribution.faults import CATALOGUE, Fault
+from fsm_agent.attribution import stuck_in
+from tests.attribution.faults import CATALOGUE, HANG_TIMEOUT_S, Fault
 from tests.attribution.harness import describe, judge, run_fault
+from tests.helpers.events import read_events
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +50,29 @@ def test_verdict_names_the_injected_rank(fault: Fault, tmp_path):
     outcome = run_fault(fault, "fsm-agent", tmp_path, seed=0)
     verdict = judge(outcome)
     assert verdict.right, "; ".join(verdict.reasons) + "\n" + describe(outcome) + "\n" + _tails(outcome)
+
+
+@pytest.mark.slow
+def test_a_rank_hung_in_recv_is_named_when_a_peer_node_sees_the_hang_first(tmp_path):
+    """The race of a loaded machine, made certain: node 1 (ranks 2 and 3, in all_reduce) detects the
+    hang 0.4 s before node 0, whose rank 1 waits in recv from rank 2. Had node 1 killed its ranks on
+    detection, rank 1's recv would fail before node 0 dumped it, and the dump would show it handling
+    that error, not in recv: no rank named. Node 1 dumps, then holds the kill (1 s), so it does not."""
+    base = next(fault for fault in CATALOGUE if fault.name == "hang_in_collective")
+    skewed = dataclasses.replace(
+        base,
+        name="hang_in_collective_skewed",
+        node_agent_flags={1: ("--hang-timeout", str(HANG_TIMEOUT_S - 0.4))},
+    )
+    outcome = run_fault(skewed, "fsm-agent", tmp_path, seed=0)
+    verdict = judge(outcome)
+    assert verdict.right, "; ".join(verdict.reasons) + "\n" + describe(outcome) + "\n" + _tails(outcome)
+    # named for the right reason: each rank's stacks show where it hung (without the hold, rank 1 was
+    # caught after its recv failed, e.g. garbage-collecting, and was named only as "its own" fault)
+    (events,) = tmp_path.glob("*/node0.events.jsonl")
+    record = next(r for r in read_events(events) if r["kind"] == "verdict")
+    where = {report["global_rank"]: stuck_in(report["tail"]) for report in record["reports"]}
+    assert where == {0: "all_reduce", 1: "recv", 2: "all_reduce", 3: "all_reduce"}, _tails(outcome)
 
 
 def _tails(outcome) -> str:
