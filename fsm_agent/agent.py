@@ -559,7 +559,9 @@ class ElasticAgent(PluginSurface, JobVerdictSteps, NodeCheckSteps, DrainSteps, I
     def _dump_worker_stacks(self, event: EventData | None = None) -> None:
         """Record where each hung worker is stuck (``failures.dump_hung_stacks``: py-spy, else a
         faulthandler dump) for the hang failures that follow."""
-        hold_s = HANG_KILL_HOLD_S if (self._worker_group.group_world_size or 1) > 1 else 0.0
+        # the other nodes see the hang within a monitor interval or two of this one
+        multi_node = (self._worker_group.group_world_size or 1) > 1
+        hold_s = max(HANG_KILL_HOLD_S, 2 * self.spec.monitor_interval) if multi_node else 0.0
         self._hung_stacks = dump_hung_stacks(self._launcher, self._worker_logs, self._hung, self.spec.role, hold_s)
 
     def _exit_barrier(self, event: EventData | None = None) -> None:

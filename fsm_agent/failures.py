@@ -26,8 +26,9 @@ from fsm_agent.worker import HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, FailureClas
 log = logging.getLogger(__name__)
 STACK_DUMP_WAIT_S = 5.0  # at most this long for a hung worker to write its stacks (and, aborted, exit)
 DUMP_POLL_S = 0.02
-#: With more than one node, a hung worker dumped without dying is killed only this long (seconds)
-#: after its dump began: the other nodes' agents see the same hang within a monitor interval or so.
+#: With more than one node, a hung worker dumped without dying is killed only this long (seconds,
+#: at least two monitor intervals) after its dump was asked for: the other nodes' agents see the
+#: same hang within a monitor interval or so, and dump their ranks meanwhile.
 HANG_KILL_HOLD_S = 1.0
 
 
@@ -164,47 +165,57 @@ def dump_hung_stacks(
     ``{local_rank: stacks}`` of those whose stacks were read (also written to ``stacks.txt``
     beside the worker's logs).
 
-    Without py-spy, a worker that registered ``stack_dump.DUMP_SIGNAL`` prints its stacks to its
-    stderr on that signal and lives on; it is killed (SIGKILL) once every dump is written and
-    ``hold_s`` seconds have passed: the agents of the other nodes, which see the same hang about
-    as soon, dump their ranks before a death here wakes them (``fsm_agent.stack_dump``). Any other
-    worker gets SIGABRT, and ``PYTHONFAULTHANDLER=1`` makes Python dump before it dies.
+    Without py-spy, a worker that registered ``stack_dump.DUMP_SIGNAL`` and writes its stderr to
+    a file prints its stacks there on that signal and lives on; it is killed (SIGKILL) once its
+    dump is complete and ``hold_s`` seconds have passed since the signals: the agents of the
+    other nodes, which see the same hang about as soon, dump their ranks before a death here
+    wakes them (``fsm_agent.stack_dump``). Any other worker gets SIGABRT, and
+    ``PYTHONFAULTHANDLER=1`` makes Python dump (to its stderr, not ``stacks.txt``) before it dies.
+    Only the process the launcher started dumps, as with py-spy: a wrapper shows its own stacks,
+    not those of a trainer it runs as a child. At most ``STACK_DUMP_WAIT_S`` s, plus the hold.
     """
     found, pids, aborted, dumping = {}, launcher.pids(), [], {}
-    held_until = time.monotonic() + hold_s
     for local_rank, why in hung.items():
         pid = pids[local_rank]
         log.warning("[%s] local_rank %s (pid %s) is hung: %s", role, local_rank, pid, why)
         stacks = dump_stacks(pid)
         wlogs = worker_logs.get(local_rank)
-        stderr = wlogs.stderr if wlogs and wlogs.stderr != os.devnull else None
+        stderr = wlogs.stderr if wlogs and wlogs.stderr and os.path.isfile(wlogs.stderr) else None
         if stacks:
             found[local_rank] = stacks
             log.warning("stacks of local_rank %s:\n%s", local_rank, stacks)
-        elif stderr and catches(pid, DUMP_SIGNAL):
+        elif stderr and DUMP_SIGNAL is not None and catches(pid, DUMP_SIGNAL):
             announce_stack_dump(stderr, local_rank, pid, fatal=False)
             dumping[local_rank] = (pid, stderr, os.path.getsize(stderr))
         else:
             announce_stack_dump(stderr, local_rank, pid)
             aborted.append(local_rank)
-    # Every hung worker dumps at the same instant: one after the other, a worker would die of the
-    # dump before the next dumped, and the next be caught failing because of it, not where it hung.
-    for pid, _, _ in dumping.values():
-        with contextlib.suppress(ProcessLookupError):
-            signal_main_thread(pid, DUMP_SIGNAL)
-    for local_rank in aborted:
-        launcher.signal_worker(local_rank, signal.SIGABRT)
-    found.update(_read_dumps(dumping))
-    time.sleep(max(0.0, held_until - time.monotonic()) if found else 0.0)
-    for local_rank in dumping:
-        launcher.signal_worker(local_rank, signal.SIGKILL)
+    deadline = time.monotonic() + STACK_DUMP_WAIT_S
+    held_until = time.monotonic() + hold_s
+    try:
+        # Every hung worker dumps at the same instant: one after the other, a worker would die of
+        # the dump before the next dumped, and the next be caught failing because of it.
+        for pid, _, _ in dumping.values():
+            with contextlib.suppress(ProcessLookupError):
+                signal_main_thread(pid, DUMP_SIGNAL)  # type: ignore[arg-type]  # not None: checked above
+        for local_rank in aborted:
+            launcher.signal_worker(local_rank, signal.SIGABRT)
+        _await_dumps(dumping, deadline)
+        if dumping or found:
+            time.sleep(max(0.0, held_until - time.monotonic()))
+        for local_rank, (_, path, offset) in dumping.items():  # read last: the longest it will be
+            text = _read_from(path, offset)
+            if "most recent call first" in text:
+                found[local_rank] = text
+    finally:
+        for local_rank in dumping:
+            launcher.signal_worker(local_rank, signal.SIGKILL)
     for local_rank, stacks in found.items():
         wlogs = worker_logs.get(local_rank)
         if wlogs is not None and wlogs.error_file:
             with open(os.path.join(os.path.dirname(wlogs.error_file), "stacks.txt"), "w") as f:
                 f.write(stacks)
     # Let faulthandler finish writing before the group's SIGTERM can cut the dump short.
-    deadline = time.monotonic() + STACK_DUMP_WAIT_S
     for local_rank in aborted:
         exit_fds = [fd for fd, rank in launcher.wait_fds().items() if rank == local_rank]
         if exit_fds:
@@ -212,31 +223,31 @@ def dump_hung_stacks(
     return found
 
 
-def _read_dumps(dumping: Mapping[int, tuple[int, str, int]]) -> dict[int, str]:
-    """The stacks each worker in ``dumping`` (``{local_rank: (pid, stderr path, offset)}``) wrote to
-    its stderr after ``offset``: polled until each dump is there and no longer grows, or its
-    process died without one, at most ``STACK_DUMP_WAIT_S`` s (faulthandler writes from its
-    signal handler, within milliseconds)."""
-    dumps: dict[int, str] = {}
+def _await_dumps(dumping: Mapping[int, tuple[int, str, int]], deadline: float) -> None:
+    """Wait until each worker in ``dumping`` (``{local_rank: (pid, stderr path, offset)}``) has
+    written its whole dump after ``offset`` (the signalled main thread's block, ``Current
+    thread``, comes last) and the file stopped growing, or its process died without one, or
+    ``deadline`` (``time.monotonic()``) passed."""
     sizes: dict[int, int] = {}
     waiting = set(dumping)
-    deadline = time.monotonic() + STACK_DUMP_WAIT_S
     while waiting and time.monotonic() < deadline:
         time.sleep(DUMP_POLL_S)
         for local_rank in sorted(waiting):
             pid, path, offset = dumping[local_rank]
-            size = os.path.getsize(path)
-            if size == sizes.get(local_rank):  # stable since the last poll
-                with open(path, errors="replace") as f:
-                    f.seek(offset)
-                    text = f.read()
-                if "most recent call first" in text:
-                    dumps[local_rank] = text
-                    waiting.discard(local_rank)
-                elif not _running(pid):  # it died before the signal came: no dump will
-                    waiting.discard(local_rank)
+            size = os.stat(path).st_size if os.path.isfile(path) else -1
+            # done: stable since the last poll, and complete, or it died before the signal came
+            if size == sizes.get(local_rank) and ("Current thread" in _read_from(path, offset) or not _running(pid)):
+                waiting.discard(local_rank)
             sizes[local_rank] = size
-    return dumps
+
+
+def _read_from(path: str, offset: int) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            f.seek(offset)
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _running(pid: int) -> bool:

@@ -97,7 +97,8 @@ class HangDetector:
             env[HEARTBEAT_FILE_ENV] = self._heartbeat_file(local_rank)
         if self.hang_timeout is not None:
             env["PYTHONFAULTHANDLER"] = "1"  # a SIGABRT then dumps every thread's stack
-            env[STACK_DUMP_SIGNAL_ENV] = str(int(DUMP_SIGNAL))  # and this signal too, without killing
+            if DUMP_SIGNAL is not None:  # and this signal too, without killing (fsm_agent/stack_dump.py)
+                env[STACK_DUMP_SIGNAL_ENV] = str(int(DUMP_SIGNAL))
         if self.fifo_path is not None:
             env[TIMER_FILE_ENV] = self.fifo_path
         return env

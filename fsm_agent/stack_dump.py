@@ -23,8 +23,9 @@ import signal
 
 #: Set in the worker's environment (to the signal's number) when the agent detects hangs.
 STACK_DUMP_SIGNAL_ENV = "FSM_AGENT_STACK_DUMP_SIGNAL"
-#: A real-time signal nothing in torch, gloo or Slurm sends (SIGUSR1/2 are Slurm's and users').
-DUMP_SIGNAL = signal.SIGRTMIN + 6
+#: A real-time signal nothing in torch, gloo or Slurm sends (SIGUSR1/2 are Slurm's and users');
+#: None where there are none (not Linux): then SIGABRT, as before.
+DUMP_SIGNAL: int | None = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
 
 
 def install() -> None:
