@@ -77,11 +77,13 @@ def straggler_flags(*extra: str) -> list[str]:
 
 
 def events(path: Path, kind: str) -> list[dict[str, Any]]:
-    """The records of ``kind`` in the events file ``path`` (none while it does not exist)."""
+    """The records of ``kind`` in the events file ``path`` (none while it does not exist). The
+    agent may be writing it: only complete lines count (a record ends with its newline)."""
     path = Path(path)
     if not path.exists():
         return []
-    return [e for e in map(json.loads, filter(str.strip, path.read_text().splitlines())) if e["kind"] == kind]
+    complete = path.read_text().split("\n")[:-1]  # the last piece: empty, or a line being written
+    return [e for e in map(json.loads, filter(str.strip, complete)) if e["kind"] == kind]
 
 
 def check_found(*paths: Path, basis: str = "step") -> dict[str, Any]:
