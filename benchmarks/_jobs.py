@@ -1,6 +1,13 @@
-"""The processes of a benchmark job of real agents on 127.0.0.1, shared by ``goodput.py`` and
+"""The processes of a benchmark job of real agents on one machine, shared by ``goodput.py`` and
 ``soak.py``: start the agents (node 0 first: it hosts the rendezvous store), read what their workers
 record, inject a seeded schedule of faults, start replacement agents, and stop everything.
+
+Agents run on machines ("hosts"): host ``i`` for the ``i``-th agent started, the spare's the next
+one, and a lost or preempted node's replacement on the host it ran on (the machine coming back).
+On loopback a host is only that number; with ``netns`` (``goodput.py --netns``) each host is a
+network namespace of its own with its own address on one bridge (``_netns.py``), so the
+rendezvous, the store, gloo and the agents' checkpoint replicas go over veths, and the namespaces
+are removed by ``close()``.
 
 A job's workers write to ``<folder>/out``: ``events.log`` (one JSON line per record; every worker
 writes ``{"kind": "start", "t", "rank", "pid", "slot"}`` first) and, in ``goodput.py``,
@@ -25,10 +32,14 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
 from fsm_agent.env import STANDARD_KEYS
+
+if TYPE_CHECKING:
+    from _netns import Hosts
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -127,9 +138,10 @@ class InjectedFault:
 
 
 class Job:
-    """The processes of one job of one mode; ``close()`` leaves none behind."""
+    """The processes of one job of one mode; ``close()`` leaves none behind (with ``netns``, no
+    namespace either)."""
 
-    def __init__(self, name: str, folder: Path, nodes: int, nproc: int):
+    def __init__(self, name: str, folder: Path, nodes: int, nproc: int, netns: bool = False):
         self.nodes, self.nproc, self.world = nodes, nproc, nodes * nproc
         self.dir = folder
         self.out = folder / "out"
@@ -139,8 +151,12 @@ class Job:
         self.port = free_port()
         self.run_id = f"{name}-{self.token[:6]}"
         self.agents: list[Agent] = []
+        self.slot_hosts: list[int] = []  # slot -> the host (machine) its agent runs on
+        self.netns = netns
+        self.net: Hosts | None = None  # the hosts' namespaces, once start() made them
+        self._exits = contextlib.ExitStack()  # what close() undoes last: the namespaces
         self.shm_dirs: set[str] = set()
-        self.pending_replacements: list[tuple[float, Agent | None]] = []  # (not before, waiting on)
+        self.pending_replacements: list[tuple[float, Agent | None, int]] = []  # (not before, waiting on, host)
         self._events: list[dict] = []
         self._events_read = 0  # bytes of events.log parsed so far
 
@@ -157,14 +173,30 @@ class Job:
         env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB_KEYS}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         env.update({TOKEN_VAR: self.token, "TMPDIR": str(self.tmp), "OMP_NUM_THREADS": "1", "JOB_SLOT": str(slot)})
+        if self.net is not None:
+            env.update(self.net.env())
         env.update(self.job_env(slot))
         return env
 
-    def start_agent(self) -> Agent:
+    def address(self, slot: int) -> str:
+        """The address of the host the agent in ``slot`` runs on (its ``--local-addr``)."""
+        return "127.0.0.1" if self.net is None else self.net.addrs[self.slot_hosts[slot]]
+
+    def endpoint(self) -> str:
+        """The rendezvous endpoint: host 0's address (its agent hosts the store)."""
+        return f"{'127.0.0.1' if self.net is None else self.net.addrs[0]}:{self.port}"
+
+    def start_agent(self, host: int | None = None) -> Agent:
+        """Start the next agent (its slot: how many were started before) on ``host`` (default: a
+        host of its own, numbered as its slot)."""
         slot = len(self.agents)
+        self.slot_hosts.append(slot if host is None else host)
+        argv = self.command(slot)
+        if self.net is not None:
+            argv = self.net.inside(self.slot_hosts[slot], argv)
         with (self.dir / f"agent{slot}.out").open("wb") as out, (self.dir / f"agent{slot}.err").open("wb") as err:
             proc = subprocess.Popen(
-                self.command(slot),
+                argv,
                 env=self.env(slot),
                 cwd=self.dir,
                 stdin=subprocess.DEVNULL,
@@ -178,10 +210,16 @@ class Job:
 
     def start(self, spare: bool, deadline: float) -> None:
         """Node 0 (it hosts the rendezvous store), the others once it listens, then the spare once
-        the world is ready (``world_ready``: so it is the one beyond MAX)."""
+        the world is ready (``world_ready``: so it is the one beyond MAX). With ``netns``, first a
+        namespace per host: one per node and one for the spare."""
+        if self.netns:
+            from _netns import hosts
+
+            self.net = self._exits.enter_context(hosts(self.nodes + (1 if spare else 0)))
+            log(f"  hosts: namespaces {', '.join(self.net.names)} at {', '.join(self.net.addrs)} on one bridge")
         self.start_agent()
         end = time.monotonic() + deadline
-        while not listening(self.port) and self.agents[0].proc.poll() is None and time.monotonic() < end:
+        while not self.store_listening() and self.agents[0].proc.poll() is None and time.monotonic() < end:
             time.sleep(0.02)
         for _ in range(self.nodes - 1):
             self.start_agent()
@@ -189,6 +227,16 @@ class Job:
             while time.monotonic() < end and not self.world_ready() and self.any_agent_alive():
                 time.sleep(0.1)
             self.start_agent()
+
+    def store_listening(self) -> bool:
+        """Whether node 0's agent listens at the endpoint (in a namespace: seen in its socket table)."""
+        if self.net is None:
+            return listening(self.port)
+        return self.net.listens(self.agents[0].proc.pid, self.port)
+
+    def namespaces(self) -> list[str]:
+        """The names of the network namespaces this job made (``netns``; removed by ``close()``)."""
+        return [] if self.net is None else [*self.net.names, self.net.switch]
 
     def world_ready(self) -> bool:
         """Every rank's worker has started (its start record)."""
@@ -309,24 +357,25 @@ class Job:
             for proc in tree:
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
-            self.pending_replacements.append((at + REPLACE_AFTER_S, None))
+            self.pending_replacements.append((at + REPLACE_AFTER_S, None, self.slot_hosts[agent.slot]))
             self.drop_lost_memory(tree, lost)
         else:
             at = time.time()
             agent.proc.send_signal(signal.SIGTERM)
-            self.pending_replacements.append((at, agent))
+            self.pending_replacements.append((at, agent, self.slot_hosts[agent.slot]))
         agent.injected = fault.kind
         return InjectedFault(fault, at, f"agent slot {agent.slot} (pid {agent.proc.pid})")
 
     def tend(self) -> None:
-        """Start the replacement agents that are due (a lost node's machine comes back as a spare)."""
+        """Start the replacement agents that are due (a lost node's machine comes back as a spare,
+        on its host: in its namespace, at its address)."""
         now = time.time()
         for item in list(self.pending_replacements):
-            not_before, waiting_on = item
+            not_before, waiting_on, host = item
             if now >= not_before and (waiting_on is None or waiting_on.proc.poll() is not None):
                 self.pending_replacements.remove(item)
-                agent = self.start_agent()
-                log(f"  replacement agent slot {agent.slot} started")
+                agent = self.start_agent(host)
+                log(f"  replacement agent slot {agent.slot} started on host {host}")
 
     # -- stopping ---------------------------------------------------------------------------------
     def token_procs(self) -> list[psutil.Process]:
@@ -338,6 +387,14 @@ class Job:
         return found
 
     def close(self) -> None:
+        """Stop every process and remove what they left (``_stop``); last, however that ends, the
+        namespaces (and whatever still runs in them)."""
+        try:
+            self._stop()
+        finally:
+            self._exits.close()
+
+    def _stop(self) -> None:
         """SIGTERM the agents' process groups (a checkpointing agent removes its shared memory),
         SIGKILL what is left after 15 s (groups, then by token and pid), remove worker cgroups,
         /dev/shm checkpoint directories and the temporary directory."""

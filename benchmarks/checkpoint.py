@@ -16,9 +16,10 @@ float32 state per worker (16 tensors):
     ``torch.load`` of the file (a) wrote (page cache warm), with ``copy_`` into the preallocated
     state, with ``mmap=True`` + ``copy_``, and ``dcp.load`` into it.
 (c) replication to a peer: ``peers.send_replica`` of a ``--size-gib`` slot from one network
-    namespace to a ``peers.ReplicaServer`` in another over a veth pair (10.213.0.0/30; MTU 1500
-    and 9000), and over the sender namespace's loopback; needs root and ``ip``. The namespaces,
-    the helper processes and their /dev/shm files are removed at the end, whatever happens.
+    namespace to a ``peers.ReplicaServer`` in another, veths on a bridge (``_netns.py``, the
+    multi-host tests' topology: 10.231.x.0/24; every link at MTU 1500, then 9000), and over the
+    sender namespace's loopback; needs root and ``ip``. The namespaces, the helper processes and
+    their /dev/shm files are removed at the end, whatever happens.
 (d) memory: ``du`` of the agent's ``/dev/shm/fsm-agent-ckpt-*`` directory while the job runs (one
     node, so no replicas), against 2 slots x workers x (CAP + 4 KiB) (+ as much again for a peer's
     replicas with ``--checkpoint-replicas 1`` on several nodes), and the workers' RSS growth.
@@ -49,6 +50,10 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from _netns import Hosts
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -68,7 +73,6 @@ LOAD_METHODS = {
     "torch_load_mmap_copy": "torch.load(mmap=True) + copy_",
     "dcp_load": "dcp.load into prealloc (page cache warm)",
 }
-VETH_NET = ("10.213.0.1", "10.213.0.2")  # a private /30, inside the benchmark's own namespaces
 
 
 def log(message: str) -> None:
@@ -444,31 +448,40 @@ def helper_send(shm_dir: str, size: int, token: str) -> None:
     slot.close()
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
-
-
 def run_replication(size: int, rounds: int, mtus: list[int]) -> dict:
-    """send_replica throughput over a veth pair between two namespaces, per MTU, and over loopback."""
+    """send_replica throughput between two network namespaces (two hosts on one bridge,
+    ``_netns.py``), per MTU of every link, and over the sender namespace's loopback."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return {"skipped": "needs root and iproute2's ip (network namespaces)"}
-    pid = os.getpid()
-    ns_a, ns_b = f"fsmbench-{pid}-a", f"fsmbench-{pid}-b"
-    veth_a, veth_b = f"fbva{pid}", f"fbvb{pid}"
+    from _netns import NetnsUnavailable, hosts
+
     token = uuid.uuid4().hex
-    shm = tempfile.mkdtemp(prefix=f"fsm-bench-ckpt-{pid}-", dir="/dev/shm")
+    shm = tempfile.mkdtemp(prefix=f"fsm-bench-ckpt-{os.getpid()}-", dir="/dev/shm")
+    try:
+        with hosts(2) as net:
+            return replicate(net, shm, token, size, rounds, mtus)
+    except NetnsUnavailable as exc:
+        return {"skipped": str(exc)}
+    finally:  # the namespaces are gone by now, with every process left in them
+        shutil.rmtree(shm, ignore_errors=True)
+        kill_marked(token)
+
+
+def replicate(net: Hosts, shm: str, token: str, size: int, rounds: int, mtus: list[int]) -> dict:
+    """``run_replication`` in the hosts ``net``: a ReplicaServer per path in host 0 and one on host
+    1's loopback, the sender in host 1; its helpers are stopped (by process group) when it returns."""
+    (ns_a, ns_b), (addr_a, addr_b) = net.names, net.addrs
     env = {
         **os.environ,
         "FSMBENCH_TOKEN": token,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
     procs: list[subprocess.Popen] = []
-    made: list[str] = []
-    result: dict = {"network": f"{VETH_NET[0]}/30 ({ns_a}) <-> {VETH_NET[1]}/30 ({ns_b}), veth", "samples": {}}
+    result: dict = {"network": f"{addr_a}/24 ({ns_a}) <-> {addr_b}/24 ({ns_b}), veths on a bridge", "samples": {}}
 
-    def start(ns: str, *args: str) -> subprocess.Popen:
+    def start(host: int, *args: str) -> subprocess.Popen:
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, str(Path(__file__).resolve()), *args],
+            net.inside(host, [sys.executable, str(Path(__file__).resolve()), *args]),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -479,35 +492,22 @@ def run_replication(size: int, rounds: int, mtus: list[int]) -> dict:
         return proc
 
     try:
-        for ns in (ns_a, ns_b):
-            ip("netns", "add", ns)
-            made.append(ns)
-        ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
-        ip("link", "set", veth_a, "netns", ns_a)
-        ip("link", "set", veth_b, "netns", ns_b)
-        for ns, dev, addr in ((ns_a, veth_a, VETH_NET[0]), (ns_b, veth_b, VETH_NET[1])):
-            ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
-            ip("-n", ns, "link", "set", dev, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
         capacity = size
         # one server per path, so each path's first two transfers fill fresh replica slots (a, b)
-        servers = [
-            start(ns_a, "_serve", os.path.join(shm, f"peer-{m}"), str(capacity), token, VETH_NET[0]) for m in mtus
-        ]
-        local = start(ns_b, "_serve", os.path.join(shm, "loopback"), str(capacity), token, "127.0.0.1")
-        sender = start(ns_b, "_send", os.path.join(shm, "sender"), str(size), token)
+        servers = [start(0, "_serve", os.path.join(shm, f"peer-{m}"), str(capacity), token, addr_a) for m in mtus]
+        local = start(1, "_serve", os.path.join(shm, "loopback"), str(capacity), token, "127.0.0.1")
+        sender = start(1, "_send", os.path.join(shm, "sender"), str(size), token)
         ports = [int(proc.stdout.readline()) for proc in (*servers, local)]
         if sender.stdout.readline().strip() != "ready":
             raise RuntimeError("the sender helper did not start")
-        targets = [(f"veth, MTU {m}", m, VETH_NET[0], port) for m, port in zip(mtus, ports)]
+        targets = [(f"veths + bridge, MTU {m}", m, addr_a, port) for m, port in zip(mtus, ports)]
         targets.append(("loopback (same namespace)", None, "127.0.0.1", ports[-1]))
         log(f"replication: {len(targets)} paths x {rounds} rounds of {size / MIB:.0f} MiB")
         for rnd in range(rounds):
             k = rnd % len(targets)
             for label, mtu, host, port in targets[k:] + targets[:k]:
                 if mtu is not None:
-                    ip("-n", ns_a, "link", "set", veth_a, "mtu", str(mtu))
-                    ip("-n", ns_b, "link", "set", veth_b, "mtu", str(mtu))
+                    net.set_mtu(mtu)
                 sender.stdin.write(f"{host} {port}\n")
                 sender.stdin.flush()
                 reply = json.loads(sender.stdout.readline())
@@ -525,13 +525,6 @@ def run_replication(size: int, rounds: int, mtus: list[int]) -> dict:
             kill_group(proc)
             if proc.stdout is not None:
                 proc.stdout.close()
-        for ns in made:
-            with contextlib.suppress(subprocess.SubprocessError):
-                ip("netns", "del", ns)
-        with contextlib.suppress(subprocess.SubprocessError, OSError):  # normally gone with its namespace
-            subprocess.run(["ip", "link", "del", veth_a], capture_output=True, timeout=30)
-        shutil.rmtree(shm, ignore_errors=True)
-        kill_marked(token)
 
 
 def summarize_replication(rep: dict) -> dict:

@@ -1,7 +1,8 @@
 """Goodput under a replayed fault schedule (issue #34 part 1): torchrun against fsm-agent.
 
-A job of 4 agents x 2 workers on 127.0.0.1 (dynamic rendezvous, ``--nnodes 4:4``, fsm-agent with one
-hot spare, ``--max-restarts 1000``) runs ``workers/goodput_worker.py``: gloo all_reduce every step, a fixed
+A job of 4 agents x 2 workers on 127.0.0.1 (``--agents N``; ``--netns``: each agent in a network
+namespace, see below; dynamic rendezvous, ``--nnodes N:N``, fsm-agent with one hot spare,
+``--max-restarts 1000``) runs ``workers/goodput_worker.py``: gloo all_reduce every step, a fixed
 compute time per step, ``--state-mib`` of float32 state per rank, a checkpoint every K steps, a
 restore on every (re)start. The same seeded fault schedule, (time offset, kind, target) generated
 once from ``--seed``, is replayed for every mode:
@@ -56,6 +57,8 @@ a fault, has failed to recover: the rest of its window counts as lost.
     python benchmarks/goodput.py                       # 5 min per mode, a fault every 20 s
     python benchmarks/goodput.py --quick               # 60 s per mode, 3 faults, 8 MiB: a smoke run
     python benchmarks/goodput.py --modes fsm-memory --duration 120 --keep /tmp/goodput-logs
+    # 2 agents (--agents) each in a network namespace of its own: the job's traffic goes over veths
+    python benchmarks/goodput.py --netns --modes fsm-memory --kinds node_kill,node_sigterm --duration 60
     # issue #33: 21 faults of three kinds, 256 MiB per rank, every mode meets all of them
     python benchmarks/goodput.py --modes torchrun,fsm-memory,fsm-inprocess --kinds exception,kill,node_kill --state-mib 256 --fault-interval 10 --fault-count 21 --all-faults
 
@@ -63,9 +66,20 @@ Also reported: steps repeated by survivors (a process that logs a step it had co
 0 under in-process restart), and per fault whether the whole group restarted or the failed ranks
 were replaced alone.
 
+``--netns`` (root and iproute2's ``ip``): every host (node 0..N-1, the spare N) is a network
+namespace of its own, the namespaces veths on one bridge (``_netns.py``: ``tests/netns.py``'s
+topology, addresses in a private 10.231.x.0/24 inside the namespaces), so the rendezvous, the
+TCPStore, gloo (``GLOO_SOCKET_IFNAME``) and the agents' checkpoint replicas go from one address to
+another over veths, not loopback; a lost or preempted node's replacement starts in that node's
+namespace, at its address (the machine coming back). ``--agents`` defaults to 2 with it; where the
+namespaces cannot be made, the run ends with exit code 3 and the reason. What it
+does not simulate: latency, bandwidth limits or loss (none is shaped), separate CPUs, memory,
+disks or /dev/shm (the hosts share this machine's), and separate hostnames.
+
 Every process a run starts is stopped by process group, then by pid (a private token in the
 environment finds torchrun's workers and replacement agents); worker cgroups a killed agent left,
-/dev/shm checkpoint directories of killed agents and temporary directories are removed.
+/dev/shm checkpoint directories of killed agents and temporary directories are removed; with
+``--netns`` the namespaces (and their veths and bridge) too, also after an error, Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -75,6 +89,7 @@ import datetime
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -109,8 +124,8 @@ KIND_ALIASES = {
 }
 #: --quick's three faults: a worker's death, a node's loss (the spare takes its seat), a preemption
 QUICK_KINDS = ("worker_sigkill", "agent_sigkill", "node_sigterm")
-NODES, NPROC = 4, 2
-WORLD = NODES * NPROC
+#: agents (nodes, without the spare) by default, on loopback and with --netns; workers per agent
+NODES, NETNS_NODES, NPROC = 4, 2, 2
 CALIB_K = 3
 # ------------------------------------------------------------------------------------------------
 # One job: agents, their workers, injection, cleanup
@@ -127,13 +142,15 @@ class Settings:
     torchrun_shared_store: bool
     preload: bool
     inprocess_timeout_s: float = 10.0
+    nodes: int = NODES
+    netns: bool = False  # every host in a network namespace of its own
 
 
 class GoodputJob(Job):
-    """One mode's job: 4 agents x 2 workers of ``workers/goodput_worker.py``."""
+    """One mode's job: ``settings.nodes`` agents x 2 workers of ``workers/goodput_worker.py``."""
 
     def __init__(self, mode: str, folder: Path, settings: Settings, k: int, max_steps: int):
-        super().__init__(f"goodput-{mode}", folder, NODES, NPROC)
+        super().__init__(f"goodput-{mode}", folder, settings.nodes, NPROC, netns=settings.netns)
         self.mode, self.settings, self.k, self.max_steps = mode, settings, k, max_steps
         self.ckpt = folder / "ckpt"
         self.ckpt.mkdir(parents=True, exist_ok=True)
@@ -142,9 +159,9 @@ class GoodputJob(Job):
     def command(self, slot: int) -> list[str]:
         s = self.settings
         common = [
-            "--nnodes", f"{NODES}:{NODES}", "--nproc-per-node", str(NPROC),
-            "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id,
-            "--max-restarts", "1000", "--local-addr", "127.0.0.1",
+            "--nnodes", f"{self.nodes}:{self.nodes}", "--nproc-per-node", str(NPROC),
+            "--rdzv-endpoint", self.endpoint(), "--rdzv-id", self.run_id,
+            "--max-restarts", "1000", "--local-addr", self.address(slot),
         ]  # fmt: skip
         script = [
             str(WORKER), str(self.out), "memory" if self.mode in MEMORY_MODES else "disk", str(s.state_mib),
@@ -154,6 +171,8 @@ class GoodputJob(Job):
             script.append("inprocess")
         if self.mode == "torchrun":
             conf = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
+            if self.net is not None:  # the hosts share one hostname: torch cannot infer which hosts the store
+                conf += f",is_host={int(slot == 0)}"
             return [
                 sys.executable,
                 "-m",
@@ -205,6 +224,7 @@ class Calibration:
     checkpoints: int
     ok: bool
     note: str = ""
+    namespaces: list[str] = field(default_factory=list)  # --netns: the ones its job made (and removed)
 
 
 def calibrate(mode: str, folder: Path, settings: Settings, steps: int, deadline: float) -> Calibration:
@@ -229,11 +249,12 @@ def calibrate(mode: str, folder: Path, settings: Settings, steps: int, deadline:
             gap = per_step[step] - per_step[step - 1]
             (after_ckpt if (step - 1) % CALIB_K == CALIB_K - 1 else plain).append((step, gap))
     if not plain:
-        return Calibration(settings.compute_s, 0.0, 0, False, "no steps")
+        return Calibration(settings.compute_s, 0.0, 0, False, "no steps", job.namespaces())
     step_s = statistics.median(g for _, g in plain)
     costs = [g - step_s for s, g in after_ckpt if s > 2 * CALIB_K + 1] or [g - step_s for _, g in after_ckpt]
     cost = max(0.001, statistics.median(costs)) if costs else 0.001
-    return Calibration(step_s, cost, len(costs), ok, "" if ok else "the calibration job did not end cleanly")
+    note = "" if ok else "the calibration job did not end cleanly"
+    return Calibration(step_s, cost, len(costs), ok, note, job.namespaces())
 
 
 def young_daly(cost: float, mtbf: float, step_s: float) -> int:
@@ -336,7 +357,7 @@ def inject_all(
         last_step_t = steps[-1][0] if steps else t0
         starts = {r["pid"]: r["t"] for r in job.events() if r["kind"] == "start"}
         recovered = last_fault is None or any(
-            t > last_fault.at and starts.get(pid, 0) > last_fault.at for t, _s, _r, pid in steps[-3 * WORLD :]
+            t > last_fault.at and starts.get(pid, 0) > last_fault.at for t, _s, _r, pid in steps[-3 * job.world :]
         )
         if not job.any_agent_alive():
             if now < window_end:
@@ -517,6 +538,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--torchrun-spare", action="store_true", help="give torchrun a spare too (see the docstring)")
     add("--deadline", type=float, default=120.0, help="no step this long after a fault: failed to recover")
     add("--quick", action="store_true", help="60 s per mode, 3 faults, 8 MiB, 15 calibration steps")
+    add("--netns", action="store_true", help="every host in a network namespace of its own (root, ip)")
+    add("--agents", type=int, help=f"agents, the spare not counted (default {NODES}; --netns: {NETNS_NODES})")
     add("--markdown", type=Path)
     add("--json", type=Path)
     add("--keep", type=Path, help="keep the runs' logs in this folder")
@@ -529,6 +552,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.duration = args.fault_count * args.fault_interval
     if args.quick:
         args.deadline = min(args.deadline, 60.0)
+    if args.agents is None:
+        args.agents = NETNS_NODES if args.netns else NODES
+    if args.agents < 2:
+        parser.error("--agents: at least 2 (node 0 hosts the store and is never a fault's target)")
     spec = args.kinds or ",".join(QUICK_KINDS if args.quick else KINDS)
     args.kind_list = tuple(KIND_ALIASES.get(k.strip(), k.strip()) for k in spec.split(",") if k.strip())
     for kind in args.kind_list:
@@ -552,7 +579,7 @@ def settings_for(args: argparse.Namespace, calibrations: dict[str, Calibration] 
     hang = args.hang_timeout or (max(5.0, math.ceil(3 * fsm_longest)) if fsm_longest else 30.0)
     return Settings(
         args.state_mib, args.compute_s, pg, hang, args.persist_every, args.torchrun_shared_store,
-        not args.no_preload, args.inprocess_timeout,
+        not args.no_preload, args.inprocess_timeout, args.agents, args.netns,
     )  # fmt: skip
 
 
@@ -582,6 +609,7 @@ def measure(args: argparse.Namespace, faults: list[Fault], base: Path) -> list[R
         )
         result.settings = settings  # type: ignore[attr-defined]
         result.shm_dirs = sorted(job.shm_dirs)  # type: ignore[attr-defined]
+        result.namespaces = job.namespaces()  # type: ignore[attr-defined]
         results.append(result)
         log(
             f"{mode}: {result.useful_steps} useful steps, {len(result.faults)} faults, load {result.load_end}"
@@ -598,7 +626,8 @@ def report(args: argparse.Namespace, faults: list[Fault], results: list[Result],
         f"Goodput run: {started:%Y-%m-%d %H:%M} UTC, {(ended - started).total_seconds() / 60:.1f} min; seed {args.seed}; "
         f"window {args.duration:.0f} s per mode{' (or until every fault was injected)' if args.all_faults else ''}, "
         f"one fault per {args.fault_interval:.0f} s ({len(faults)} scheduled: {', '.join(args.kind_list)}); "
-        f"{NODES} agents x {NPROC} workers{spare} on 127.0.0.1; state {args.state_mib} MiB/rank; compute {args.compute_s} s/step; "
+        f"{settings.nodes} agents x {NPROC} workers{spare} "
+        f"{'each in a network namespace of its own (veths on a bridge)' if settings.netns else 'on 127.0.0.1'}; state {args.state_mib} MiB/rank; compute {args.compute_s} s/step; "
         f"T (step time, median of the modes' calibrations) = {step_s:.3f} s; gloo timeout {settings.pg_timeout_s:.0f} s, "
         f"--hang-timeout {settings.hang_timeout_s:.0f} s, --inprocess-timeout {settings.inprocess_timeout_s:.0f} s; cpus {os.cpu_count()}.",
         "",
@@ -631,7 +660,12 @@ def report(args: argparse.Namespace, faults: list[Fault], results: list[Result],
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    faults = schedule(args.seed, args.duration, args.fault_interval, args.kind_list, WORLD, NODES)
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")  # the same cleanup as Ctrl-C (the namespaces too)
+
+    signal.signal(signal.SIGTERM, interrupted)
+    faults = schedule(args.seed, args.duration, args.fault_interval, args.kind_list, args.agents * NPROC, args.agents)
     started = datetime.datetime.now(datetime.timezone.utc)
     log(
         f"load average {loadavg()}; schedule (seed {args.seed}): "
@@ -640,7 +674,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="goodput-runs-") as scratch:
         base = args.keep or Path(scratch)
         base.mkdir(parents=True, exist_ok=True)
-        results = measure(args, faults, base)
+        unavailable: tuple[type[Exception], ...] = ()
+        if args.netns:
+            from _netns import NetnsUnavailable
+
+            unavailable = (NetnsUnavailable,)
+        try:
+            results = measure(args, faults, base)
+        except unavailable as exc:  # nothing of it is left: each job removed its namespaces
+            log(f"--netns: {exc}")
+            return 3
     calibrated = [r.calibration.step_s for r in results if r.calibration.checkpoints or r.calibration.ok]
     step_s = statistics.median(calibrated) if calibrated else args.compute_s
     for r in results:
