@@ -19,7 +19,7 @@ from typing import Any
 from fsm_agent import errorfile
 from fsm_agent.hang import announce_stack_dump, dump_stacks
 from fsm_agent.logs import WorkerLogs
-from fsm_agent.stack_dump import DUMP_SIGNAL, catches, signal_main_thread
+from fsm_agent.stack_dump import DUMP_SIGNAL, catches, running, signal_main_thread
 from fsm_agent.states.facts import HealthCheckFailed
 from fsm_agent.worker import HANG_EXIT_CODE, HEALTH_CHECK_EXIT_CODE, FailureClass, WorkerFailure, WorkerGroup
 
@@ -236,7 +236,7 @@ def _await_dumps(dumping: Mapping[int, tuple[int, str, int]], deadline: float) -
             pid, path, offset = dumping[local_rank]
             size = os.stat(path).st_size if os.path.isfile(path) else -1
             # done: stable since the last poll, and complete, or it died before the signal came
-            if size == sizes.get(local_rank) and ("Current thread" in _read_from(path, offset) or not _running(pid)):
+            if size == sizes.get(local_rank) and ("Current thread" in _read_from(path, offset) or not running(pid)):
                 waiting.discard(local_rank)
             sizes[local_rank] = size
 
@@ -248,13 +248,3 @@ def _read_from(path: str, offset: int) -> str:
             return f.read()
     except OSError:
         return ""
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a zombie does not)."""
-    import psutil
-
-    try:
-        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
-    except psutil.Error:
-        return False

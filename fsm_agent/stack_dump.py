@@ -57,6 +57,15 @@ def catches(pid: int, signum: int) -> bool:
     return False
 
 
+def running(pid: int) -> bool:
+    """Whether a live process (not a zombie) has ``pid`` (``/proc/PID/stat``; False off Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def signal_main_thread(pid: int, signum: int) -> None:
     """Send ``signum`` to the main thread of process ``pid`` (``tgkill``; its thread id is the
     pid), so that faulthandler's dump marks the main thread "Current thread" (a signal to the

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+from fsm_agent.stack_dump import running
+
 
 def wait_until(predicate: Callable[[], object], timeout: float = 60.0, interval: float = 0.05) -> bool:
     """Call ``predicate`` every ``interval`` seconds until it is true or ``timeout`` seconds have
@@ -86,7 +88,7 @@ def remove_worker_cgroups(agent_pids: Iterable[int], timeout: float = 5.0) -> li
         return []
     found = []
     for pid in sorted(set(agent_pids)):
-        if _alive(pid):
+        if running(pid):
             continue
         for path in sorted(glob.glob(os.path.join(glob.escape(parent), f"{PREFIX}{pid}-*"))):
             cgroup = WorkerCgroup(path)
@@ -94,15 +96,6 @@ def remove_worker_cgroups(agent_pids: Iterable[int], timeout: float = 5.0) -> li
             cgroup.remove(timeout)
             found.append(path)
     return found
-
-
-def _alive(pid: int) -> bool:
-    """Whether a live process (not a zombie) has ``pid``."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
 
 
 class AgentProcesses:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from fsm_agent.stack_dump import DUMP_SIGNAL, STACK_DUMP_SIGNAL_ENV, catches, signal_main_thread
+from fsm_agent.stack_dump import DUMP_SIGNAL, STACK_DUMP_SIGNAL_ENV, catches, running, signal_main_thread
 
 pytestmark = pytest.mark.unit
 
@@ -67,7 +67,7 @@ def test_a_registered_worker_dumps_its_main_thread_and_lives_on(tmp_path):
         assert "stuck_in_c_call" in current  # the main thread is the one marked current
         assert "Fatal Python error" not in text
         time.sleep(0.2)
-        assert proc.poll() is None  # it lives on until the agent kills it
+        assert proc.poll() is None and running(proc.pid)  # it lives on until the agent kills it
     finally:
         _stop(proc)
 
@@ -83,6 +83,6 @@ def test_a_worker_without_the_variable_does_not_catch_the_signal(tmp_path):
 def test_a_gone_process_catches_nothing_and_cannot_be_signalled():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait(timeout=30)
-    assert not catches(proc.pid, DUMP_SIGNAL)
+    assert not catches(proc.pid, DUMP_SIGNAL) and not running(proc.pid)
     with pytest.raises(ProcessLookupError):
         signal_main_thread(proc.pid, DUMP_SIGNAL)
