@@ -67,12 +67,17 @@ def test_a_rank_hung_in_recv_is_named_when_a_peer_node_sees_the_hang_first(tmp_p
     outcome = run_fault(skewed, "fsm-agent", tmp_path, seed=0)
     verdict = judge(outcome)
     assert verdict.right, "; ".join(verdict.reasons) + "\n" + describe(outcome) + "\n" + _tails(outcome)
-    # named for the right reason: each rank's stacks show where it hung (without the hold, rank 1 was
-    # caught after its recv failed, e.g. garbage-collecting, and was named only as "its own" fault)
+    # named for the right reason: rank 1's stacks show it in recv (without the hold, it was caught
+    # after its recv failed, e.g. garbage-collecting, and was named only as "its own" fault)
     (events,) = tmp_path.glob("*/node0.events.jsonl")
     record = next(r for r in read_events(events) if r["kind"] == "verdict")
     where = {report["global_rank"]: stuck_in(report["tail"]) for report in record["reports"]}
-    assert where == {0: "all_reduce", 1: "recv", 2: "all_reduce", 3: "all_reduce"}, _tails(outcome)
+    # A rank counts as hung only once its own heartbeat is past the timeout, and a loaded machine
+    # can let a peer of the same node (here rank 0, or rank 3) beat a moment later than the first:
+    # its agent then stops it as collateral, unreported. Every rank that was reported shows its own.
+    assert where.get(1) == "recv", _tails(outcome)
+    others = {rank: place for rank, place in where.items() if rank != 1}
+    assert others and set(others.values()) == {"all_reduce"} and others.keys() & {2, 3}, _tails(outcome)
 
 
 def _tails(outcome) -> str:
