@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import errno
 import json
 import pathlib
@@ -396,20 +397,27 @@ def test_client_fails_fast_on_a_port_held_by_a_silent_program():
         assert f"127.0.0.1:{port}" in str(info.value) and "another program" in str(info.value)
 
 
-def test_client_fails_fast_on_a_program_that_answers_garbage():
+@contextlib.contextmanager
+def program_answering(answer: bytes):
+    """The port of a listener (not a store) that answers the first thing it reads with ``answer``."""
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
-        port = holder.getsockname()[1]
 
-        def answer():
+        def serve():
             conn, _ = holder.accept()
             conn.recv(100)
-            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            conn.sendall(answer)
             conn.close()
 
-        t = threading.Thread(target=answer, daemon=True)
+        t = threading.Thread(target=serve, daemon=True)
         t.start()
+        yield holder.getsockname()[1]
+        t.join(5)
+
+
+def test_client_fails_fast_on_a_program_that_answers_garbage():
+    with program_answering(b"HTTP/1.1 400 Bad Request\r\n\r\n") as port:
         started = time.monotonic()
         with pytest.raises(StoreProtocolError):
             StoreClient("127.0.0.1", port).connect()
@@ -538,3 +546,28 @@ def test_standalone_server_process():
             [sys.executable, "-m", "fsm_agent.store", "--port", str(port)], capture_output=True, text=True, timeout=30
         )
         assert done.returncode == 1 and "cannot listen" in done.stdout
+
+
+def test_a_client_without_handshake_sends_its_protocol_with_its_first_request(server, clients):
+    """``handshake=False`` (the rendezvous keep-alive's client): no hello on the wire; the first
+    request of each connection carries ``proto``, and everything works as with a hello."""
+    shaker, quiet = clients(), clients(handshake=False)
+    shaker.set("k", b"v")
+    hellos = shaker.stats()["ops"].get("hello", 0)
+    assert quiet.get("k") == b"v" and quiet.add("n", 2) == 2
+    assert shaker.stats()["ops"].get("hello", 0) == hellos  # the quiet client said no hello
+
+
+def test_a_request_of_another_protocol_version_is_refused_and_its_connection_closed(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(json.dumps({"op": "get", "key": "k", "proto": "fsm-store/0"}).encode() + b"\n")
+        reply = json.loads(sock.makefile("rb").readline())
+        assert reply["ok"] is False and reply["error"] == "bad_proto"
+        assert "fsm-store/0" in reply["message"] and PROTO in reply["message"]
+        assert sock.recv(1) == b""  # closed after the reply
+
+
+def test_a_client_without_handshake_names_a_peer_that_is_not_a_store():
+    not_a_store = b'{"status": "something else"}\n'  # JSON, not a store's reply
+    with program_answering(not_a_store) as port, pytest.raises(StoreProtocolError, match="not an fsm-store/1"):
+        StoreClient("127.0.0.1", port, handshake=False).set("k", b"v")

@@ -149,7 +149,8 @@ class FsmRendezvousHandler:
             reply_timeout=max(s.join_timeout, s.handshake_timeout),
         )
         self._client = StoreClient(self._connect_host, self.port, fail_fast_refused=fast, **timeouts)
-        self._alive_client = StoreClient(self._connect_host, self.port, **timeouts)
+        # The keep-alive starts once the join's client shook hands: it sends no hello of its own.
+        self._alive_client = StoreClient(self._connect_host, self.port, handshake=False, **timeouts)
         self._started = False
         self._shut = False
         self._returned_round: int | None = None

@@ -9,8 +9,13 @@ Protocol (one JSON object per line, UTF-8, in both directions; one reply per req
 * The client opens with ``{"op": "hello", "proto": "fsm-store/1"}``; the server answers
   ``{"ok": true, "proto": "fsm-store/1", "now": T}``. A peer that does not answer that way is not
   an fsm store (a port held by an unrelated program fails fast, see ``StoreProtocolError``).
+  A client that another one in its process already shook hands with (``handshake=False``: the
+  rendezvous keep-alive's) sends no hello: its first request on each connection carries
+  ``"proto"`` instead, and the server refuses a request whose ``proto`` is not its own
+  (``"error": "bad_proto"``, and it closes the connection). One request fewer per connection: a
+  quarter of a node's requests in a rendezvous.
 * Requests are ``{"op": NAME, ...}``; replies are ``{"ok": true, ...}`` or
-  ``{"ok": false, "error": "timeout" | "bad_request", "message": "..."}``.
+  ``{"ok": false, "error": "timeout" | "bad_request" | "bad_proto", "message": "..."}``.
 * Keys are strings; values are bytes, sent base64-encoded.
 * ``now`` is the server's monotonic clock in seconds. Rendezvous deadlines and key leases use
   this one clock, so clock skew between machines does not matter.
@@ -624,6 +629,12 @@ class StoreServer:
         op = req.get("op")
         now = time.monotonic()
         self._traffic["requests"] += 1
+        proto = req.get("proto")
+        if proto is not None and proto != PROTO and op != "hello":  # hello answers with the server's own
+            conn.close_after_flush = True
+            message = f"protocol {str(proto)[:40]!r} is not this server's {PROTO}: run the same fsm-agent version"
+            self._reply(conn, {"ok": False, "error": "bad_proto", "message": message})
+            return
         if isinstance(op, str):
             self._ops[op] = self._ops.get(op, 0) + 1
             handler = self._HANDLERS.get(op)
@@ -1064,6 +1075,12 @@ class StoreClient:
             as dead (seconds; at least ``handshake_timeout``).
         fail_fast_refused: give up at the first refused connection (used after this process found
             the port taken: a refusal then means the holder is not a store server).
+        handshake: open each connection with a hello (default). False: send no hello; the first
+            request on a connection carries ``proto`` for the server to check. For a second client
+            of an endpoint another client already shook hands with: a peer that is not an fsm
+            store then shows only when that request fails (a malformed reply, a closed connection,
+            or no reply within its own timeout plus ``reply_timeout``), not within
+            ``handshake_timeout``.
 
     Raises (every method): StoreTimeout, StoreConnectionError, StoreProtocolError; all are
     ``fsm_agent.errors.RendezvousFailed`` and name the endpoint.
@@ -1079,6 +1096,7 @@ class StoreClient:
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
         reply_timeout: float = 30.0,
         fail_fast_refused: bool = False,
+        handshake: bool = True,
     ):
         self.host, self.port = host, int(port)
         self.reply_timeout = float(reply_timeout)
@@ -1086,6 +1104,8 @@ class StoreClient:
         self.connect_timeout = float(connect_timeout)
         self.handshake_timeout = float(handshake_timeout)
         self.fail_fast_refused = fail_fast_refused
+        self.handshake = handshake
+        self._proto_pending = False  # handshake=False: this connection's first request is still to send
         self._sock: socket.socket | None = None
         self._buf = bytearray()
         self._lock = threading.RLock()
@@ -1176,6 +1196,9 @@ class StoreClient:
                 sock.close()
                 raise StoreConnectionError(f"fsm store client for {self.endpoint} is closed")
             self._sock, self._buf = sock, bytearray()
+        if not self.handshake:
+            self._proto_pending = True  # the first request carries "proto" (_request)
+            return
         try:
             self._send({"op": "hello", "proto": PROTO})
             reply = self._recv(time.monotonic() + self.handshake_timeout, handshake=True)
@@ -1278,8 +1301,9 @@ class StoreClient:
         with self._lock:
             if self._sock is None:
                 self._open()
+            first, self._proto_pending = self._proto_pending, False
             try:
-                self._send(req)
+                self._send({**req, "proto": PROTO} if first else req)
                 deadline = time.monotonic() + (wait or 0.0) + max(self.handshake_timeout, self.reply_timeout)
                 try:
                     reply = self._recv(deadline)
@@ -1289,6 +1313,8 @@ class StoreClient:
                         f"fsm store at {self.endpoint}: no reply to {req.get('op')!r} in time: the server "
                         f"is unresponsive"
                     ) from None
+                if first:
+                    self._check_first_reply(reply)
             except BaseException:
                 # interrupted mid-request (a signal, an error): the stream is out of step, start over
                 self._reset()
@@ -1306,6 +1332,15 @@ class StoreClient:
                 f"{reply.get('error')}: {reply.get('message', '')}"
             )
         return reply
+
+    def _check_first_reply(self, reply: dict) -> None:
+        """The reply to a connection's first request when it carried ``proto`` (no hello): it must
+        be an fsm store's, of the same protocol version."""
+        if "ok" not in reply or reply.get("error") == "bad_proto":
+            raise StoreProtocolError(
+                f"fsm store at {self.endpoint}: the peer is not an {PROTO} server (answered with {str(reply)[:120]!r})"
+            )
+        self._was_connected = True
 
     def _wait_s(self, timeout: timedelta | float | None) -> float:
         s = _seconds(timeout)
