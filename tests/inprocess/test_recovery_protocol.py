@@ -13,6 +13,8 @@ a recovery, and the restart policy's answer about class ``inprocess``.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -162,3 +164,22 @@ def failure(exitcode: int) -> dict[int, WorkerFailure]:
 def test_the_policy_answers_class_inprocess(policy, failures, in_process):
     decision = policy.fsm_agent_restart_policy(failures, None, 0, FailureClass.INPROCESS)
     assert decision.in_process is in_process and decision.restart is in_process, decision
+
+
+def test_enabling_it_imports_torch_distributed_in_the_background_before_any_round():
+    """A hot spare takes a lost node's seat with ``torch.distributed`` already imported: every
+    agent of that round waits for the slowest one's ``new_round`` (the import took 1 s or more
+    there). In a fresh interpreter: enabled, no round, and the import still happens."""
+    code = (
+        "import sys, time\n"
+        "from fsm_agent.inprocess.recovery import InProcessRecovery\n"
+        "assert 'torch.distributed' not in sys.modules\n"
+        "InProcessRecovery().enable(10.0)\n"
+        "deadline = time.monotonic() + 120\n"
+        "while 'torch.distributed' not in sys.modules or 'torch.distributed.distributed_c10d' not in sys.modules:\n"
+        "    assert time.monotonic() < deadline, 'not imported'\n"
+        "    time.sleep(0.05)\n"
+        "print('imported')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and done.stdout.strip() == "imported", done.stderr[-2000:]
