@@ -4,6 +4,7 @@ torch's c10d (``DynamicRendezvousHandler`` on a ``TCPStore``).
 
     python benchmarks/rendezvous_scale.py --markdown /tmp/scale.md            # N = 64, 256, 1024, 4096
     python benchmarks/rendezvous_scale.py --sizes 64,256 --c10d-sizes 16,64    # a subset
+    python benchmarks/rendezvous_scale.py --rerendezvous --c10d-sizes ''       # one lost node, a spare promoted
 
 What is real and what is simulated:
 
@@ -141,18 +142,27 @@ def participants_main(args) -> int:
     handlers = (fsm_handlers if args.backend == "fsm" else c10d_handlers)(args)
     events = [record_phases(h) if args.phases else None for h in handlers]
     done: list = [None] * len(handlers)
+    again: list = [None] * len(handlers)  # --again: the round after the membership change
     go = threading.Event()
+    ranked = threading.Semaphore(0)
+
+    def rendezvous(h) -> dict:
+        try:
+            rank = h.next_rendezvous().rank
+            return {"t": time.time(), "rank": rank}  # stamped when it returned
+        except BaseException as exc:  # noqa: BLE001 - reported to the harness
+            return {"t": time.time(), "error": f"{type(exc).__name__}: {exc}"[:300]}
 
     def run(i, h):
         go.wait()
-        try:
-            info = h.next_rendezvous()
-            rank = info.rank
-            done[i] = {"t": time.time(), "rank": rank}
-        except BaseException as exc:  # noqa: BLE001 - reported to the harness
-            done[i] = {"t": time.time(), "error": f"{type(exc).__name__}: {exc}"[:300]}
+        done[i] = rendezvous(h)
         if events[i] is not None:
             done[i]["events"] = list(events[i])
+        ranked.release()
+        if args.again and "rank" in done[i]:
+            # as an agent does: its membership fd says a peer was lost (or waits), then the next round
+            select.select([h.membership_fd()], [], [], args.join_timeout)
+            again[i] = rendezvous(h)
 
     threads = [threading.Thread(target=run, args=(i, h), daemon=True) for i, h in enumerate(handlers)]
     for t in threads:
@@ -160,9 +170,13 @@ def participants_main(args) -> int:
     print("ready", flush=True)
     sys.stdin.readline()
     go.set()
-    for t in threads:
-        t.join()
+    for _ in threads:
+        ranked.acquire()
     print(json.dumps({"done": done, "torch": "torch" in sys.modules}), flush=True)
+    if args.again:
+        for t in threads:
+            t.join()
+        print(json.dumps({"again": again}), flush=True)
     sys.stdin.readline()  # the harness reads everyone's results before the connections close
     os._exit(0)
 
@@ -361,6 +375,98 @@ def one_row(
             w.wait()
 
 
+def participants(
+    count: int, port: int, run_id: str, n: int, limit: float, env: dict, extra: list[str]
+) -> subprocess.Popen:
+    """A process of ``count`` fsm participants of a ``--nnodes n:n`` run (``participants_main``)."""
+    cmd = [sys.executable, __file__, "--participants", "fsm", "--port", str(port), "--run-id", run_id]
+    cmd += ["--nodes", str(n), "--count", str(count), "--join-timeout", str(int(limit) + 60), *extra]
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def tell(proc: subprocess.Popen, line: str) -> None:
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def rerendezvous_row(n: int, procs: int, limit: float, env: dict, keep_alive_interval: float, sched: str) -> dict:
+    """One lost node at N (``--rerendezvous``): N participants ranked, then one more joins as a hot
+    spare; the process of one participant is SIGKILLed (its connections close, so its lease goes at
+    once, as a killed agent's); each survivor, woken by its membership fd as an agent is, joins the
+    next round, where the spare takes the lost seat. Time: the SIGKILL -> the last of the N ranked
+    again; the store's CPU and requests over the same span."""
+    port, run_id = free_port(), f"rerdzv-{uuid.uuid4().hex[:8]}"
+    store = start_store("fsm", port, env)
+    extra = ["--keep-alive-interval", str(keep_alive_interval), "--participant-sched", sched]
+    nodes: list[subprocess.Popen] = []
+    spare = None
+    try:
+        p = max(1, min(procs or max(8, -(-(n - 1) // PER_PROC)), n - 1))
+        counts = [(n - 1) // p + (1 if i < (n - 1) % p else 0) for i in range(p)]
+        nodes = [participants(c, port, run_id, n, limit, env, [*extra, "--again"]) for c in [*counts, 1]]
+        victim = nodes[-1]
+        spare = participants(1, port, run_id, n, limit, env, extra)
+        deadline = time.monotonic() + 300
+        if any(readline(w, deadline) != "ready\n" for w in [*nodes, spare]):
+            return {"backend": "fsm", "n": n, "error": "a participants process did not start"}
+        for w in nodes:
+            tell(w, "go")
+        deadline = time.monotonic() + limit
+        first = []
+        for w in nodes:
+            line = readline(w, deadline)
+            if line is None:
+                return {"backend": "fsm", "n": n, "timeout": limit, "what": "the first round"}
+            first += json.loads(line)["done"]
+        if sorted(r.get("rank", -1) for r in first) != list(range(n)):
+            return {"backend": "fsm", "n": n, "error": f"first round: {[r for r in first if 'error' in r][:2]}"}
+        tell(spare, "go")
+        from fsm_agent.plugins.rendezvous_fsm.store import StoreClient
+
+        c = StoreClient("127.0.0.1", port, connect_timeout=30, handshake_timeout=30)
+        try:
+            while c.rendezvous("status", run=run_id)["waiting"] < 1:  # the spare waits: a standby
+                if time.monotonic() > deadline:
+                    return {"backend": "fsm", "n": n, "timeout": limit, "what": "the spare's join"}
+                time.sleep(0.05)
+        finally:
+            c.close()
+        before = proc_stats(store.pid, "fsm", port)
+        t0 = time.time()
+        victim.kill()
+        again = []
+        deadline = time.monotonic() + limit
+        for w in nodes[:-1]:
+            line = readline(w, deadline)
+            if line is None:
+                return {"backend": "fsm", "n": n, "timeout": limit, "what": "the survivors' round"}
+            again += json.loads(line)["again"]
+        line = readline(spare, deadline)
+        if line is None:
+            return {"backend": "fsm", "n": n, "timeout": limit, "what": "the spare's seat"}
+        again += json.loads(line)["done"]
+        after = proc_stats(store.pid, "fsm", port)
+        errors = [r["error"] for r in again if "error" in r]
+        return {
+            "backend": "fsm",
+            "n": n,
+            "procs": p + 2,
+            "seconds": max(r["t"] for r in again) - t0,
+            "store_cpu_s": after["cpu"] - before["cpu"],
+            "store_peak_rss": after["hwm"],
+            "bytes_per_participant": (after["io"] - before["io"]) / n,
+            "requests_per_participant": (after["requests"] - before["requests"]) / n,
+            "errors": errors[:3],
+            "n_errors": len(errors),
+            "ranks_ok": sorted(r.get("rank", -1) for r in again) == list(range(n)),
+            "torch_in_participants": False,
+        }
+    finally:
+        for w in [*nodes, *([spare] if spare else []), store]:
+            w.kill()
+            w.wait()
+
+
 def summarize(runs: list[dict]) -> dict:
     """One table row from ``--repeat`` runs of one size: the median run's figures, and the
     range of the time and of the store CPU per participant over every run (a failed run is the row)."""
@@ -426,11 +532,11 @@ HEADER = [
 ]
 
 
-def markdown(rows: list[dict], command: str, notes: list[str]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+def markdown(rows: list[dict], command: str, notes: list[str], header: list[str] = HEADER) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = fmt_row(row)
-        cells += [""] * (len(HEADER) - len(cells))
+        cells += [""] * (len(header) - len(cells))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join([f"`{command}`", "", *[f"- {n}" for n in notes], "", *lines, ""])
 
@@ -471,6 +577,13 @@ def main() -> int:
         "nodes never take the store's CPU) or normal (for a smoke run on a machine other busy processes "
         "share, where SCHED_IDLE threads would barely run)",
     )
+    parser.add_argument(
+        "--rerendezvous",
+        action="store_true",
+        help="fsm only: after the first round at each size, one more participant joins as a hot spare and "
+        "one participant's process is SIGKILLed; the row is the re-rendezvous (survivors re-ranked, the "
+        "spare promoted): SIGKILL -> all N ranked again, and the store's work over that span",
+    )
     parser.add_argument("--markdown", help="write the table to this file too")
     parser.add_argument("--json", help="write the rows (and every run of each) as JSON to this file")
     # participants mode (started by the harness)
@@ -480,6 +593,7 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--join-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
+    parser.add_argument("--again", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     nofile = raise_nofile()
     if args.participants:
@@ -513,9 +627,12 @@ def main() -> int:
     runs: dict[tuple[str, int], list[dict]] = {(backend, n): [] for backend, n, _ in plan}
     for attempt in range(args.repeat):
         for backend, n, limit in plan:
-            row = one_row(
-                backend, n, args.procs, limit, env, args.keep_alive_interval, args.phases, args.participant_sched
-            )
+            if args.rerendezvous and backend == "fsm":
+                row = rerendezvous_row(n, args.procs, limit, env, args.keep_alive_interval, args.participant_sched)
+            else:
+                row = one_row(
+                    backend, n, args.procs, limit, env, args.keep_alive_interval, args.phases, args.participant_sched
+                )
             runs[backend, n].append(row)
             print(f"run {attempt + 1}/{args.repeat}: " + " | ".join(fmt_row(row)), flush=True)
             time.sleep(2.0)  # let the last row's threads and sockets go before the next row starts
@@ -525,7 +642,17 @@ def main() -> int:
             f"{args.repeat} runs per size, interleaved; each row is the run of median time, with [min-max] of the "
             f"time and of the store CPU per participant (its median) over the {args.repeat} runs"
         )
-    text = markdown(rows, command, notes + [f"load average {os.getloadavg()[0]:.1f} at the end"])
+    header = HEADER
+    if args.rerendezvous:
+        header = [*HEADER[:2], "all ranked again after (from the SIGKILL)", *HEADER[3:]]
+        notes.append(
+            "--rerendezvous (fsm rows): N ranked, then one more participant (its own process) joins as a hot spare; "
+            "the process of one participant is SIGKILLed; each survivor joins the next round when its membership "
+            "fd says so (as an agent does) and the spare takes the lost seat; time and store work from the SIGKILL "
+            "until all N are ranked again (a killed process's connections close at once: a host that goes "
+            "silent is found later, by the keep-alive's TCP probes)"
+        )
+    text = markdown(rows, command, notes + [f"load average {os.getloadavg()[0]:.1f} at the end"], header)
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text)

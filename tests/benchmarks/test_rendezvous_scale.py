@@ -62,3 +62,41 @@ def test_scale_benchmark_ranks_everyone_and_folds_repeats(tmp_path):
     assert 0 < fsm16["requests_per_participant"] <= 6, fsm16
     # the table names the repeat and shows a range
     assert "2 runs per size" in done.stdout and "[" in done.stdout.split("| fsm | 16 |", 1)[1], report
+
+
+@pytest.mark.timeout(300)
+def test_rerendezvous_row_reranks_the_survivors_and_the_spare(tmp_path):
+    """``--rerendezvous``: after one participant's process is SIGKILLed, the N-1 survivors and the
+    hot spare are ranked 0..N-1 again, without an error (no timing asserted)."""
+    out = tmp_path / "rerdzv.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "rendezvous_scale.py"),
+            "--sizes",
+            "8,16",
+            "--c10d-sizes",
+            "",
+            "--procs",
+            "2",
+            "--rerendezvous",
+            "--limit",
+            "120",
+            "--json",
+            str(out),
+            "--participant-sched",
+            "normal",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    report = f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, report
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["backend"], r["n"]) for r in rows] == [("fsm", 8), ("fsm", 16)], report
+    for row in rows:
+        assert row["ranks_ok"] and row["n_errors"] == 0, row
+        assert row["procs"] == 4 and 0 < row["requests_per_participant"] <= 8, row
+    assert "all ranked again after (from the SIGKILL)" in done.stdout, report
