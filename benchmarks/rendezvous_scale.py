@@ -440,13 +440,19 @@ def rerendezvous_row(n: int, procs: int, limit: float, env: dict, keep_alive_int
             line = readline(w, deadline)
             if line is None:
                 return {"backend": "fsm", "n": n, "timeout": limit, "what": "the survivors' round"}
-            again += json.loads(line)["again"]
+            again += [
+                r or {"t": time.time(), "error": "no second round (the first failed)"}
+                for r in json.loads(line)["again"]
+            ]
         line = readline(spare, deadline)
         if line is None:
             return {"backend": "fsm", "n": n, "timeout": limit, "what": "the spare's seat"}
         again += json.loads(line)["done"]
         after = proc_stats(store.pid, "fsm", port)
         errors = [r["error"] for r in again if "error" in r]
+        early = [r for r in again if r["t"] < t0]  # re-ranked before the loss (e.g. a lapsed lease): not this row
+        if early:
+            errors.insert(0, f"{len(early)} ranked again before the SIGKILL")
         return {
             "backend": "fsm",
             "n": n,
@@ -619,8 +625,11 @@ def main() -> int:
         f"every other setting is the default",
     ]
     rows = []
+    c10d_sizes = "" if args.rerendezvous else args.c10d_sizes  # the re-rendezvous row is fsm's only
+    if args.rerendezvous and args.c10d_sizes:
+        notes.append("c10d not run: --rerendezvous measures the fsm backend only")
     plan = [("fsm", int(n), args.limit) for n in args.sizes.split(",") if n] + [
-        ("c10d", int(n), args.c10d_limit) for n in args.c10d_sizes.split(",") if n
+        ("c10d", int(n), args.c10d_limit) for n in c10d_sizes.split(",") if n
     ]
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: give 1 or more runs per size")

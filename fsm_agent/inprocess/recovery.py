@@ -38,6 +38,9 @@ LOOK_INTERVAL_S = 0.02
 #: in-process recovery for this fault; a recovery running waits for its deadline): the run loop
 #: waits that long, so short.
 CONNECT_TIMEOUT_S = 1.0
+#: At most this long (seconds) the agent's end waits for the background import of torch.distributed
+#: (``enable``): long enough for a loaded machine, short enough not to hold a stop.
+IMPORT_WAIT_S = 10.0
 
 
 @attrs.define
@@ -276,7 +279,9 @@ class InProcessRecovery:
         self._drop_client()
         self._server = None
         if self._importing is not None:  # an interpreter that ends amid an extension's import can crash
-            self._importing.join()
+            self._importing.join(IMPORT_WAIT_S)
+            if self._importing.is_alive():
+                log.warning("in-process restart: torch.distributed still importing after %g s", IMPORT_WAIT_S)
 
 
 def _import_torch_distributed() -> None:

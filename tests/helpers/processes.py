@@ -96,11 +96,9 @@ def run_benchmark(script: str, args: list[str], tmp_path: Path, timeout: float) 
     and the tails of its output, for messages."""
     scratch = tmp_path / "tmp"
     scratch.mkdir(exist_ok=True)
-    done = subprocess.run(
+    done = run_in_session(  # past the timeout, its whole group goes (the agents, the workers, the store)
         [sys.executable, str(CHECKOUT / "benchmarks" / script), *args],
         cwd=CHECKOUT,
-        capture_output=True,
-        text=True,
         timeout=timeout,
         env={**os.environ, "TMPDIR": str(scratch)},
     )

@@ -558,6 +558,41 @@ def test_a_client_without_handshake_sends_its_protocol_with_its_first_request(se
     assert shaker.stats()["ops"].get("hello", 0) == hellos  # the quiet client said no hello
 
 
+def test_each_new_connection_of_a_client_without_handshake_carries_the_protocol_once():
+    """On the wire: no hello; ``proto`` in the first request of each connection (again after the
+    connection broke), not in the requests after it."""
+    lines: list[dict] = []
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+
+        def serve():
+            for _ in range(2):  # the first connection answers two requests, then breaks
+                conn, _ = listener.accept()
+                with conn, conn.makefile("rwb") as f:
+                    for _ in range(2 if not lines else 1):
+                        lines.append(json.loads(f.readline()))
+                        f.write(b'{"ok": true, "version": 1}\n')
+                        f.flush()
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        c = StoreClient("127.0.0.1", listener.getsockname()[1], handshake=False)
+        c.set("a", b"1")
+        c.set("b", b"2")
+        with pytest.raises(StoreConnectionError):  # the server closed this connection
+            c.set("c", b"3")
+        c.set("d", b"4")  # a new connection
+        c.close()
+        t.join(5)
+    assert [(line["op"], line["key"], "proto" in line) for line in lines] == [
+        ("set", "a", True),
+        ("set", "b", False),
+        ("set", "d", True),
+    ]
+    assert lines[0]["proto"] == PROTO
+
+
 def test_a_request_of_another_protocol_version_is_refused_and_its_connection_closed(server):
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(json.dumps({"op": "get", "key": "k", "proto": "fsm-store/0"}).encode() + b"\n")
