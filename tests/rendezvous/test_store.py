@@ -593,6 +593,23 @@ def test_each_new_connection_of_a_client_without_handshake_carries_the_protocol_
     assert lines[0]["proto"] == PROTO
 
 
+def test_a_client_without_handshake_whose_server_went_during_its_first_request_fails_at_once():
+    """The keep-alive's first request is a held watch: a store host that dies while it is held is
+    gone, and the reconnect's refusal says so at once (not after connect_timeout)."""
+    srv = StoreServer().start()
+    c = StoreClient("127.0.0.1", srv.port, handshake=False, connect_timeout=30)
+    t, box = in_thread(c.get, "never-set", timedelta(seconds=20))  # held by the server: no reply yet
+    time.sleep(0.5)
+    srv.close()
+    t.join(10)
+    assert isinstance(box.get("error"), StoreConnectionError), box
+    started = time.monotonic()
+    with pytest.raises(StoreConnectionError, match="is gone"):
+        c.get("k", timedelta(seconds=1))
+    assert time.monotonic() - started < 10
+    c.close()
+
+
 def test_a_request_of_another_protocol_version_is_refused_and_its_connection_closed(server):
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(json.dumps({"op": "get", "key": "k", "proto": "fsm-store/0"}).encode() + b"\n")

@@ -1197,7 +1197,10 @@ class StoreClient:
                 raise StoreConnectionError(f"fsm store client for {self.endpoint} is closed")
             self._sock, self._buf = sock, bytearray()
         if not self.handshake:
-            self._proto_pending = True  # the first request carries "proto" (_request)
+            # The first request carries "proto" (_request). Another client shook hands with this
+            # endpoint, so a connection accepted here is the server's: a refused one later means
+            # it is gone (not retried for connect_timeout, 600 s for a rendezvous's patience).
+            self._proto_pending, self._was_connected = True, True
             return
         try:
             self._send({"op": "hello", "proto": PROTO})
@@ -1340,7 +1343,6 @@ class StoreClient:
             raise StoreProtocolError(
                 f"fsm store at {self.endpoint}: the peer is not an {PROTO} server (answered with {str(reply)[:120]!r})"
             )
-        self._was_connected = True
 
     def _wait_s(self, timeout: timedelta | float | None) -> float:
         s = _seconds(timeout)
