@@ -64,6 +64,8 @@ IMAGE = "localhost/fsm-agent-train:latest"
 KUBELET_ENV = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
 #: Generous: a loaded 2-core machine starts a torch worker in seconds.
 PODMAN_TIMEOUT_S = 120.0
+#: Tries of a ``podman inspect`` that met its container's process exiting (``PodNet.inspect``).
+INSPECT_RETRIES = 5
 
 
 def skip_or_fail_without_podman() -> None:
@@ -273,7 +275,17 @@ class PodNet:
         self.podman("pod", "rm", "-f", "-t", "0", name)
 
     def inspect(self, container: str, template: str) -> str:
-        return self.podman("inspect", container, "--format", template).stdout.strip()
+        """``podman inspect --format TEMPLATE``. Podman reads the container's process while it
+        exits and can fail for that instant ("read /proc/PID/cgroup: no such process", seen on a
+        loaded CI machine): that answer is asked again, a few times, not taken as an error."""
+        for _ in range(INSPECT_RETRIES):
+            proc = self.podman("inspect", container, "--format", template, check=False)
+            if proc.returncode == 0:
+                return proc.stdout.strip()
+            if "no such process" not in proc.stderr:
+                break
+            time.sleep(0.1)
+        return self.podman("inspect", container, "--format", template).stdout.strip()  # its error, as any call's
 
     def state(self, container: str) -> dict:
         return json.loads(self.inspect(container, "{{json .State}}"))
