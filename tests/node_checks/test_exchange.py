@@ -129,7 +129,17 @@ def test_every_node_reads_the_one_decision(store):
     assert {rank: d.excluded for rank, d in decisions.items()} == {
         r: {2: "network (measured from group rank 0): slow"} for r in range(3)
     }
-    assert decisions[1].hosts == {r: f"node{r} (127.0.0.1)" for r in range(3)}
+    # the decider does not wait for the node its check blamed (the next test): node 2's host is
+    # named when its report came before the decision, which a loaded machine can delay
+    hosts = decisions[1].hosts
+    assert (
+        {0: "node0 (127.0.0.1)", 1: "node1 (127.0.0.1)"}.items()
+        <= hosts.items()
+        <= {
+            **hosts,
+            2: "node2 (127.0.0.1)",
+        }.items()
+    )
 
 
 def test_a_node_that_never_reports_is_excluded_after_the_timeout_and_no_one_hangs(store):
