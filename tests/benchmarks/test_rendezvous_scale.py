@@ -20,38 +20,23 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_scale(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """``rendezvous_scale.py ARGS`` in a session of its own: past ``timeout`` its whole process
-    group (the store, the participants' processes) is killed, not only the harness."""
-    return run_in_session(
-        [sys.executable, str(REPO / "benchmarks" / "rendezvous_scale.py"), *args], timeout=timeout, cwd=REPO
+def run_scale(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, str]:
+    """``rendezvous_scale.py`` at N = 8 and 16 in 2 processes, its rows as JSON in ``out``, in a
+    session of its own (past the timeout its whole group goes: the store, the participants).
+    Returns the run and its output tails, for messages."""
+    args = ["--sizes", "8,16", "--procs", "2", "--limit", "120", "--json", str(out), *extra]
+    # no timing is asserted here, and on a loaded machine SCHED_IDLE participants barely run
+    args += ["--participant-sched", "normal"]
+    done = run_in_session(
+        [sys.executable, str(REPO / "benchmarks" / "rendezvous_scale.py"), *args], timeout=280, cwd=REPO
     )
+    return done, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
 
 
 @pytest.mark.timeout(300)
 def test_scale_benchmark_ranks_everyone_and_folds_repeats(tmp_path):
     out = tmp_path / "scale.json"
-    done = run_scale(
-        [
-            "--sizes",
-            "8,16",
-            "--c10d-sizes",
-            "4",
-            "--procs",
-            "2",
-            "--repeat",
-            "2",
-            "--limit",
-            "120",
-            "--json",
-            str(out),
-            # no timing is asserted here, and on a loaded machine SCHED_IDLE participants barely run
-            "--participant-sched",
-            "normal",
-        ],
-        timeout=280,
-    )
-    report = f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    done, report = run_scale(out, "--c10d-sizes", "4", "--repeat", "2")
     assert done.returncode == 0, report
     result = json.loads(out.read_text())
     assert [(r["backend"], r["n"]) for r in result["rows"]] == [("fsm", 8), ("fsm", 16), ("c10d", 4)], report
@@ -74,25 +59,8 @@ def test_rerendezvous_row_reranks_the_survivors_and_the_spare(tmp_path):
     """``--rerendezvous``: after one participant's process is SIGKILLed, the N-1 survivors and the
     hot spare are ranked 0..N-1 again, without an error (no timing asserted)."""
     out = tmp_path / "rerdzv.json"
-    done = run_scale(
-        [
-            "--sizes",
-            "8,16",
-            "--c10d-sizes",
-            "4",  # not run: --rerendezvous is fsm's only (said in the notes)
-            "--procs",
-            "2",
-            "--rerendezvous",
-            "--limit",
-            "120",
-            "--json",
-            str(out),
-            "--participant-sched",
-            "normal",
-        ],
-        timeout=280,
-    )
-    report = f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    # c10d sizes given, not run: --rerendezvous is fsm's only (said in the notes)
+    done, report = run_scale(out, "--c10d-sizes", "4", "--rerendezvous")
     assert done.returncode == 0, report
     rows = json.loads(out.read_text())["rows"]
     assert [(r["backend"], r["n"]) for r in rows] == [("fsm", 8), ("fsm", 16)], report
