@@ -104,6 +104,8 @@ class NodeDrain:
         self._tried_store: Any = None  # the store a subscription was last asked of
         #: the store said the job-wide key changed since the last look at it
         self._store_news = False
+        #: the store said a peer announced it leaves the round (``NODE_DRAIN_KEY``), not looked at yet
+        self._leaving_news = False
 
     def configure(self, settings: DrainSettings, stop_signals: list[int], forwarded: list[int]) -> None:
         """Take ``settings`` (the ``drain`` plugin's). See ``ElasticAgent.drain_on``.
@@ -171,8 +173,8 @@ class NodeDrain:
         return bool(self.settings.file) or _shared(group)
 
     def seconds_to_next_look(self) -> float:
-        """Seconds until ``look_if_due`` has something to do (0: now)."""
-        return 0.0 if self._store_news else max(0.0, self._next_check - time.monotonic())
+        """Seconds until ``look_if_due`` or ``peer_leaving`` has something to do (0: now)."""
+        return 0.0 if self._store_news or self._leaving_news else max(0.0, self._next_check - time.monotonic())
 
     def look_if_due(self, group: WorkerGroup, healthy: bool) -> None:
         """The run loop's periodic look (every ``DRAIN_POLL_S`` s): the drain file, and the store
@@ -187,29 +189,47 @@ class NodeDrain:
             self.look(group, healthy, peers=news or self._job_look_due(group, now))
 
     def _subscribe(self, group: WorkerGroup) -> None:
-        """Ask the round's store, once per store, to tell of the job-wide key's changes."""
+        """Ask the round's store, once per store, to tell of the job-wide key's changes and of a
+        peer's announcement that it leaves (``peer_leaving``)."""
         store = group.store
         if store is self._tried_store or not _shared(group):
             return
         self._tried_store, self._subscribed = store, None
+        self._leaving_news = False
         subscribe = getattr(store, "subscribe", None)
         try:
-            if callable(subscribe) and subscribe(JOB_DRAIN_KEY, functools.partial(self._on_store_news, store)):
+            if callable(subscribe) and subscribe(JOB_DRAIN_KEY, functools.partial(self._on_store_news, store, False)):
                 self._subscribed = store
+                subscribe(NODE_DRAIN_KEY, functools.partial(self._on_store_news, store, True))
         except Exception as exc:  # then this agent looks on its own schedule
-            log.debug("could not subscribe to the job-wide drain key: %s", exc)
+            log.debug("could not subscribe to the drain keys: %s", exc)
 
-    def _on_store_news(self, store: Any) -> None:
-        """The store says the job-wide key changed (called on the rendezvous keep-alive thread):
-        wake the run loop, whose next ``look_if_due`` looks. Never blocks."""
+    def _on_store_news(self, store: Any, leaving: bool) -> None:
+        """The store says the job-wide key changed, or (``leaving``) the key of a peer's
+        announcement that it leaves (called on the rendezvous keep-alive thread): wake the run
+        loop, whose next ``look_if_due`` or ``peer_leaving`` looks. Never blocks."""
         with self._lock:
             if self.closed or store is not self._subscribed:
                 return
-            self._store_news = True
+            if leaving:
+                self._leaving_news = True
+            else:
+                self._store_news = True
             try:
                 os.write(self._wake_w, b"j")
             except OSError:  # the pipe is full (the loop wakes anyway)
                 pass
+
+    def peer_leaving(self, group: WorkerGroup) -> bool:
+        """Whether the store just told of a peer's announcement that it leaves the round (a stop
+        signal, a node drain), confirmed by a look at the key. The round cannot go on without that
+        node: a membership change now, not once its workers have stopped and it has left the
+        rendezvous (under ``--restart-mode inprocess`` no worker here fails meanwhile, they wait for
+        a new generation). Only from a store that tells of the key (``subscribe``): no extra looks."""
+        if not self._leaving_news or group.store is not self._subscribed:
+            return False
+        self._leaving_news = False
+        return self.peer_left(group)
 
     def _job_look_due(self, group: WorkerGroup, now: float) -> bool:
         """Whether this look also asks the store for a peer's job-wide drain; schedules the next.

@@ -143,6 +143,12 @@ class HealthyWatch:
             return JobFailed(verdict=self._drains.peer_verdict)
         if self._drains.request is not None:
             return DrainRequested(**self._drains.request)
+        if watches_drain and self._drains.peer_leaving(self._group):
+            log.warning(
+                "[%s] a peer announced that it leaves the round (a drain or a stop signal): a membership change",
+                self._group.spec.role,
+            )
+            return MembershipChanged(change=FailureClass.NODE_LOST)
         self._hang.read_timer_requests()
         if membership and membership[0] in ready and (change := self._membership_change()):
             return self._membership_fact(change, watches_drain)

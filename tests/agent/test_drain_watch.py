@@ -14,7 +14,7 @@ import types
 import pytest
 
 from fsm_agent import drain as drain_module
-from fsm_agent.drain import JOB_DRAIN_KEY, JOB_DRAIN_SEEN_KEY, NodeDrain
+from fsm_agent.drain import JOB_DRAIN_KEY, JOB_DRAIN_SEEN_KEY, NODE_DRAIN_KEY, NodeDrain
 from fsm_agent.interrupts import empty_pipe
 from fsm_agent.plugins.rendezvous_fsm.store import StoreClient
 from tests.rendezvous.test_fsm_backend import nodes, rendezvous_all  # noqa: F401
@@ -80,8 +80,9 @@ def test_a_store_that_tells_is_asked_only_once_it_told(pipe, every_call_is_due):
     for _ in range(20):
         drain.look_if_due(group, healthy=True)
     assert store.asked == [] and drain.request is None
-    [(key, callback)] = store.callbacks  # one subscription per round's store
-    assert key == JOB_DRAIN_KEY
+    callbacks = dict(store.callbacks)  # one subscription per key per round's store
+    assert len(store.callbacks) == 2 and set(callbacks) == {JOB_DRAIN_KEY, NODE_DRAIN_KEY}
+    callback = callbacks[JOB_DRAIN_KEY]
     store.data[JOB_DRAIN_KEY] = b"node0 (group_rank 0): signal SIGUSR2"
     callback()
     assert select.select([wake_r], [], [], 0)[0]  # the run loop wakes
@@ -105,7 +106,7 @@ def test_news_waits_for_a_healthy_look_and_a_closed_drain_hears_none(pipe, every
     store, drain = _Store(tells=True), NodeDrain("trainer", wake_w)
     group = _group(store)
     drain.look_if_due(group, healthy=True)
-    [(_, callback)] = store.callbacks
+    callback = dict(store.callbacks)[JOB_DRAIN_KEY]
     callback()
     drain.look_if_due(group, healthy=False)  # not while the workers are unhealthy
     assert store.asked == []
@@ -123,11 +124,43 @@ def test_a_new_rounds_store_is_subscribed_to_again(pipe, every_call_is_due):
     first, second = _Store(tells=True), _Store(tells=True)
     drain.look_if_due(_group(first), healthy=True)
     drain.look_if_due(_group(second), healthy=True)
-    assert len(first.callbacks) == 1 and len(second.callbacks) == 1
-    first.callbacks[0][1]()  # the old round's store: not this drain's news any more
+    assert len(first.callbacks) == 2 and len(second.callbacks) == 2
+    for _, callback in first.callbacks:  # the old round's store: not this drain's news any more
+        callback()
     assert not select.select([wake_r], [], [], 0)[0]
-    second.callbacks[0][1]()
+    assert not drain.peer_leaving(_group(second))
+    dict(second.callbacks)[JOB_DRAIN_KEY]()
     assert select.select([wake_r], [], [], 0)[0]
+
+
+def test_a_peer_that_announces_it_leaves_is_heard_at_once_from_a_store_that_tells(pipe, every_call_is_due):
+    """A peer's stop signal or node drain (``NODE_DRAIN_KEY``) is a membership change as soon as
+    the store tells of it, not only once this node's workers fail (under in-process restart they
+    do not: they wait for a new generation)."""
+    wake_r, wake_w = pipe
+    store, drain = _Store(tells=True), NodeDrain("trainer", wake_w)
+    group = _group(store)
+    drain.look_if_due(group, healthy=True)
+    assert not drain.peer_leaving(group) and store.asked == []  # no news: no request
+    leaving = dict(store.callbacks)[NODE_DRAIN_KEY]
+    leaving()  # a spurious wake (the key not set): one look, no change
+    assert select.select([wake_r], [], [], 0)[0] and drain.seconds_to_next_look() == 0.0
+    assert not drain.peer_leaving(group) and store.asked == ["check"]
+    store.data[NODE_DRAIN_KEY] = b"1"
+    leaving()
+    assert drain.peer_leaving(group) and store.asked == ["check", "check"]
+    assert not drain.peer_leaving(group)  # told once, heard once
+    drain.take("node", "signal", "SIGTERM")  # this node leaves itself: its own announcement is no news
+    leaving()
+    assert not drain.peer_leaving(group)
+
+
+def test_a_store_that_cannot_tell_is_never_asked_whether_a_peer_leaves(pipe, every_call_is_due):
+    store, drain = _Store(tells=False), NodeDrain("trainer", pipe[1])
+    store.data[NODE_DRAIN_KEY] = b"1"
+    drain.look_if_due(_group(store), healthy=True)
+    asked = list(store.asked)
+    assert not drain.peer_leaving(_group(store)) and store.asked == asked  # its workers' failure tells
 
 
 def test_a_job_wide_drain_reaches_the_other_fsm_node_through_its_held_watch(nodes, pipe):  # noqa: F811
