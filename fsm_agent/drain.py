@@ -225,8 +225,10 @@ class NodeDrain:
         signal, a node drain), confirmed by a look at the key. The round cannot go on without that
         node: a membership change now, not once its workers have stopped and it has left the
         rendezvous (under ``--restart-mode inprocess`` no worker here fails meanwhile, they wait for
-        a new generation). Only from a store that tells of the key (``subscribe``): no extra looks."""
-        if not self._leaving_news or group.store is not self._subscribed:
+        a new generation). Only from a store that tells of the key (``subscribe``): no extra looks.
+        (News of an earlier round's store never counts: ``_subscribe`` clears it for a new store,
+        and ``_on_store_news`` ignores any store but the one subscribed.)"""
+        if not self._leaving_news:
             return False
         self._leaving_news = False
         return self.peer_left(group)
