@@ -213,3 +213,33 @@ def test_a_late_node_that_fills_every_seat_answers_the_held_watch_at_once(nodes)
     results, _ = rendezvous_all([first])
     joiner.join(30)
     assert results[0].world_size == 2 and box["info"].world_size == 2
+
+
+# -- a node that joins the next round ------------------------------------------------------------------
+def test_a_node_joining_the_next_round_keeps_its_lease_while_the_round_forms(nodes):  # noqa: F811
+    """A node's membership watch of the round it leaves must not outlive its join: while held it
+    stops the keep-alive's touches, and the join renews the lease for one ttl only. The round
+    then forming for longer than the ttl (a peer slow to come back) lost the node spuriously."""
+    a, b, c = (nodes.add(3, 3) for _ in range(3))
+    rendezvous_all([a, b, c])
+    time.sleep(0.5)  # all hold their membership watch of round 0
+    joined: dict = {}
+
+    def join(name, handler):
+        try:
+            joined[name] = handler.next_rendezvous()
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            joined[name] = exc
+
+    threads = [threading.Thread(target=join, args=(n, h), daemon=True) for n, h in (("c", c), ("a", a))]
+    threads[0].start()  # c opens round 1: a and b hear of it and watch round 0 again, knowing
+    time.sleep(0.5)
+    threads[1].start()  # a joins round 1 while that watch of round 0 is held
+    time.sleep(4 * 0.2 * 3)  # then waits for b for four of its lease's ttl (FAST: 0.6 s)
+    join("b", b)
+    for t in threads:
+        t.join(30)
+    assert sorted(r.rank for r in joined.values()) == [0, 1, 2], joined  # one round, all three in it
+    # a's lease never lapsed: its join was not sent back for a new lease, nobody counted it lost
+    assert _ops(a.port).get("status:no_lease", 0) == 0, _ops(a.port)
+    assert [h.num_nodes_lost() for h in (a, b, c)] == [0, 0, 0]

@@ -35,7 +35,9 @@ Keep-alive
     daemon thread keeps it on a second connection: while joining with a ``touch`` every
     ``keep_alive_interval``; in a round with its ``rdzv_watch``, which the store holds up to
     ``keep_alive_hold`` (10 s) and during which the store keeps the lease alive itself (the lease
-    then lasts ``keep_alive_timeout`` past the watch's answer). So an idle node makes one request
+    then lasts ``keep_alive_timeout`` past the watch's answer); a node's join answers its held
+    watch of the round it leaves, so that its touches renew the lease while the next round
+    forms, however long that takes. So an idle node makes one request
     per ``keep_alive_hold``, and holds two store connections and one thread whatever N (10k
     nodes: 20k sockets on the store host). Replies may take ``join_timeout``: a busy store is
     load, never a dropped lease. When the lease ends the store counts the node lost at once.

@@ -132,6 +132,7 @@ class FsmRendezvousHandler:
         self._base = base
         self._alive_key = f"{base}/alive/{self.node_id}"
         self._keep_alive_interval, self._keep_alive_timeout = s.keep_alive_for(max_nodes)
+        self._renewed_at: float | None = None  # monotonic time of the last keep-alive answer
         self._keep_alive_hold = s.keep_alive_hold_for(max_nodes)
         fast = self._port_taken
         # A busy store makes a joining node wait, never fail: until the join timeout, a slow
@@ -585,10 +586,12 @@ class FsmRendezvousHandler:
         watch carrying ``versions`` (key -> version last seen). Returns ``(reply, leased)``:
         the watch's reply (None for a touch), and False when the lease had lapsed (it is set again)."""
         c, key, ttl = self._alive_client, self._alive_key, self._keep_alive_timeout
+        sent, previous, self._renewed_at = time.monotonic(), self._renewed_at, None
         if rnd is None:
             # Joining: a lease not there yet (the join not read yet) or lapsed (the store then
             # answers the join no_lease) is (re)created by the join itself.
             c.touch([key], ttl)
+            self._renewed_at = time.monotonic()
             return None, True
         reply = c.rendezvous(
             "watch",
@@ -602,10 +605,19 @@ class FsmRendezvousHandler:
             ttl=ttl,
             versions=versions,
         )
+        self._renewed_at = time.monotonic()
         leased = reply.get("leased", True)
         if not leased and not self._stop.is_set():
             c.set(key, self.node_id, ttl=ttl, ephemeral=True)
-            log.warning("fsm rendezvous %s: this node's keep-alive lapsed; the others may count it lost", self.run_id)
+            # Which side was late: this node (a long gap before it sent) or the store.
+            gap = "unknown" if previous is None else f"{sent - previous:.2f} s"
+            log.warning(
+                "fsm rendezvous %s: this node's keep-alive lapsed (ttl %.2f s; this renewal was sent %s "
+                "after the previous one was answered); the others may count it lost",
+                self.run_id,
+                ttl,
+                gap,
+            )
         return reply, leased
 
     def _keep_alive_failed(self, exc: Exception, rnd: _Round | None, gen: int) -> None:

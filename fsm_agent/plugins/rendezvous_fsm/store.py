@@ -36,7 +36,9 @@ Leases: ``set(key, value, ttl=s)`` makes the key expire ``s`` seconds after its 
 process died). Deletion by expiry is a mutation: watchers wake at once. A rendezvous node's
 lease is also renewed by its held membership watch (``rdzv_watch`` with ``lease``/``ttl``): the
 store keeps the lease while it holds the watch, and ``ttl`` seconds after it answered it, so an
-idle node renews its lease with one request per watch, not one per ``ttl``. The connection that
+idle node renews its lease with one request per watch, not one per ``ttl``; the node's
+``rdzv_join`` answers its held watch (and a watch from a node that is joining is answered at
+once), so that its keep-alive's ``touch`` renews the lease while it joins. The connection that
 owns a node's lease (its ``rdzv_join``'s) gets TCP keep-alive probes every ``probe`` seconds
 (whole seconds, at least 1) and ``TCP_USER_TIMEOUT`` = ``ttl``: a host that goes silent (power
 off, partition) has its connection closed by this host's kernel, and so its lease ended, about
@@ -824,6 +826,12 @@ class StoreServer:
         lo, hi = int(req["min"]), int(req["max"])
         if run is None:
             run = self._runs[run_id] = _Run(run_id, Rendezvous(lo, hi))
+        watch = run.watchers.get(node)
+        if watch is not None and not watch.done:
+            # Its watch of the round it leaves ends here: held on, it would keep the node's
+            # keep-alive from renewing the lease while the next round forms (the join renews it
+            # once), and the node would be lost if that takes longer than the lease's ttl.
+            self._finish(watch, self._answer(watch))
         rdzv = run.rdzv
         rdzv.min_nodes, rdzv.max_nodes = lo, hi
         rdzv.last_call_timeout, rdzv.rejoin_timeout = float(req["last_call_timeout"]), float(req["rejoin_timeout"])
@@ -888,8 +896,8 @@ class StoreServer:
         reply = self._rdzv_watch_reply(run, node, req, now, versions)
         if lease is not None and entry is None:  # it lapsed: the node renews it at once, then watches again
             self._reply(conn, {**reply, "leased": False})
-        elif self._rdzv_news(reply["lost"], reply["waiting"], req) or reply["changed"]:
-            self._reply(conn, reply)
+        elif self._rdzv_news(reply["lost"], reply["waiting"], req) or reply["changed"] or node in run.joins:
+            self._reply(conn, reply)  # (a node that joins a new round no longer watches this one)
         else:
             w = self._rdzv_block(conn, run, "rdzv_watch", req, run.watchers, versions)
             if entry is not None:  # held: the store keeps the lease while it holds the watch
