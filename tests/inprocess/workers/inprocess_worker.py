@@ -103,7 +103,7 @@ def train(state: State, steps: int, out: Path, fault: tuple[str, int, int] | Non
     gen = inprocess.context()
     record = {"pid": os.getpid(), "generation": gen.generation, "replaced": list(gen.replaced)}
     record["attempt"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    record |= {"is_replacement": gen.is_replacement, "step": state.step}
+    record |= {"is_replacement": gen.is_replacement, "step": state.step, "entered_at": time.time()}
     with open(out / f"generations-rank{rank}.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
     if gen.replaced:
