@@ -201,6 +201,10 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[os.write(fd, data) :]
 
 
+class _Torn(Exception):
+    """The slot being copied to disk was written again or discarded: stop copying."""
+
+
 class _Pipe:
     """Pieces handed to ``consume`` in a thread of its own, in order, while the caller produces
     the next ones (the checksum and the file I/O both release the GIL: they overlap)."""
@@ -283,6 +287,9 @@ class DiskCheckpoints:
         self.stale_after = stale_after
         self._locks: dict[int, threading.Lock] = {}
         self._locks_lock = threading.Lock()
+        #: global_rank -> step: a ``discard_after`` that found the rank's lock held by a persist,
+        #: applied by whoever releases that lock next (``_discard_pending``); ``scan`` hides those steps
+        self._pending_discards: dict[int, int] = {}
 
     def _lock(self, global_rank: int) -> threading.Lock:
         with self._locks_lock:
@@ -306,11 +313,14 @@ class DiskCheckpoints:
         header = slot.header()
         if not header.complete:
             return None
-        with self._lock(header.global_rank):
-            done = self._persist(slot, header, run_id)
-            if done is None:
-                return None
-            self._prune(header.global_rank)
+        try:
+            with self._lock(header.global_rank):
+                done = self._persist(slot, header, run_id)
+                if done is None:
+                    return None
+                self._prune(header.global_rank)
+        finally:
+            self._discard_pending(header.global_rank)
         size, value, path = done
         slot.set_checksum(header.seq, value)
         seconds = time.monotonic() - started
@@ -376,10 +386,22 @@ class DiskCheckpoints:
     def _copy(self, slot: Slot, header: Header, step_dir: str, tmp: str) -> tuple[Header, int] | None:
         """Stream the slot into ``tmp`` and fsync it; (header, checksum), or None when torn."""
         fd = self._open_tmp(step_dir, tmp)
+
+        def put(part: memoryview) -> None:
+            # A slot written again or discarded meanwhile (a restore abandons its step) stops the
+            # copy at the next piece: the copy is dropped anyway, and the disk's per-rank lock,
+            # which the restore's discard_after waits for, is held seconds less.
+            now = slot.header()
+            if now.seq != header.seq or now.state not in (COMPLETE, BAD):
+                raise _Torn
+            writer.put(part)
+
         try:
             with _Pipe(lambda part: _write_all(fd, part)) as writer:
-                read = read_consistent(slot, writer.put, PIECE)
+                read = read_consistent(slot, put, PIECE)
             os.fsync(fd)
+        except _Torn:
+            return None
         finally:
             os.close(fd)
         # The writer copied each piece after read_consistent checksummed it: the seqlock's last
@@ -467,17 +489,40 @@ class DiskCheckpoints:
     def discard_after(self, global_rank: int, step: int) -> int:
         """Remove ``global_rank``'s checkpoints of steps after ``step`` (any world size): after a
         restore from ``step`` they belong to an abandoned timeline, and a later persist of the same
-        step number must not meet them. Returns how many checkpoints were removed."""
+        step number must not meet them. Never waits: while a persist of the rank holds its lock
+        (seconds, for a large checkpoint under load, which the workers' start would otherwise wait
+        for), the removal is left to that persist, which does it before it lets go of the lock, and
+        ``scan`` does not list those steps meanwhile. Returns how many checkpoints were removed now."""
+        with self._locks_lock:
+            self._pending_discards[global_rank] = min(step, self._pending_discards.get(global_rank, step))
+        return self._discard_pending(global_rank)
+
+    def _discard_pending(self, global_rank: int) -> int:
+        """Apply the rank's deferred ``discard_after`` if its lock is free (else its holder will:
+        each side looks again after its own change, so none is left behind). Returns how many
+        checkpoints were removed."""
         removed = 0
-        with self._lock(global_rank):
-            files = sorted(
-                (f for f in self._rank_files(global_rank) if f[0] > step), key=lambda f: not f[2].endswith(".json")
-            )
-            for _, step_dir, name, m in files:
-                _unlink_quietly(os.path.join(step_dir, name))
-                removed += m.group(3) == "json" and m.group(4) is None
-            for step_dir in {f[1] for f in files}:
-                _rmdir_quietly(step_dir)
+        lock = self._lock(global_rank)
+        while global_rank in self._pending_discards and lock.acquire(blocking=False):
+            try:
+                with self._locks_lock:
+                    step = self._pending_discards.pop(global_rank, None)
+                if step is not None:
+                    removed += self._discard_after_locked(global_rank, step)
+            finally:
+                lock.release()
+        return removed
+
+    def _discard_after_locked(self, global_rank: int, step: int) -> int:
+        removed = 0
+        files = sorted(
+            (f for f in self._rank_files(global_rank) if f[0] > step), key=lambda f: not f[2].endswith(".json")
+        )
+        for _, step_dir, name, m in files:  # manifests first: a data file without one is never listed
+            _unlink_quietly(os.path.join(step_dir, name))
+            removed += m.group(3) == "json" and m.group(4) is None
+        for step_dir in {f[1] for f in files}:
+            _rmdir_quietly(step_dir)
         return removed
 
     def scan(self) -> dict[tuple[int, int], list[DiskEntry]]:
@@ -500,7 +545,7 @@ class DiskCheckpoints:
                 continue
             for name in names:
                 entry = _entry(step, step_dir, name)
-                if entry is not None:
+                if entry is not None and entry.step <= self._pending_discards.get(entry.global_rank, entry.step):
                     found.setdefault((entry.global_rank, entry.world_size), []).append(entry)
         return found
 

@@ -76,6 +76,16 @@ def fill_large(pair: SlotPair, step: int, rank: int, world: int, size: int) -> s
     return slot
 
 
+def wait_for_bytes_in(path: str, timeout: float = 30) -> None:
+    """Return once ``path`` holds a byte (a persist in flight has written its first piece)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_size > 0:
+                return
+        time.sleep(0.0005)
+
+
 def files_under(path: str) -> list[str]:
     """Every file and folder under ``path``, relative, sorted."""
     found = []
@@ -233,12 +243,7 @@ def test_a_write_into_the_slot_during_persist_drops_the_copy_and_leaves_nothing(
     began = threading.Event()
 
     def worker_writes_again() -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with contextlib.suppress(FileNotFoundError):
-                if os.stat(tmp).st_size > 0:
-                    break
-            time.sleep(0.0005)
+        wait_for_bytes_in(tmp)
         assert pair.begin_write(4, 0, 2) is slot  # the worker's next save, into the slot being copied
         began.set()
 
@@ -252,6 +257,71 @@ def test_a_write_into_the_slot_during_persist_drops_the_copy_and_leaves_nothing(
     assert files_under(root) == []
     header = slot.header()
     assert (header.state, header.step, header.has_checksum) == (WRITING, 4, False)
+
+
+def _bytes_written_by_this_process() -> int:
+    """``wchar`` of /proc/self/io: bytes this process handed to write() so far."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs /proc/self/io")
+def test_a_restore_that_abandons_the_step_being_persisted_stops_the_copy_early(pairs, root):
+    """A restore discards the slots of steps after the one it restores, then the same steps on
+    disk (``discard_after``, under the rank's disk lock). A persist of such a step in flight
+    stops at its next piece instead of writing the whole checkpoint first, holding that lock."""
+    size = 256 * MiB
+    pair = pairs("local-0", size)
+    slot = fill_large(pair, 7, 0, 2, size)
+    disk = DiskCheckpoints(root, keep=2)
+    tmp = os.path.join(root, "step-000000000007", f"rank-000000-of-000002.ckpt.tmp-{os.getpid()}")
+    removed: list[int] = []
+
+    def restore_abandons_step_7() -> None:
+        wait_for_bytes_in(tmp)
+        slot.discard(slot.header().seq)  # what CheckpointKeeper._abandon_after does first
+        removed.append(disk.discard_after(0, 5))  # then this, once the persist let go of the lock
+
+    before = _bytes_written_by_this_process()
+    thread = threading.Thread(target=restore_abandons_step_7)
+    thread.start()
+    done = disk.persist(slot, "r")
+    thread.join()
+    written = _bytes_written_by_this_process() - before
+
+    assert done is None and removed == [0]
+    assert files_under(root) == []
+    assert written < size // 2, f"{written >> 20} MiB written of a {size >> 20} MiB checkpoint being discarded"
+
+
+def test_a_restore_does_not_wait_for_the_persist_of_the_step_it_restores(pairs, root):
+    """The step being persisted is the one restored (the newest every rank holds): the restore's
+    ``discard_after`` does not wait for that persist (seconds) but leaves it the removal of the
+    abandoned steps, which ``scan`` hides meanwhile."""
+    size = 512 * MiB
+    disk = DiskCheckpoints(root, keep=3)
+    assert disk.persist(fill(pairs("local-1", MiB), 9, 0, 2, b"abandoned"), "r") is not None
+    slot = fill_large(pairs("local-0", size), 7, 0, 2, size)
+    tmp = os.path.join(root, "step-000000000007", f"rank-000000-of-000002.ckpt.tmp-{os.getpid()}")
+    seen: dict = {}
+
+    def restore_of_step_7() -> None:
+        wait_for_bytes_in(tmp)
+        seen["removed"] = disk.discard_after(0, 7)
+        seen["steps listed"] = sorted(e.step for e in disk.scan().get((0, 2), []))
+        seen["returned"] = time.monotonic()
+
+    thread = threading.Thread(target=restore_of_step_7)
+    thread.start()
+    done = disk.persist(slot, "r")
+    persisted = time.monotonic()
+    thread.join()
+
+    assert done is not None and done.step == 7
+    assert seen["removed"] == 0 and seen["returned"] < persisted  # left to the persist in flight
+    assert seen["steps listed"] == []  # step 9 hidden at once; step 7 not committed yet
+    assert [e.step for e in disk.scan()[(0, 2)]] == [7]  # the persist removed step 9 before it ended
+    assert not any("step-000000000009" in f for f in files_under(root))
 
 
 def test_a_slot_without_a_complete_checkpoint_is_not_persisted(pairs, root):
