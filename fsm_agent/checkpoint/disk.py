@@ -505,10 +505,12 @@ class DiskCheckpoints:
         lock = self._lock(global_rank)
         while global_rank in self._pending_discards and lock.acquire(blocking=False):
             try:
-                with self._locks_lock:
-                    step = self._pending_discards.pop(global_rank, None)
+                step = self._pending_discards.get(global_rank)
                 if step is not None:
                     removed += self._discard_after_locked(global_rank, step)
+                with self._locks_lock:  # scan hides the steps until they are gone; a lower step since: again
+                    if self._pending_discards.get(global_rank) == step:
+                        del self._pending_discards[global_rank]
             finally:
                 lock.release()
         return removed
