@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import queue
 import re
@@ -66,6 +67,7 @@ from fsm_agent.checkpoint.slots import (
     read_consistent,
 )
 
+log = logging.getLogger(__name__)
 #: The manifest's format version.
 FORMAT = 1
 #: Bytes per write or read call (the piece ``read_consistent`` hands on).
@@ -320,7 +322,10 @@ class DiskCheckpoints:
                     return None
                 self._prune(header.global_rank)
         finally:
-            self._discard_pending(header.global_rank)
+            try:
+                self._discard_pending(header.global_rank)
+            except OSError as exc:  # the directory's error is this persist's to report, if any
+                log.debug("checkpoint: a deferred discard of rank %s failed: %s", header.global_rank, exc)
         size, value, path = done
         slot.set_checksum(header.seq, value)
         seconds = time.monotonic() - started
@@ -504,14 +509,14 @@ class DiskCheckpoints:
         removed = 0
         lock = self._lock(global_rank)
         while global_rank in self._pending_discards and lock.acquire(blocking=False):
+            step = self._pending_discards.get(global_rank)
             try:
-                step = self._pending_discards.get(global_rank)
                 if step is not None:
                     removed += self._discard_after_locked(global_rank, step)
+            finally:  # also after an error (an unusable directory): its caller hears of it once
                 with self._locks_lock:  # scan hides the steps until they are gone; a lower step since: again
                     if self._pending_discards.get(global_rank) == step:
                         del self._pending_discards[global_rank]
-            finally:
                 lock.release()
         return removed
 
