@@ -586,7 +586,7 @@ class FsmRendezvousHandler:
         watch carrying ``versions`` (key -> version last seen). Returns ``(reply, leased)``:
         the watch's reply (None for a touch), and False when the lease had lapsed (it is set again)."""
         c, key, ttl = self._alive_client, self._alive_key, self._keep_alive_timeout
-        sent, previous, self._renewed_at = time.monotonic(), self._renewed_at, None
+        sent, previous = time.monotonic(), self._renewed_at
         if rnd is None:
             # Joining: a lease not there yet (the join not read yet) or lapsed (the store then
             # answers the join no_lease) is (re)created by the join itself.
