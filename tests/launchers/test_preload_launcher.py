@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import textwrap
+import time
 
+import psutil
 import pytest
 
+from fsm_agent.testing.processes import wait_until
 from tests.helpers.events import read_events, transitions
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -163,3 +168,47 @@ def test_the_import_is_reported_apart_from_the_agent(tmp_path, agents):
     assert timings[0]["restart_count"] == 0 and timings[0]["state"] == "INIT"
     assert "[metric][fsm_agent]: launcher.preload_import_s=" in err
     assert "[metric][fsm_agent]: launcher.preload_wait_s=" in err
+
+
+_TWO_PRELOADED_WORKERS = ["--standalone", "--nproc-per-node", "2", "--launcher", "preload", "--preload-modules", "json"]
+_RUNS_UNTIL_STOPPED = """
+    import os, sys, time
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":
+        sys.exit(0)
+    open(f"ready_{os.environ['RANK']}", "w").close()
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_agents_process_group_stops_the_workers_at_once(tmp_path, agents, sig):
+    """Slurm's scancel, a terminal's Ctrl-C and ``kill -TERM -PGID`` signal the agent's whole process
+    group, zygote included. The zygote stays to report the stopped workers' exits: before, it died
+    with the signal, the agent never heard of them and waited its 30 s stop timeout, then 10 s more."""
+    write(tmp_path / "w.py", _RUNS_UNTIL_STOPPED)
+    proc = agents.start(*_TWO_PRELOADED_WORKERS, "w.py")
+    assert wait_until(lambda: len(list(tmp_path.glob("ready_*"))) == 2, timeout=120), "workers never started"
+    signalled = time.monotonic()
+    os.killpg(proc.pid, sig)
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - signalled
+    assert proc.returncode != 0 and f"agent received signal {int(sig)}" in err, err
+    assert took < 20, f"the agent took {took:.1f} s to stop its workers after {sig.name}"
+
+
+def test_a_lost_zygote_fails_its_workers_and_the_restart_forks_from_a_new_one(tmp_path, agents):
+    """The zygote killed while its workers run (the OOM killer, a stray kill): its workers die with it,
+    the agent sees them fail, with their exit codes, and restarts from a new zygote. Before, the
+    agent never learned of the exits and spun on the closed socket."""
+    write(tmp_path / "w.py", _RUNS_UNTIL_STOPPED)
+    events = tmp_path / "e.jsonl"
+    proc = agents.start(*_TWO_PRELOADED_WORKERS, "--max-restarts", "1", "--events-file", str(events), "w.py")
+    assert wait_until(lambda: len(list(tmp_path.glob("ready_*"))) == 2, timeout=120), "workers never started"
+    (zygote,) = [p for p in psutil.Process(proc.pid).children() if "zygote.py" in " ".join(p.cmdline())]
+    zygote.kill()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert f"the zygote (pid {zygote.pid}) exited with code -9" in err
+    assert [t[2] for t in transitions(events)] == ["start", "workers_failed", "restart", "workers_succeeded"]
+    failed = next(r for r in read_events(events) if r.get("trigger") == "workers_failed")
+    assert "SIGKILL" in json.dumps(failed) or "-9" in json.dumps(failed), failed

@@ -13,14 +13,18 @@ The import's seconds are reported apart from the agent's own (metric ``fsm_agent
 event ``launcher_timings``). The
 worker sees what ``python -u script.py`` would: ``sys.argv``, ``__main__``, the environment,
 the working directory, its own session and process group. ``--no-python`` binaries are exec'd.
-Exits are seen through the worker's pidfd and the zygote's report of the exit code.
+Exits are seen through the worker's pidfd and the zygote's report of the exit code; when the zygote
+itself dies (killed, out of memory), its workers die with it (``PR_SET_PDEATHSIG``), the agent, their
+child subreaper, reaps them for their codes, and the next start forks from a new zygote.
 
 Not for callable entrypoints (``--run-path``, ``elastic_launch(fn)``): use ``subprocess``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import select
 import signal
@@ -41,6 +45,8 @@ from fsm_agent.plugins.launcher_subprocess import (
     _killpg,
     _TeeReader,
 )
+
+log = logging.getLogger(__name__)
 
 PLUGIN_NAME = "launcher-preload"
 ZYGOTE_START_TIMEOUT = 120.0  # seconds: importing torch on a loaded machine can take a while
@@ -90,6 +96,7 @@ class PreloadLauncher(SubprocessLauncher):
         self._ready: dict | None = None  # the zygote's first message, once read
         self._pending_exits: dict[int, int] = {}
         self._timings: dict[str, float] = {}
+        self._zygote_lost = False  # its socket closed under us: exits are read from the kernel
         if agent is not None:  # an agent's launcher: the import starts now, overlapped with the rendezvous
             self._spawn_zygote()
 
@@ -97,7 +104,27 @@ class PreloadLauncher(SubprocessLauncher):
     def _spawn_zygote(self) -> None:
         # The one the agent command started in its first milliseconds (fsm_agent._early_zygote), if it fits.
         self._zygote, self._sock = _early_zygote.take(self._modules) or _early_zygote.spawn(self._modules)
-        self._ready = None
+        self._ready, self._zygote_lost = None, False
+
+    def _lose_zygote(self) -> None:
+        """The zygote's socket closed while this launcher still used it: the zygote died (killed,
+        out of memory). Its workers die with it (their parent-death signal); their exit codes are
+        read from the kernel from now on (``_settle``), and the next start forks a new zygote."""
+        assert self._sock is not None
+        self._sock.close()
+        self._sock, self._zygote_lost = None, True
+        code = None
+        if self._zygote is not None:  # reaped: its orphans have been handed to their new parent
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self._zygote.wait(5)
+        live = sorted(h.local_rank for h in self._handles.values() if h.exitcode is None)
+        log.warning(
+            "--launcher preload: the zygote (pid %s) exited with code %s; its workers (local ranks %s) "
+            "end with it, and the next start forks from a new zygote",
+            self._zygote.pid if self._zygote is not None else "?",
+            code,
+            live or "none",
+        )
 
     def _await_ready(self) -> dict:
         """The zygote's first message (waiting for its imports if need be); ``{}`` when it never came."""
@@ -140,11 +167,18 @@ class PreloadLauncher(SubprocessLauncher):
             )
 
     def _receive(self, timeout: float | None) -> dict | None:
+        """The zygote's next message, or None when none came within ``timeout`` seconds or the
+        zygote is gone (its socket closed: ``_lose_zygote``)."""
+        if self._sock is None:
+            return None
         ready, _, _ = select.select([self._sock], [], [], timeout)
         if not ready:
             return None
         data = self._sock.recv(1 << 16)
-        return json.loads(data) if data else None
+        if not data:
+            self._lose_zygote()
+            return None
+        return json.loads(data)
 
     def _ask(self, request: dict, answered: Any, fds: list[int] = ()) -> dict:
         """Send one request and return the zygote's answer (the first message ``answered`` accepts);
@@ -183,6 +217,10 @@ class PreloadLauncher(SubprocessLauncher):
         for h in self._handles.values():
             if h.exitcode is None and h.pid in self._pending_exits:
                 h.exitcode, h.exited_at = self._pending_exits.pop(h.pid), time.time()
+        if self._zygote_lost:  # no report comes any more: ask the kernel
+            for h in self._handles.values():
+                if h.exitcode is None and (code := _orphan_exit(h)) is not None:
+                    h.exitcode, h.exited_at = code, time.time()
 
     # -- the launcher interface -----------------------------------------------------------------
     def start(self, spec, envs, logs, filtered=(None, None)) -> dict[int, int]:
@@ -256,17 +294,22 @@ class PreloadLauncher(SubprocessLauncher):
             _killpg(h.pid, sig)
         deadline = time.monotonic() + timeout
         while live and (remaining := deadline - time.monotonic()) > 0:
-            select.select([self._sock], [], [], remaining)
-            self._settle()
+            self._await_exit(live, remaining)
             live = [h for h in live if h.exitcode is None]
         for h in live:
             _killpg(h.pid, signal.SIGKILL)
         end = time.monotonic() + 10
         while live and time.monotonic() < end:
-            select.select([self._sock], [], [], 0.5)
-            self._settle()
+            self._await_exit(live, 0.5)
             live = [h for h in live if h.exitcode is None]
         self.close()
+
+    def _await_exit(self, live: list[_Handle], seconds: float) -> None:
+        """Wait up to ``seconds`` for news of the ``live`` workers' exits: the zygote's report, or
+        once it is gone their pidfds; then take what came (``_settle``)."""
+        ready = [self._sock] if self._sock is not None else [h.wait_fd for h in live]
+        select.select(ready, [], [], seconds)
+        self._settle()
 
     def close(self) -> None:
         if self._zygote is not None:  # the sweep spares the zygote and its standbys
@@ -291,6 +334,19 @@ class PreloadLauncher(SubprocessLauncher):
         """End the zygote, then remove the workers' cgroup (called when the agent is done)."""
         self._end_zygote()
         super().shutdown()
+
+
+def _orphan_exit(handle: _Handle) -> int | None:
+    """The exit code of a worker whose zygote is gone, None while it runs. The agent, a child
+    subreaper while workers run, has adopted it and reaps it now; one it did not adopt (reaped by
+    the zygote before it died) and that has ended counts as killed (-9), as the parent-death
+    signal kills the rest."""
+    try:
+        pid, status = os.waitpid(handle.pid, os.WNOHANG)
+    except ChildProcessError:
+        ended, _, _ = select.select([handle.wait_fd], [], [], 0)
+        return -signal.SIGKILL if ended else None
+    return os.waitstatus_to_exitcode(status) if pid else None
 
 
 def _children(pid: int) -> set[int]:

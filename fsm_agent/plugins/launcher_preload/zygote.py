@@ -15,7 +15,9 @@ only, are loaded by their files. One JSON object per packet:
 
 The zygote is single-threaded (forking a threaded process can deadlock the child): one
 selector loop on the socket and on a SIGCHLD wakeup pipe. It has ``PR_SET_PDEATHSIG`` set, and
-so does each worker (towards the zygote), so the chain dies with the agent. The zygote itself
+so does each worker (towards the zygote), so the chain dies with the agent; it ignores the signals
+meant for the agent (``AGENT_SIGNALS``), so a signal to the agent's process group leaves it there
+to report the exits of the workers the agent then stops. The zygote itself
 stays out of the workers' cgroup (it outlives attempts); each worker enters it right after fork.
 Workers are standbys made ahead of need: forks of the zygote, kept ready while it is idle
 (``REFILL_DELAY_S`` after its last request), each waiting for the one request that makes it a
@@ -40,6 +42,12 @@ import sys
 import time
 
 MAX_FDS = 2
+#: Signals the zygote ignores, torchrun's ``--signals-to-handle``: sent to the agent's whole
+#: process group (Slurm's ``scancel``, a terminal's Ctrl-C, ``kill -TERM -PGID``), they are the
+#: agent's to act on, and while it stops its workers it needs the zygote to report their exit
+#: codes. The zygote ends when the agent closes its socket, or dies (``PR_SET_PDEATHSIG``).
+#: Each worker takes the default actions back (``_run_worker``).
+AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _helpers: dict = {}  # "boot": fsm_agent/_early_zygote.py, "containment": fsm_agent/plugins/containment.py,
 # "pg_generations": fsm_agent/pg_generations.py, "stack_dump": fsm_agent/stack_dump.py
@@ -73,6 +81,9 @@ def _threads_from_env() -> None:
 def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
     """In the forked child: become the worker. Returns the exit code (never returns for exec)."""
     os.setsid()  # first: the launcher signals the worker's process group as soon as it knows the pid
+    for sig in AGENT_SIGNALS:  # as any process started by the agent: an exec'd binary inherits ignores
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt, as under python
     if request.get("cgroup"):
         _helpers["containment"].enter_cgroup(request["cgroup"])
     _pdeathsig()
@@ -120,12 +131,10 @@ def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
 def _standby(link: socket.socket) -> int:
     """In a standby (a fork of the zygote made ahead of need): wait for the one request that makes
     it a worker. Returns the exit code."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the agent's group is not for an idle fork
     data, fds, _flags, _addr = socket.recv_fds(link, 1 << 20, MAX_FDS)
     if not data:
         return 0  # the zygote is ending
     request = json.loads(data)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     link.close()
     out_fd, err_fd = (list(fds) + [-1, -1])[:2]
     return _run_worker(request, out_fd, err_fd)
@@ -247,6 +256,8 @@ def serve(sock: socket.socket) -> None:
 
 
 def main() -> None:
+    for sig in AGENT_SIGNALS:  # first, before the imports: a signal to the agent's group is not for us
+        signal.signal(sig, signal.SIG_IGN)
     if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
         del sys.path[0]  # run as a file: its directory is no import root (the workers inherit sys.path)
     _helpers["boot"] = _load("_fsm_agent_early_zygote", os.path.join(_HERE, "..", "..", "_early_zygote.py"))
