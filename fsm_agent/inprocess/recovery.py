@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -266,6 +267,9 @@ class InProcessRecovery:
             if self._endpoint is None:
                 raise RuntimeError("no round yet")
             host, port = self._endpoint
+            # A plain connect first: refused at once when nothing listens, where torch's client
+            # retries after a random backoff of seconds past its timeout (seen: 4.2 s for 1 s).
+            socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
             self._client = TCPStore(
                 host, port, None, False, timedelta(seconds=CONNECT_TIMEOUT_S), wait_for_workers=False
             )
