@@ -46,7 +46,7 @@ MAX_FDS = 2
 #: process group (Slurm's ``scancel``, a terminal's Ctrl-C, ``kill -TERM -PGID``), they are the
 #: agent's to act on, and while it stops its workers it needs the zygote to report their exit
 #: codes. The zygote ends when the agent closes its socket, or dies (``PR_SET_PDEATHSIG``).
-#: Each worker takes the default actions back (``_run_worker``).
+#: Each standby and worker takes the default actions back (``_die_of_stop_signals``).
 AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _helpers: dict = {}  # "boot": fsm_agent/_early_zygote.py, "containment": fsm_agent/plugins/containment.py,
@@ -78,12 +78,20 @@ def _threads_from_env() -> None:
         torch.set_num_threads(int(threads))
 
 
+def _die_of_stop_signals() -> None:
+    """In a new standby: the default actions of the signals the zygote ignores. The agent stops a
+    worker with the signal it got (SIGTERM, SIGINT, ...) the moment it knows its pid, which may be
+    before the standby has read its request, or run at all (``_fork_standby`` blocks the signals
+    across the fork, so none is lost); an exec'd binary would inherit an ignored one."""
+    for sig in AGENT_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
     """In the forked child: become the worker. Returns the exit code (never returns for exec)."""
     os.setsid()  # first: the launcher signals the worker's process group as soon as it knows the pid
-    for sig in AGENT_SIGNALS:  # as any process started by the agent: an exec'd binary inherits ignores
-        signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt, as under python
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # one that came meanwhile lands now
     if request.get("cgroup"):
         _helpers["containment"].enter_cgroup(request["cgroup"])
     _pdeathsig()
@@ -128,6 +136,25 @@ def _run_worker(request: dict, out_fd: int, err_fd: int) -> int:
     return code
 
 
+def _end_standby(link: socket.socket) -> None:
+    """Run the standby (``_standby``) and end this forked child with its exit code. Whatever it
+    raises never reaches the zygote's code above it (the fork's copy of its loop): a Ctrl-C that
+    lands before the worker's script runs ends it as it would end ``python script.py``, by SIGINT."""
+    code = 1
+    try:
+        code = _standby(link)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        code = 128 + signal.SIGINT
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
 def _standby(link: socket.socket) -> int:
     """In a standby (a fork of the zygote made ahead of need): wait for the one request that makes
     it a worker. Returns the exit code."""
@@ -165,6 +192,9 @@ class _Zygote:
     # -- standbys ---------------------------------------------------------------------------------
     def _fork_standby(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Blocked, a signal sent to the child before it has its own dispositions waits instead of
+        # meeting the zygote's ignore: the agent may stop a worker the moment it learns its pid.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, AGENT_SIGNALS)
         pid = os.fork()
         if pid == 0:  # nothing of the zygote's stays open in a standby
             self.selector.close()
@@ -175,8 +205,13 @@ class _Zygote:
                 link.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             signal.set_wakeup_fd(-1)
+            _die_of_stop_signals()  # a standby may be made a worker, and stopped, at any moment
+            # The others' default actions now (one sent meanwhile lands); SIGINT waits, blocked,
+            # for the worker's handler (``_run_worker``): a Ctrl-C is not for an idle standby.
+            signal.pthread_sigmask(signal.SIG_SETMASK, {*mask, signal.SIGINT})
             _pdeathsig()  # towards the zygote: the chain dies with the agent
-            os._exit(_standby(theirs))
+            _end_standby(theirs)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         theirs.close()
         self.standbys[pid] = ours
 
