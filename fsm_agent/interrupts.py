@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The Interrupts whose handlers are installed now (``install`` .. ``restore``): ``stop_taken``.
+_installed: list[Interrupts] = []
+
 
 def empty_pipe(fd: int) -> None:
     """Read whatever is in the non-blocking pipe ``fd`` (a wake-up pipe)."""
@@ -33,6 +36,13 @@ def empty_pipe(fd: int) -> None:
             pass
     except BlockingIOError:
         pass
+
+
+def stop_taken() -> int | None:
+    """The stop signal the agent running in this process took, or None (none runs, or it took
+    none). For a wait in the agent's thread outside its interruptible calls (a plugin's check
+    command): it looks between short waits and ends when the agent is on its way out."""
+    return _installed[-1].signal if _installed else None
 
 
 class SignalStop(BaseException):
@@ -272,6 +282,7 @@ class Interrupts:
         if threading.current_thread() is not threading.main_thread():
             log.warning("agent not in the main thread: signals are not handled")
             return previous
+        _installed.append(self)
         for sig in self._stop_signals:
             if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
                 continue  # started under nohup: keep ignoring SIGHUP
@@ -285,6 +296,8 @@ class Interrupts:
 
     def restore(self, previous: dict[int, Any]) -> None:
         """Put back what ``install`` replaced."""
+        if self in _installed:
+            _installed.remove(self)
         self.restore_wakeup_fd(previous)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

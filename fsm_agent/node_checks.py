@@ -24,6 +24,8 @@ from typing import Any
 
 import attrs
 
+from fsm_agent.interrupts import SignalStop, stop_taken
+
 log = logging.getLogger(__name__)
 
 #: The store keys of the exchange, under the round's store.
@@ -159,6 +161,8 @@ class Decision:
 
 #: Seconds between the decider's looks at the arrivals.
 POLL_S = 0.05
+#: Seconds between looks for the agent's stop signal while the checks run.
+STOP_LOOK_S = 0.1
 
 
 def run_checks(hook: Any, check_round: CheckRound) -> list[CheckResult]:
@@ -166,7 +170,12 @@ def run_checks(hook: Any, check_round: CheckRound) -> list[CheckResult]:
     thread of its own, all waited for until ``check_round.deadline``: one CheckResult per check
     that answered (None: no answer, no result). An implementation that raises, answers something
     that is not a CheckResult, or has not answered by the deadline gives a failed result naming
-    its plugin, in one line. Each result's ``seconds`` is filled in."""
+    its plugin, in one line. Each result's ``seconds`` is filled in.
+
+    Raises:
+        SignalStop: the agent took a stop signal while the checks ran (a check that waits on a
+            command looks for it too: ``fsm_agent.interrupts.stop_taken``).
+    """
     impls = hook.get_hookimpls()
     answers: dict[str, Any] = {}
     started = time.monotonic()
@@ -175,6 +184,8 @@ def run_checks(hook: Any, check_round: CheckRound) -> list[CheckResult]:
         began = time.monotonic()
         try:
             value = impl.function(**{name: check_round for name in impl.argnames})
+        except SignalStop:  # the agent took a stop signal: no answer (run_checks is cut short too)
+            return
         except Exception as exc:  # a check's own bug is this node's failure, in one line
             line = (str(exc).strip().splitlines() or [""])[0][:200]
             value = failed(impl.plugin_name, f"plugin {impl.plugin_name!r} raised {type(exc).__name__}: {line}")
@@ -189,7 +200,10 @@ def run_checks(hook: Any, check_round: CheckRound) -> list[CheckResult]:
     for thread in threads.values():
         thread.start()
     for thread in threads.values():  # a hung check is left behind (daemon): its answer no longer counts
-        thread.join(max(0.0, check_round.deadline - time.monotonic()))
+        while thread.is_alive() and (left := check_round.deadline - time.monotonic()) > 0:
+            thread.join(min(STOP_LOOK_S, left))
+            if (stop := stop_taken()) is not None:  # the step is cut short, as the agent's interruptible calls
+                raise SignalStop(stop)
     results = []
     for name in threads:
         if name not in answers:

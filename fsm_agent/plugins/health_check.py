@@ -21,11 +21,14 @@ import signal
 import subprocess
 import time
 
+from fsm_agent.interrupts import stop_taken
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.registry import positive_seconds
 
 log = logging.getLogger(__name__)
 PLUGIN_NAME = "health-check"
+#: Seconds between looks for the agent's stop signal while the command runs.
+STOP_LOOK_S = 0.1
 
 
 @hookimpl
@@ -87,12 +90,20 @@ class CommandHealthCheck:
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-        try:
-            _, err = proc.communicate(timeout=self.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            return f"`{self.command}` did not finish within {self.timeout:g} s"
+        deadline = time.monotonic() + self.timeout
+        while True:  # in slices: a stop signal to the agent must not wait for the command
+            try:
+                _, err = proc.communicate(timeout=min(STOP_LOOK_S, max(0.0, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:
+                stopping = stop_taken() is not None
+                if not stopping and time.monotonic() < deadline:
+                    continue
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                if stopping:  # the agent is on its way out: no verdict on the node
+                    return None
+                return f"`{self.command}` did not finish within {self.timeout:g} s"
         if proc.returncode == 0:
             return None
         last = (err.decode(errors="replace").strip().splitlines() or [""])[-1][:200]

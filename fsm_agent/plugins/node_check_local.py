@@ -46,6 +46,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
+from fsm_agent.interrupts import SignalStop, stop_taken
 from fsm_agent.node_checks import CheckResult, CheckRound, failed
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.registry import positive_seconds
@@ -60,6 +61,8 @@ GIB = 2**30
 PROBE_BYTES = 4096
 #: Characters of a command's stderr line kept in a reason.
 STDERR_LINE_CHARS = 200
+#: Seconds between looks for the agent's stop signal while a check command runs.
+STOP_LOOK_S = 0.1
 
 
 def _gib_at_least_zero(value: float) -> None:
@@ -228,9 +231,11 @@ class DeviceCheck:
                 env=env,
                 start_new_session=True,
             )
-            exited = _wait_unreaped(proc.pid, timeout)
-            _kill_group(proc.pid)  # what it left running must not outlive the check
-            proc.wait()
+            try:
+                exited = _wait_unreaped(proc.pid, timeout)
+            finally:  # what it left running must not outlive the check, nor a stop signal
+                _kill_group(proc.pid)
+                proc.wait()
             measurements = {"command_s": time.monotonic() - started}
             if not exited:
                 bound = "the node-check deadline" if left < self.timeout else "--node-check-device-timeout"
@@ -246,12 +251,23 @@ class DeviceCheck:
 
 def _wait_unreaped(pid: int, timeout: float) -> bool:
     """Whether child ``pid`` exited within ``timeout`` seconds. It is left unreaped, so its id, the
-    id of its process group, cannot be reused before ``_kill_group`` ran."""
+    id of its process group, cannot be reused before ``_kill_group`` ran.
+
+    Raises:
+        SignalStop: the agent took a stop signal meanwhile (as its interruptible calls do).
+    """
     fd = os.pidfd_open(pid)
+    deadline = time.monotonic() + timeout
     try:
         poller = select.poll()
         poller.register(fd, select.POLLIN)
-        return bool(poller.poll(max(0.0, timeout) * 1000))
+        while True:  # in slices: a stop signal to the agent must not wait for the command
+            if poller.poll(max(0.0, min(STOP_LOOK_S, deadline - time.monotonic())) * 1000):
+                return True
+            if (stop := stop_taken()) is not None:
+                raise SignalStop(stop)  # the step is cut short: the agent's next step stops it
+            if time.monotonic() >= deadline:
+                return False
     finally:
         os.close(fd)
 
