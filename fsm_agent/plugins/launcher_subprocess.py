@@ -541,6 +541,19 @@ class _FilteredSink:
         self._file.close()
 
 
+def _to_console(console: Any, data: bytes) -> bool:
+    """Write ``data`` to the agent's console (a binary stream) and flush it; False when the console
+    is gone (its pipe's reader closed, as ``fsm-agent run -t 3 ... | head`` does): the caller stops
+    copying there, where an error would end its thread with a traceback and, for a tee, the
+    worker with a broken pipe."""
+    try:
+        console.write(data)
+        console.flush()
+    except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+        return False
+    return True
+
+
 class _TeeReader(threading.Thread):
     """Copies a worker's pipe to its log file and, line-whole with a prefix, to the console."""
 
@@ -558,9 +571,10 @@ class _TeeReader(threading.Thread):
                 if out is not None:
                     out.write(line)
                     out.flush()
-                if console is not None:
-                    console.write(self._prefix + line if line.endswith(b"\n") else self._prefix + line + b"\n")
-                    console.flush()
+                if console is not None and not _to_console(
+                    console, self._prefix + line if line.endswith(b"\n") else self._prefix + line + b"\n"
+                ):
+                    console = None  # the console's reader is gone (`| head`): the log file goes on
                 if self._filtered is not None:
                     self._filtered.offer(self._prefix, line)
         finally:
@@ -593,12 +607,11 @@ class _FileTailer(threading.Thread):
                 if chunk:
                     pending += chunk
                     *lines, pending = pending.split(b"\n")
-                    for line in lines:
-                        console.write(self._prefix + line + b"\n")
-                    console.flush()
+                    if lines and not _to_console(console, b"".join(self._prefix + line + b"\n" for line in lines)):
+                        return  # the console's reader is gone (`| head`): nothing left to do here
                 elif self._handle.exitcode is not None:
                     if pending:
-                        console.write(self._prefix + pending + b"\n")
+                        _to_console(console, self._prefix + pending + b"\n")
                     return
                 else:
                     time.sleep(0.05)
