@@ -71,7 +71,9 @@ def format_summary(name: str, result: RunResult) -> str:
     if result.job_verdict is not None and result.signal is None:
         return "\n".join(lines + _job_verdict_lines(result, width))
     cause = result.root_cause
-    if cause is None:
+    if cause is None or result.signal is not None:
+        # A stop signal ends the job whatever failed before it (an attempt between its failure and
+        # its restart): the signal is the cause; that failure is listed below it.
         lines += ["Root Cause (first observed failure):", f"  {result.error or 'agent stopped'}"]
         if result.signal is not None:
             what = (
@@ -80,8 +82,12 @@ def format_summary(name: str, result: RunResult) -> str:
                 else "while no worker ran (in a rendezvous, between attempts or in the exit barrier)"
             )
             lines.append(f"  agent received signal {result.signal} ({signal_name(-result.signal)}) {what}")
-        lines.append("=" * width)
-        return "\n".join(lines)
+        if not result.failures:
+            lines.append("=" * width)
+            return "\n".join(lines)
+        return "\n".join(
+            lines + _failures_section(sorted(result.failures.values(), key=lambda f: f.global_rank), width)
+        )
     lines += ["Root Cause (first observed failure):"] + _entry(cause)
     others = [f for f in sorted(result.failures.values(), key=lambda f: f.global_rank) if f is not cause]
     return "\n".join(lines + _failures_section(others, width))
