@@ -37,6 +37,7 @@ from typing import Any
 from fsm_agent import _early_zygote
 from fsm_agent.env import substitute_local_rank
 from fsm_agent.errors import ConfigError
+from fsm_agent.interrupts import SignalStop, stop_taken
 from fsm_agent.logs import WorkerLogs
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.launcher_subprocess import (
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 
 PLUGIN_NAME = "launcher-preload"
 ZYGOTE_START_TIMEOUT = 120.0  # seconds: importing torch on a loaded machine can take a while
+STOP_LOOK_S = 0.1  # seconds between looks for the agent's stop signal while the zygote imports
 
 
 @hookimpl
@@ -127,13 +129,21 @@ class PreloadLauncher(SubprocessLauncher):
         )
 
     def _await_ready(self) -> dict:
-        """The zygote's first message (waiting for its imports if need be); ``{}`` when it never came."""
+        """The zygote's first message (waiting for its imports if need be); ``{}`` when it never came.
+
+        Raises:
+            SignalStop: the agent took a stop signal while it waited.
+        """
         if self._ready is None:
             waited = time.monotonic()
+            deadline = waited + ZYGOTE_START_TIMEOUT
             while self._ready is None:
-                message = self._receive(ZYGOTE_START_TIMEOUT)
+                if (stop := stop_taken()) is not None:  # the import may take minutes (a network file system)
+                    raise SignalStop(stop)  # the start is cut short, as the agent's interruptible calls
+                message = self._receive(min(STOP_LOOK_S, max(0.0, deadline - time.monotonic())))
                 if message is None:
-                    self._ready = {}
+                    if self._sock is None or time.monotonic() >= deadline:
+                        self._ready = {}
                 elif "ready" in message:
                     self._ready = message
             if self._ready.get("ready"):
@@ -324,6 +334,8 @@ class PreloadLauncher(SubprocessLauncher):
             self._sock.close()
             self._sock = None
         if self._zygote is not None:
+            if not (self._ready or {}).get("ready"):  # still importing: it reads no socket, and ran nothing of ours
+                self._zygote.kill()
             try:
                 self._zygote.wait(5)
             except subprocess.TimeoutExpired:
