@@ -38,6 +38,10 @@ def empty_pipe(fd: int) -> None:
         pass
 
 
+#: Seconds between two looks at ``stop_taken`` in a wait that cannot be interrupted otherwise.
+STOP_LOOK_S = 0.1
+
+
 def stop_taken() -> int | None:
     """The stop signal the agent running in this process took, or None (none runs, or it took
     none). For a wait in the agent's thread outside its interruptible calls (a plugin's check

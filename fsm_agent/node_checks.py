@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from fsm_agent.interrupts import SignalStop, stop_taken
+from fsm_agent.interrupts import STOP_LOOK_S, SignalStop, stop_taken
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +161,6 @@ class Decision:
 
 #: Seconds between the decider's looks at the arrivals.
 POLL_S = 0.05
-#: Seconds between looks for the agent's stop signal while the checks run.
-STOP_LOOK_S = 0.1
 
 
 def run_checks(hook: Any, check_round: CheckRound) -> list[CheckResult]:

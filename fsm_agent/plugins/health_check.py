@@ -21,14 +21,12 @@ import signal
 import subprocess
 import time
 
-from fsm_agent.interrupts import stop_taken
+from fsm_agent.interrupts import STOP_LOOK_S, stop_taken
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.registry import positive_seconds
 
 log = logging.getLogger(__name__)
 PLUGIN_NAME = "health-check"
-#: Seconds between looks for the agent's stop signal while the command runs.
-STOP_LOOK_S = 0.1
 
 
 @hookimpl

@@ -46,7 +46,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
-from fsm_agent.interrupts import SignalStop, stop_taken
+from fsm_agent.interrupts import STOP_LOOK_S, SignalStop, stop_taken
 from fsm_agent.node_checks import CheckResult, CheckRound, failed
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.registry import positive_seconds
@@ -61,8 +61,6 @@ GIB = 2**30
 PROBE_BYTES = 4096
 #: Characters of a command's stderr line kept in a reason.
 STDERR_LINE_CHARS = 200
-#: Seconds between looks for the agent's stop signal while a check command runs.
-STOP_LOOK_S = 0.1
 
 
 def _gib_at_least_zero(value: float) -> None:

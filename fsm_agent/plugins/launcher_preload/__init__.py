@@ -37,7 +37,7 @@ from typing import Any
 from fsm_agent import _early_zygote
 from fsm_agent.env import substitute_local_rank
 from fsm_agent.errors import ConfigError
-from fsm_agent.interrupts import SignalStop, stop_taken
+from fsm_agent.interrupts import STOP_LOOK_S, SignalStop, stop_taken
 from fsm_agent.logs import WorkerLogs
 from fsm_agent.plugins import hookimpl
 from fsm_agent.plugins.launcher_subprocess import (
@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 
 PLUGIN_NAME = "launcher-preload"
 ZYGOTE_START_TIMEOUT = 120.0  # seconds: importing torch on a loaded machine can take a while
-STOP_LOOK_S = 0.1  # seconds between looks for the agent's stop signal while the zygote imports
 
 
 @hookimpl
